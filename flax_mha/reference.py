@@ -1,0 +1,102 @@
+"""The reference implementation: plain, readable attention that every faster one is tested against.
+
+Inputs here are already checked and normalised by `flax_mha.attention`:
+query [B, T, H, K], key [B, S, G, K], value [B, S, G, V], bias/mask of rank 4 broadcasting to
+[B, H, T, S] (or None), `scale` a number, `is_causal` a Python bool. Head h reads key/value head
+h // (H // G), as in `jax.nn.dot_product_attention` and torch's `enable_gqa`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flax_mha import masks as masks_lib
+
+# Masked logits take this value before the softmax; rows with no visible key are zeroed after it.
+MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+
+
+def softmax_dtype(dtype) -> jnp.dtype:
+  """Softmax runs in float32 for 16-bit inputs, in the input dtype otherwise."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def visible_mask(mask, is_causal: bool, num_q: int, num_kv: int):
+  """The boolean [.., T, S] mask that `mask` and `is_causal` make together (None: all visible)."""
+  causal = masks_lib.causal_mask(num_q, num_kv) if is_causal else None
+  return masks_lib.combine_masks(mask, causal)
+
+
+def attention_logits(query_BTHK, key_BSGK, bias, scale):
+  """Scaled logits [B, H, T, S] in the softmax dtype, bias added; GQA without repeating K."""
+  b, t, h, k = query_BTHK.shape
+  s, g = key_BSGK.shape[1:3]
+  q_BTGRK = query_BTHK.reshape(b, t, g, h // g, k)
+  logits_BGRTS = jnp.einsum(
+      "BTGRK,BSGK->BGRTS", q_BTGRK, key_BSGK,
+      preferred_element_type=softmax_dtype(query_BTHK.dtype))
+  logits_BHTS = logits_BGRTS.reshape(b, h, t, s) * scale
+  if bias is not None:
+    logits_BHTS = logits_BHTS + bias.astype(logits_BHTS.dtype)
+  return logits_BHTS
+
+
+def dropout_keep_mask(rng, rate: float, bh, t, s, num_kv: int):
+  """Keep-mask for dropout on attention weights, a pure function of (rng, bh, t, s).
+
+  A counter-based hash (murmur3's finaliser) of the flat position, so that any blocking of the
+  [B·H, T, S] weight matrix draws the same mask: chunked implementations reproduce the reference
+  exactly. `bh`, `t`, `s` are broadcastable integer index arrays; `bh` = b·H + h.
+  """
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.key_data(rng)
+  seed = rng.reshape(-1).astype(jnp.uint32)
+  pos = t.astype(jnp.uint32) * jnp.uint32(num_kv) + s.astype(jnp.uint32)
+  bits = _fmix32(_fmix32(pos ^ seed[0]) + bh.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) ^ seed[-1])
+  threshold = min(int(round((1.0 - rate) * 2.0**32)), 2**32 - 1)
+  return bits < jnp.uint32(threshold)
+
+
+def _fmix32(h):
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+  """Softmax weights [B, H, T, S] in the softmax dtype; fully masked rows are all zero."""
+  logits_BHTS = attention_logits(query, key, bias, scale)
+  b, h, t, s = logits_BHTS.shape
+  visible = visible_mask(mask, is_causal, t, s)
+  if visible is not None:
+    logits_BHTS = jnp.where(visible, logits_BHTS, MASK_VALUE)
+  weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
+  if visible is not None:
+    # A row with no visible key would be uniform over masked keys: make it zero instead.
+    weights_BHTS = jnp.where(visible, weights_BHTS, 0.0)
+  if dropout_rate > 0.0:
+    bh = jnp.arange(b * h).reshape(b, h, 1, 1)
+    keep = dropout_keep_mask(
+        dropout_rng, dropout_rate, bh, jnp.arange(t)[:, None], jnp.arange(s)[None, :], s)
+    weights_BHTS = jnp.where(keep, weights_BHTS / (1.0 - dropout_rate), 0.0)
+  return weights_BHTS
+
+
+def apply_weights(weights_BHTS, value_BSGV):
+  """Weighted sum of values: [B, H, T, S] x [B, S, G, V] -> [B, T, H, V], GQA without repeats."""
+  b, h, t, s = weights_BHTS.shape
+  g, v = value_BSGV.shape[2:]
+  weights_BGRTS = weights_BHTS.astype(value_BSGV.dtype).reshape(b, g, h // g, t, s)
+  out_BTGRV = jnp.einsum("BGRTS,BSGV->BTGRV", weights_BGRTS, value_BSGV)
+  return out_BTGRV.reshape(b, t, h, v)
+
+
+def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+  """Reference `softmax(QKᵀ·scale + bias, masked)·V`: [B, T, H, V]."""
+  weights = attention_weights(
+      query, key, bias, mask, is_causal=is_causal, scale=scale,
+      dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  return apply_weights(weights, value)
