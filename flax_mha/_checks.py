@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def check_array(name: str, x, min_rank: int, layout: str) -> None:
-  """Raise unless `x` is a floating array of rank >= `min_rank`."""
+def check_array(name: str, x, min_rank: int, layout: str, *, floating: bool = True) -> None:
+  """Raise unless `x` is an array (floating, unless told otherwise) of rank >= `min_rank`."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be an array with layout {layout}, got {type(x).__name__}")
   if x.ndim < min_rank:
     raise ValueError(
         f"{name} must have rank >= {min_rank} with layout {layout}, got shape {tuple(x.shape)}")
-  if not jnp.issubdtype(x.dtype, jnp.floating):
+  if floating and not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
 
 

@@ -89,7 +89,7 @@ def dot_product_attention_weights(query, key, bias=None, mask=None, *, is_causal
 
 def split_heads(x, num_heads: int):
   """[..., T, H·K] -> [..., T, H, K]."""
-  _checks.check_array("x", x, 2, "[..., T, H*K]")
+  _checks.check_array("x", x, 2, "[..., T, H*K]", floating=False)
   if not isinstance(num_heads, int) or num_heads <= 0:
     raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
   if x.shape[-1] % num_heads:
@@ -100,7 +100,7 @@ def split_heads(x, num_heads: int):
 
 def merge_heads(x):
   """[..., T, H, K] -> [..., T, H·K]."""
-  _checks.check_array("x", x, 3, "[..., T, H, K]")
+  _checks.check_array("x", x, 3, "[..., T, H, K]", floating=False)
   return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 

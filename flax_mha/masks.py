@@ -49,12 +49,13 @@ def segment_mask(query_segment_ids, key_segment_ids=None):
 
 def combine_masks(*masks):
   """Logical AND of the given masks, skipping None; None if every mask is None."""
+  for i, m in enumerate(masks):  # i is the argument's position, None included
+    if m is not None and getattr(m, "dtype", None) != jnp.bool_:
+      raise TypeError(
+          f"masks[{i}] must be a boolean array, got {getattr(m, 'dtype', type(m).__name__)}")
   present = [m for m in masks if m is not None]
   if not present:
     return None
-  for i, m in enumerate(present):
-    if m.dtype != jnp.bool_:
-      raise TypeError(f"masks[{i}] must be boolean, got dtype {m.dtype}")
   out = present[0]
   for m in present[1:]:
     out = jnp.logical_and(out, m)

@@ -79,11 +79,16 @@ class MultiHeadAttention(nn.Module):
     value_SGV = dense(features=(g, v_dim), name="value")(inputs_v)
 
     if self.decode:
-      key_SGK, value_SGV, mask = self._update_cache(key_SGK, value_SGV, mask)
+      key_SGK, value_SGV, mask = self._update_cache(
+          key_SGK, value_SGV, mask, query_TQK.shape[-3])
       is_causal = False  # the cache mask above already holds causality, with the cache offset
 
     rng = None
     if self.dropout_rate > 0.0 and not deterministic:
+      if dropout_rng is None and not self.has_rng("dropout"):
+        raise ValueError(
+            f"dropout_rate={self.dropout_rate} with deterministic=False needs a dropout_rng "
+            "argument or a 'dropout' rng stream (apply(..., rngs={'dropout': key})), got neither")
       rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
     rate = self.dropout_rate if rng is not None else 0.0
     out_THV = dot_product_attention(
@@ -116,7 +121,7 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
     return h, g, qkv // h, v_features // h
 
-  def _update_cache(self, key_SGK, value_SGV, mask):
+  def _update_cache(self, key_SGK, value_SGV, mask, num_q: int):
     """Write the new keys/values at the cache index; return the full cache and its mask."""
     initialised = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key_SGK.shape, key_SGK.dtype)
@@ -125,7 +130,7 @@ class MultiHeadAttention(nn.Module):
     index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialised:  # init call: sizes the cache, attends causally like a decoder would
       return key_SGK, value_SGV, masks_lib.combine_masks(
-          mask, masks_lib.causal_mask(key_SGK.shape[-3]))
+          mask, masks_lib.causal_mask(num_q, key_SGK.shape[-3]))
     *batch, max_len, g, k = cached_key.value.shape
     new_len = key_SGK.shape[-3]
     if tuple(key_SGK.shape) != (*batch, new_len, g, k) or new_len > max_len:

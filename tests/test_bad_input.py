@@ -1,0 +1,176 @@
+"""Bad input raises ValueError/TypeError whose message names the argument, what was expected and
+what was given. `match` checks the argument name and the offending value or shape."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import flax_mha
+from flax_mha import masks
+
+B, T, S, H, G, K, V = 2, 5, 7, 6, 3, 11, 13
+f32 = functools.partial(np.ones, dtype=np.float32)
+Q, KEY, VAL = f32((B, T, H, K)), f32((B, S, G, K)), f32((B, S, G, V))
+attention = flax_mha.dot_product_attention
+
+
+def _call(fn, *args, **kwargs):
+  return lambda: fn(*args, **kwargs)
+
+
+BAD_ATTENTION = [
+    # (name, call, error, match)
+    ("query rank", _call(attention, f32((T, K)), KEY[0], VAL[0]), ValueError,
+     r"query must have rank >= 3.*\[\.\.\., T, H, K\].*\(5, 11\)"),
+    ("key rank", _call(attention, Q[0], f32((S, K)), VAL[0]), ValueError, r"key .*rank.*\(7, 11\)"),
+    ("query not an array", _call(attention, [[[1.0]]], KEY, VAL), TypeError,
+     "query must be an array"),
+    ("integer query", _call(attention, Q.astype(np.int32), KEY, VAL), TypeError, "query.*int32"),
+    ("mixed dtypes", _call(attention, Q, KEY.astype(np.float16), VAL), TypeError,
+     "query, key and value.*float32, float16"),
+    ("rank mismatch", _call(attention, Q, KEY[0], VAL[0]), ValueError,
+     r"same rank.*\(2, 5, 6, 11\)"),
+    ("batch mismatch", _call(attention, Q, f32((3, S, G, K)), f32((3, S, G, V))), ValueError,
+     r"batch dims.*\(2, 5, 6, 11\), \(3, 7, 3, 11\)"),
+    ("key/value length", _call(attention, Q, KEY, f32((B, S + 1, G, V))), ValueError,
+     r"key.*value.*S and G.*\(2, 8, 3, 13\)"),
+    ("head dim", _call(attention, Q, f32((B, S, G, K + 1)), VAL), ValueError,
+     "head dim K, got 11 and 12"),
+    ("H not a multiple of G", _call(attention, Q, f32((B, S, 4, K)), f32((B, S, 4, V))), ValueError,
+     "H=6 must be a multiple of .*G=4"),
+    ("mask cannot broadcast", _call(attention, Q, KEY, VAL, mask=np.ones((B, H, S, T), bool)),
+     ValueError,
+     r"mask must broadcast to \[\.\.\., H, T, S\] = \(2, 6, 5, 7\), got shape \(2, 6, 7, 5\)"),
+    ("mask grows the batch", _call(attention, Q, KEY, VAL, mask=np.ones((3, B, H, T, S), bool)),
+     ValueError, r"mask must broadcast.*\(3, 2, 6, 5, 7\)"),
+    ("float mask", _call(attention, Q, KEY, VAL, mask=f32((T, S))), TypeError,
+     "mask must be boolean.*float32"),
+    ("int mask", _call(attention, Q, KEY, VAL, mask=np.ones((T, S), np.int32)), TypeError,
+     "mask must be boolean.*int32"),
+    ("bias cannot broadcast", _call(attention, Q, KEY, VAL, f32((H, T, T))), ValueError,
+     r"bias must broadcast.*got shape \(6, 5, 5\)"),
+    ("boolean bias", _call(attention, Q, KEY, VAL, np.ones((T, S), bool)), TypeError,
+     "bias must have a floating dtype, got bool"),
+    ("dropout_rate 1", _call(attention, Q, KEY, VAL, dropout_rate=1.0,
+                             dropout_rng=jax.random.key(0)), ValueError,
+     r"dropout_rate must be in \[0, 1\), got 1.0"),
+    ("dropout_rate < 0", _call(attention, Q, KEY, VAL, dropout_rate=-0.1), ValueError,
+     r"dropout_rate must be in \[0, 1\), got -0.1"),
+    ("dropout_rate array", _call(attention, Q, KEY, VAL, dropout_rate=np.array([0.1])),
+     TypeError, "dropout_rate must be a Python float.*ndarray"),
+    ("missing dropout_rng", _call(attention, Q, KEY, VAL, dropout_rate=0.1), ValueError,
+     "dropout_rate=0.1 needs a dropout_rng, got None"),
+    ("int dropout_rng", _call(attention, Q, KEY, VAL, dropout_rate=0.1, dropout_rng=3),
+     TypeError, "dropout_rng must be a jax.random.key, got int"),
+    ("float dropout_rng", _call(attention, Q, KEY, VAL, dropout_rate=0.1,
+                                dropout_rng=f32((2,))), TypeError, "dropout_rng.*float32"),
+    ("unknown implementation", _call(attention, Q, KEY, VAL, implementation="flash9"),
+     ValueError, r"implementation must be None or one of \[.*'reference'.*\], got 'flash9'"),
+    ("is_causal not bool", _call(attention, Q, KEY, VAL, is_causal=1), TypeError,
+     "is_causal must be a Python bool, got int"),
+    ("scale not a number", _call(attention, Q, KEY, VAL, scale="0.1"), TypeError,
+     "scale must be a real scalar or None, got str"),
+    ("weights: mask", _call(flax_mha.dot_product_attention_weights, Q, KEY,
+                            mask=np.ones((H + 1, T, S), bool)), ValueError,
+     r"mask must broadcast.*\(7, 5, 7\)"),
+    ("weights: missing rng", _call(flax_mha.dot_product_attention_weights, Q, KEY,
+                                   dropout_rate=0.5), ValueError, "needs a dropout_rng"),
+    ("split_heads divisibility", _call(flax_mha.split_heads, f32((T, 20)), 6), ValueError,
+     r"x's last dim \(20\) must be divisible by num_heads=6"),
+    ("split_heads num_heads", _call(flax_mha.split_heads, f32((T, 20)), 0), ValueError,
+     "num_heads must be a positive int, got 0"),
+    ("merge_heads rank", _call(flax_mha.merge_heads, f32((T, 20))), ValueError,
+     r"x must have rank >= 3.*\(5, 20\)"),
+    ("padding_mask lengths", _call(masks.padding_mask, np.array([1.5]), 4), TypeError,
+     "lengths must be integers, got dtype float"),
+    ("padding_mask max_len", _call(masks.padding_mask, np.array([1]), -1), ValueError,
+     "max_len must be a non-negative Python int, got -1"),
+    ("make_attention_mask dtype", _call(masks.make_attention_mask, np.ones(T), np.ones(S, bool)),
+     TypeError, "query_valid must be boolean, got dtype float"),
+    ("make_attention_mask rank", _call(masks.make_attention_mask, np.ones(T, bool), np.array(True)),
+     ValueError, r"key_valid must have rank >= 1.*\(\)"),
+    ("combine_masks dtype", _call(masks.combine_masks, None, np.ones(T, bool), np.ones(T)),
+     TypeError, r"masks\[2\] must be a boolean array, got float64"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", [c[1:] for c in BAD_ATTENTION],
+                         ids=[c[0] for c in BAD_ATTENTION])
+def test_pure_functions_reject(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_checks_also_run_under_jit():
+  with pytest.raises(ValueError, match="H=6 must be a multiple of .*G=4"):
+    jax.jit(attention)(Q, f32((B, S, 4, K)), f32((B, S, 4, V)))
+  with pytest.raises(TypeError, match="mask must be boolean"):
+    jax.jit(attention)(Q, KEY, VAL, mask=f32((T, S)))
+
+
+D = 12
+X = f32((B, T, D))
+
+
+def _module(**kwargs):
+  return flax_mha.MultiHeadAttention(**{"num_heads": 3, **kwargs})
+
+
+def _init(module, *args, **kwargs):
+  return lambda: module.init(jax.random.key(0), *args, **kwargs)
+
+
+BAD_MODULE = [
+    ("qkv_features", _init(_module(qkv_features=10), X), ValueError,
+     "qkv_features=10 must be divisible by num_heads=3"),
+    ("default qkv_features", _init(_module(num_heads=5), X), ValueError,
+     "qkv_features=12 must be divisible by num_heads=5"),
+    ("v_features", _init(_module(v_features=7), X), ValueError,
+     "v_features=7 must be divisible by num_heads=3"),
+    ("num_kv_heads", _init(_module(num_heads=6, num_kv_heads=4), X), ValueError,
+     "num_heads=6 must be a multiple of num_kv_heads, got 4"),
+    ("num_heads", _init(_module(num_heads=0), X), ValueError,
+     "num_heads must be a positive int, got 0"),
+    ("dropout_rate", _init(_module(dropout_rate=1.5), X), ValueError,
+     r"dropout_rate must be in \[0, 1\), got 1.5"),
+    ("inputs_q rank", _init(_module(), f32((D,))), ValueError,
+     r"inputs_q must be an array \[\.\.\., length, features\], got \(12,\)"),
+    ("batch mismatch", _init(_module(), X, f32((3, S, D))), ValueError,
+     r"share batch dims.*\(2, 5, 12\), \(3, 7, 12\)"),
+    ("key/value length", _init(_module(), X, f32((B, S, D)), f32((B, S + 2, D))), ValueError,
+     r"inputs_k.*inputs_v.*length S.*\(2, 7, 12\) and \(2, 9, 12\)"),
+    ("mask dtype", _init(_module(), X, mask=np.ones((T, T), np.int32)), TypeError,
+     "mask must be boolean.*int32"),
+    ("mask shape", _init(_module(), X, mask=np.ones((B, 4, T, T), bool)), ValueError,
+     r"mask must broadcast to \[\.\.\., H, T, S\] = \(2, 3, 5, 5\), got shape \(2, 4, 5, 5\)"),
+    ("implementation", _init(_module(implementation="nope"), X), ValueError,
+     "implementation must be None or one of .*got 'nope'"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", [c[1:] for c in BAD_MODULE],
+                         ids=[c[0] for c in BAD_MODULE])
+def test_module_rejects(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_module_dropout_needs_rng():
+  module = flax_mha.SelfAttention(num_heads=3, dropout_rate=0.5)
+  params = module.init(jax.random.key(0), X)
+  match = "dropout_rate=0.5 with deterministic=False needs a dropout_rng"
+  with pytest.raises(ValueError, match=match):
+    module.apply(params, X, deterministic=False)
+  module.apply(params, X)  # deterministic (the default) needs no rng
+
+
+def test_module_decode_step_shape():
+  module = flax_mha.SelfAttention(num_heads=3, decode=True)
+  cache = module.init(jax.random.key(0), X)["cache"]
+  params = flax_mha.SelfAttention(num_heads=3).init(jax.random.key(0), X)
+  with pytest.raises(ValueError, match=r"decode step.*T<= 5.*got \(2, 6, 3, 4\)"):
+    module.apply({**params, "cache": cache}, f32((B, T + 1, D)), mutable=["cache"])
+  with pytest.raises(ValueError, match=r"decode step.*batch \(2,\).*got \(3, 1, 3, 4\)"):
+    module.apply({**params, "cache": cache}, f32((3, 1, D)), mutable=["cache"])
