@@ -18,6 +18,10 @@ from flax_mha.masks import padding_mask
 from flax_mha.masks import segment_mask
 from flax_mha.modules import MultiHeadAttention
 from flax_mha.modules import SelfAttention
+from flax_mha.transformer import Transformer
+from flax_mha.transformer import TransformerConfig
+from flax_mha.decoding import beam_search
+from flax_mha.decoding import greedy_decode
 
 __version__ = "0.1.0"
 

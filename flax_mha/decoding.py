@@ -1,0 +1,144 @@
+"""Autoregressive decoding with the KV cache: greedy and beam search.
+
+The source is encoded once; the decoder then runs one token a step on a `decode=True` clone of the
+model whose self-attention reads cached keys/values. Both functions are jitted (config and sizes
+static) and stop early once every sequence has emitted eos. Output: [B, max_len] int32, without the
+leading bos, pad after eos.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from flax_mha.transformer import Transformer, TransformerConfig
+
+
+def greedy_decode(config: TransformerConfig, params, src, *, max_len: int):
+  """Greedy decoding: src [B, S] int -> tokens [B, max_len] int32."""
+  _check(config, src, max_len)
+  return _greedy(config, params, src, max_len)
+
+
+def beam_search(config: TransformerConfig, params, src, *, max_len: int, beam_size: int = 4,
+                alpha: float = 0.6):
+  """Beam search with the GNMT length penalty ((5 + len) / 6)^alpha; returns the best beam.
+
+  src [B, S] int -> tokens [B, max_len] int32. `beam_size=1` is greedy decoding.
+  """
+  _check(config, src, max_len)
+  if not isinstance(beam_size, int) or beam_size < 1:
+    raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+  tokens, _ = _beam(config, params, src, max_len, beam_size, float(alpha))
+  return tokens
+
+
+def length_penalty(length, alpha: float):
+  """GNMT's ((5 + length) / 6)^alpha, by which a sequence's log-prob is divided."""
+  return ((5.0 + length) / 6.0) ** alpha
+
+
+def _check(config, src, max_len):
+  if not isinstance(config, TransformerConfig):
+    raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+  if src.ndim != 2 or not jnp.issubdtype(src.dtype, jnp.integer):
+    raise ValueError(f"src must be integer tokens [B, S], got dtype {src.dtype} and shape "
+                     f"{tuple(src.shape)}")
+  if not isinstance(max_len, int) or not 0 < max_len <= config.max_len:
+    raise ValueError(f"max_len must be an int in [1, config.max_len={config.max_len}], "
+                     f"got {max_len!r}")
+
+
+def _start(config, params, src, max_len, copies: int):
+  """Encode src, repeat it `copies` times per example, and make an empty decoder cache."""
+  config = config.replace(dropout_rate=0.0, attention_dropout_rate=0.0)
+  memory, src_valid = Transformer(config).apply({"params": params}, src,
+                                                method=Transformer.encode)
+  memory = jnp.repeat(memory, copies, axis=0)
+  src_valid = jnp.repeat(src_valid, copies, axis=0)
+  decoder = Transformer(config.replace(decode=True))
+  dummy = jnp.zeros((memory.shape[0], max_len), jnp.int32)
+  shapes = jax.eval_shape(
+      lambda: decoder.init(jax.random.key(0), dummy, memory, src_valid, method=Transformer.decode))
+  cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+  return decoder, memory, src_valid, cache
+
+
+def _step(decoder, params, cache, tokens_B1, memory, src_valid):
+  """One decoder step: log-probs [B, vocab] of the next token and the updated cache."""
+  logits, mutated = decoder.apply({"params": params, "cache": cache}, tokens_B1, memory, src_valid,
+                                  method=Transformer.decode, mutable=["cache"])
+  return jax.nn.log_softmax(logits[:, -1]), mutated["cache"]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _greedy(config, params, src, max_len):
+  decoder, memory, src_valid, cache = _start(config, params, src, max_len, 1)
+  batch = src.shape[0]
+  tokens = jnp.full((batch, max_len), config.pad_id, jnp.int32)
+  last = jnp.full((batch,), config.bos_id, jnp.int32)
+  done = jnp.zeros((batch,), bool)
+
+  def body(state):
+    t, tokens, last, done, cache = state
+    logprobs, cache = _step(decoder, params, cache, last[:, None], memory, src_valid)
+    nxt = jnp.where(done, config.pad_id, jnp.argmax(logprobs, -1).astype(jnp.int32))
+    tokens = tokens.at[:, t].set(nxt)
+    return t + 1, tokens, nxt, done | (nxt == config.eos_id), cache
+
+  cond = lambda state: (state[0] < max_len) & ~jnp.all(state[3])
+  return jax.lax.while_loop(cond, body, (0, tokens, last, done, cache))[1]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _beam(config, params, src, max_len, beam_size, alpha):
+  """Returns (best tokens [B, L], their penalised scores [B])."""
+  batch, k = src.shape[0], beam_size
+  decoder, memory, src_valid, cache = _start(config, params, src, max_len, k)
+  tokens = jnp.full((batch, k, max_len), config.pad_id, jnp.int32)
+  # Only beam 0 is live at the start, so the k beams don't begin as k copies of one.
+  logprob = jnp.tile(jnp.array([0.0] + [-1e9] * (k - 1)), (batch, 1))
+  done = jnp.zeros((batch, k), bool)
+  score = jnp.zeros((batch, k))  # penalised score, final once a beam is done
+
+  def body(state):
+    t, tokens, logprob, done, score, cache = state
+    last = jnp.where(t == 0, config.bos_id, tokens[:, :, jnp.maximum(t - 1, 0)])
+    step_lp, cache = _step(decoder, params, cache, last.reshape(-1, 1), memory, src_valid)
+    vocab = step_lp.shape[-1]
+    step_lp = step_lp.reshape(batch, k, vocab)
+    # A finished beam has one continuation, pad, at no cost, and keeps its score.
+    only_pad = jnp.full((vocab,), -jnp.inf).at[config.pad_id].set(0.0)
+    step_lp = jnp.where(done[..., None], only_pad, step_lp)
+    cand_lp = (logprob[..., None] + step_lp).reshape(batch, k * vocab)
+    is_pad = (jnp.arange(k * vocab) % vocab == config.pad_id)[None, :]
+    done_score = jnp.where(is_pad, jnp.repeat(score, vocab, axis=1), -jnp.inf)
+    cand_score = jnp.where(jnp.repeat(done, vocab, axis=1), done_score,
+                           cand_lp / length_penalty(t + 1.0, alpha))
+    score, flat = jax.lax.top_k(cand_score, k)
+    beam, token = flat // vocab, (flat % vocab).astype(jnp.int32)
+    logprob = jnp.take_along_axis(cand_lp, flat, axis=1)
+    was_done = jnp.take_along_axis(done, beam, axis=1)
+    tokens = jnp.take_along_axis(tokens, beam[..., None], axis=1).at[:, :, t].set(token)
+    done = was_done | (token == config.eos_id)
+    cache = jax.tree.map(functools.partial(_gather_beams, beam), cache)
+    return t + 1, tokens, logprob, done, score, cache
+
+  cond = lambda state: (state[0] < max_len) & ~jnp.all(state[3])
+  _, tokens, _, _, score, _ = jax.lax.while_loop(
+      cond, body, (0, tokens, logprob, done, score, cache))
+  best = jnp.argmax(score, axis=1)
+  return (jnp.take_along_axis(tokens, best[:, None, None], axis=1)[:, 0],
+          jnp.take_along_axis(score, best[:, None], axis=1)[:, 0])
+
+
+def _gather_beams(beam_BK, x):
+  """Reorder a cache leaf [B·K, ...] by the chosen parent beams; scalars (indices) pass through."""
+  if x.ndim == 0:
+    return x
+  batch, k = beam_BK.shape
+  x = x.reshape(batch, k, *x.shape[1:])
+  idx = beam_BK.reshape(batch, k, *([1] * (x.ndim - 2)))
+  return jnp.take_along_axis(x, idx, axis=1).reshape(batch * k, *x.shape[2:])

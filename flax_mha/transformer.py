@@ -1,0 +1,247 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+Built on `flax_mha.MultiHeadAttention`. Shapes: B batch, S source length, T target length,
+D d_model, F d_ff. Token id conventions live in `TransformerConfig` (pad 0, bos 1, eos 2).
+
+Attention weights, with `sow_weights=True` and `mutable=['intermediates']`, are sown at
+  encoder/layer_{i}/self_attention/attention_weights   [B, H, S, S]
+  decoder/layer_{i}/self_attention/attention_weights   [B, H, T, T]
+  decoder/layer_{i}/cross_attention/attention_weights  [B, H, T, S]
+(each a 1-tuple, as `Module.sow` stores it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax_mha import masks as masks_lib
+from flax_mha.modules import MultiHeadAttention
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Architecture only; training settings live in the experiment configs."""
+  vocab_size: int                    # shared source/target vocabulary, special ids included
+  d_model: int = 128                 # residual stream width D
+  num_heads: int = 4                 # query heads H (d_model / H per head)
+  num_kv_heads: int | None = None    # key/value heads G for GQA/MQA; None = H (plain MHA)
+  num_encoder_layers: int = 2
+  num_decoder_layers: int = 2
+  d_ff: int = 512                    # FFN hidden width F (the paper uses 4·D)
+  dropout_rate: float = 0.1          # on embeddings+positions and every sublayer output
+  attention_dropout_rate: float = 0.0  # on attention weights (the paper uses none)
+  max_len: int = 256                 # longest sequence the position table covers
+  pre_layer_norm: bool = False       # False: the paper's post-LN; True: pre-LN + final norm
+  learned_positions: bool = False    # False: the paper's sinusoids; True: a learned table
+  share_embeddings: bool = True      # one embedding for source, target and output projection
+  pad_id: int = 0
+  bos_id: int = 1                    # first decoder input (targets are shifted right)
+  eos_id: int = 2
+  dtype: Any = jnp.float32           # computation dtype; params stay float32
+  attention_implementation: str | None = None  # see flax_mha.dot_product_attention
+  attention_cls: Any = MultiHeadAttention      # swappable for baselines (same call signature)
+  decode: bool = False               # KV-cache decoding: one or more new tokens per call
+
+  def __post_init__(self):
+    positive = ("vocab_size", "d_model", "num_heads", "num_encoder_layers",
+                "num_decoder_layers", "d_ff", "max_len")
+    for name in positive:
+      if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+        raise ValueError(f"TransformerConfig.{name} must be a positive int, got "
+                         f"{getattr(self, name)!r}")
+    if self.d_model % self.num_heads:
+      raise ValueError(f"TransformerConfig.d_model={self.d_model} must be divisible by "
+                       f"num_heads={self.num_heads}")
+    kv = self.num_kv_heads or self.num_heads
+    if self.num_heads % kv:
+      raise ValueError(f"TransformerConfig.num_heads={self.num_heads} must be a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+    for name in ("dropout_rate", "attention_dropout_rate"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+    ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
+    for name, value in ids.items():
+      if not 0 <= value < self.vocab_size:
+        raise ValueError(f"TransformerConfig.{name}={value} must be in [0, vocab_size="
+                         f"{self.vocab_size})")
+    if len(set(ids.values())) != 3:
+      raise ValueError(f"TransformerConfig pad/bos/eos ids must differ, got {ids}")
+
+  def replace(self, **changes) -> "TransformerConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
+  """The paper's table [max_len, D]: sin on even features, cos on odd, wavelengths to 10000·2π."""
+  pos = np.arange(max_len)[:, None]
+  inv_freq = np.exp(-np.log(10000.0) * np.arange(0, d_model, 2) / d_model)
+  table = np.zeros((max_len, d_model), np.float32)
+  table[:, 0::2] = np.sin(pos * inv_freq)
+  table[:, 1::2] = np.cos(pos * inv_freq[: d_model // 2])
+  return table
+
+
+class AddPositions(nn.Module):
+  """x [B, L, D] + positions; in decode mode the offset is the number of tokens seen so far."""
+  config: TransformerConfig
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    length = x.shape[-2]
+    if length > cfg.max_len:
+      raise ValueError(f"sequence length {length} exceeds TransformerConfig.max_len={cfg.max_len}")
+    if cfg.learned_positions:
+      table = self.param("pos_embedding", nn.initializers.normal(0.02), (cfg.max_len, cfg.d_model))
+    else:
+      table = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model))
+    start = 0
+    if self.decode:
+      initialised = self.has_variable("cache", "position")
+      position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+      if initialised:
+        start = position.value
+        position.value = start + length
+    positions = jax.lax.dynamic_slice_in_dim(table, start, length)
+    return x + positions.astype(x.dtype)
+
+
+class FeedForward(nn.Module):
+  """Position-wise FFN: Dense(F) -> ReLU -> Dense(D)."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    h = nn.relu(nn.Dense(cfg.d_ff, dtype=cfg.dtype, name="Dense_0")(x))
+    return nn.Dense(cfg.d_model, dtype=cfg.dtype, name="Dense_1")(h)
+
+
+class Residual(nn.Module):
+  """Post-LN `LN(x + drop(f(x)))` (the paper) or pre-LN `x + drop(f(LN(x)))`."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, sublayer, *, train: bool):
+    cfg = self.config
+    norm = nn.LayerNorm(dtype=cfg.dtype, name="norm")
+    drop = nn.Dropout(cfg.dropout_rate, deterministic=not train)
+    if cfg.pre_layer_norm:
+      return x + drop(sublayer(norm(x)))
+    return norm(x + drop(sublayer(x)))
+
+
+def _attention(cfg: TransformerConfig, name: str, decode: bool = False):
+  return cfg.attention_cls(
+      num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+      dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype,
+      implementation=cfg.attention_implementation, decode=decode, name=name)
+
+
+class EncoderLayer(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, mask, *, train: bool, sow_weights: bool):
+    cfg = self.config
+    attn = _attention(cfg, "self_attention")
+    x = Residual(cfg, name="attention_block")(
+        x, lambda y: attn(y, mask=mask, deterministic=not train, sow_weights=sow_weights),
+        train=train)
+    return Residual(cfg, name="ffn_block")(x, FeedForward(cfg, name="ffn"), train=train)
+
+
+class DecoderLayer(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, memory, self_mask, cross_mask, *, train: bool, sow_weights: bool):
+    cfg = self.config
+    self_attn = _attention(cfg, "self_attention", decode=cfg.decode)
+    cross_attn = _attention(cfg, "cross_attention")
+    x = Residual(cfg, name="self_attention_block")(
+        x, lambda y: self_attn(y, mask=self_mask, is_causal=True, deterministic=not train,
+                               sow_weights=sow_weights), train=train)
+    x = Residual(cfg, name="cross_attention_block")(
+        x, lambda y: cross_attn(y, memory, mask=cross_mask, deterministic=not train,
+                                sow_weights=sow_weights), train=train)
+    return Residual(cfg, name="ffn_block")(x, FeedForward(cfg, name="ffn"), train=train)
+
+
+class Stack(nn.Module):
+  """Embedding (scaled by √D) + positions + dropout, then layers, then (pre-LN) a final norm."""
+  config: TransformerConfig
+  layer: Any                 # EncoderLayer or DecoderLayer
+  num_layers: int
+  embed: nn.Module
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, tokens, *layer_args, train: bool, sow_weights: bool):
+    cfg = self.config
+    x = self.embed(tokens).astype(cfg.dtype) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
+    x = AddPositions(cfg, decode=self.decode, name="positions")(x)
+    x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+    for i in range(self.num_layers):
+      x = self.layer(cfg, name=f"layer_{i}")(x, *layer_args, train=train, sow_weights=sow_weights)
+    if cfg.pre_layer_norm:
+      x = nn.LayerNorm(dtype=cfg.dtype, name="final_norm")(x)
+    return x
+
+
+class Transformer(nn.Module):
+  """Encoder-decoder Transformer: `__call__(src [B,S], tgt_in [B,T]) -> logits [B,T,vocab]`."""
+  config: TransformerConfig
+
+  def setup(self):
+    cfg = self.config
+    embed = functools.partial(
+        nn.Embed, cfg.vocab_size, cfg.d_model,
+        embedding_init=nn.initializers.normal(stddev=cfg.d_model**-0.5))
+    self.tgt_embed = embed(name="embed" if cfg.share_embeddings else "tgt_embed")
+    self.src_embed = self.tgt_embed if cfg.share_embeddings else embed(name="src_embed")
+    if not cfg.share_embeddings:
+      self.logits_dense = nn.Dense(cfg.vocab_size, dtype=cfg.dtype, name="logits")
+    self.encoder = Stack(cfg, EncoderLayer, cfg.num_encoder_layers, self.src_embed)
+    self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers, self.tgt_embed,
+                         decode=cfg.decode)
+
+  def __call__(self, src, tgt_in, *, train: bool = False, sow_weights: bool = False):
+    memory, src_valid = self.encode(src, train=train, sow_weights=sow_weights)
+    return self.decode(tgt_in, memory, src_valid, train=train, sow_weights=sow_weights)
+
+  def encode(self, src, *, train: bool = False, sow_weights: bool = False):
+    """src [B, S] int -> (memory [B, S, D], src_valid [B, S] bool)."""
+    _check_tokens("src", src)
+    src_valid = src != self.config.pad_id
+    mask = masks_lib.make_attention_mask(src_valid, src_valid)
+    return self.encoder(src, mask, train=train, sow_weights=sow_weights), src_valid
+
+  def decode(self, tgt_in, memory, src_valid, *, train: bool = False, sow_weights: bool = False):
+    """tgt_in [B, T] int (shifted right), memory [B, S, D] -> logits [B, T, vocab] float32.
+
+    In decode mode (config.decode) tgt_in holds only the new tokens; the cache holds the rest.
+    """
+    _check_tokens("tgt_in", tgt_in)
+    cfg = self.config
+    # Padding sits at the end of targets, so the causal mask already hides it from real queries;
+    # the key-padding mask is for the (unused) rows of pad queries. The cache handles decode.
+    self_mask = None if cfg.decode else (tgt_in != cfg.pad_id)[:, None, None, :]
+    cross_mask = src_valid[:, None, None, :]
+    x = self.decoder(tgt_in, memory, self_mask, cross_mask, train=train, sow_weights=sow_weights)
+    logits = self.tgt_embed.attend(x) if cfg.share_embeddings else self.logits_dense(x)
+    return logits.astype(jnp.float32)
+
+
+def _check_tokens(name, tokens):
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{name} must be integer tokens [B, L], got dtype {tokens.dtype} and "
+                     f"shape {tuple(tokens.shape)}")
