@@ -74,10 +74,11 @@ def check_broadcast(name: str, x, target: tuple[int, ...], *, boolean: bool) -> 
 
 
 def check_scale(scale) -> None:
+  """scale is static: a Python real number (or None for 1/sqrt(K))."""
   if scale is None:
     return
-  if not isinstance(scale, numbers.Real) and not (hasattr(scale, "shape") and scale.shape == ()):
-    raise TypeError(f"scale must be a real scalar or None, got {type(scale).__name__}")
+  if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+    raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
 
 
 def check_dropout(dropout_rate, dropout_rng, *, needs_rng: bool = True) -> None:

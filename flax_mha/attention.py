@@ -14,11 +14,21 @@ from typing import Callable
 import jax.numpy as jnp
 
 from flax_mha import _checks
+from flax_mha import chunked
+from flax_mha import cudnn
 from flax_mha import reference
 
 # name -> fn(query[B,T,H,K], key[B,S,G,K], value[B,S,G,V], bias, mask, *, is_causal, scale,
-#            dropout_rate, dropout_rng) -> [B,T,H,V]. Faster implementations register here.
-IMPLEMENTATIONS: dict[str, Callable] = {"reference": reference.attention}
+#            dropout_rate, dropout_rng) -> [B,T,H,V].
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "reference": reference.attention,  # plain and readable: the one every other is tested against
+    "chunked": chunked.attention,      # online softmax, linear memory, its own backward
+    "cudnn": cudnn.attention,          # cuDNN flash attention (GPU, 16-bit inputs)
+}
+
+# Up to this many logits per (batch, head), the plain XLA graph beats the chunked loops on CPU
+# (measured by experiments/benchmark_attention.py: equal at 256², chunked ~2x faster at 512²).
+SMALL_LOGITS = 256 * 256
 
 
 def register_implementation(name: str, fn: Callable) -> None:
@@ -27,9 +37,16 @@ def register_implementation(name: str, fn: Callable) -> None:
 
 
 def default_implementation(query, key, value, bias, mask, dropout_rate) -> str:
-  """The implementation `implementation=None` picks, decided at trace time from static facts."""
-  del query, key, value, bias, mask, dropout_rate
-  return "reference"
+  """What `implementation=None` runs, decided at trace time from static shapes and the backend.
+
+  1. On a GPU, "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
+  2. Otherwise "reference" for small problems (T·S <= SMALL_LOGITS), where one fused XLA graph
+     has the least overhead, and "chunked" beyond, which is faster and needs memory linear in S.
+  """
+  del bias, mask
+  if cudnn.unsupported_reason(query, key, value, dropout_rate) is None:
+    return "cudnn"
+  return "reference" if query.shape[1] * key.shape[1] <= SMALL_LOGITS else "chunked"
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal: bool = False,

@@ -32,11 +32,14 @@ def attention_logits(query_BTHK, key_BSGK, bias, scale):
   """Scaled logits [B, H, T, S] in the softmax dtype, bias added; GQA without repeating K."""
   b, t, h, k = query_BTHK.shape
   s, g = key_BSGK.shape[1:3]
-  q_BTGRK = query_BTHK.reshape(b, t, g, h // g, k)
-  logits_BGRTS = jnp.einsum(
-      "BTGRK,BSGK->BGRTS", q_BTGRK, key_BSGK,
-      preferred_element_type=softmax_dtype(query_BTHK.dtype))
-  logits_BHTS = logits_BGRTS.reshape(b, h, t, s) * scale
+  query_BTHK = query_BTHK * jnp.asarray(scale, query_BTHK.dtype)  # T·K multiplies, not T·S
+  f32 = softmax_dtype(query_BTHK.dtype)
+  if g == h:  # plain multi-head: a 4-d product is ~25% faster on CPU than the grouped one
+    logits_BHTS = jnp.einsum("BTHK,BSHK->BHTS", query_BTHK, key_BSGK, preferred_element_type=f32)
+  else:
+    q_BTGRK = query_BTHK.reshape(b, t, g, h // g, k)
+    logits_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, key_BSGK, preferred_element_type=f32)
+    logits_BHTS = logits_BGRTS.reshape(b, h, t, s)
   if bias is not None:
     logits_BHTS = logits_BHTS + bias.astype(logits_BHTS.dtype)
   return logits_BHTS
@@ -89,7 +92,10 @@ def apply_weights(weights_BHTS, value_BSGV):
   """Weighted sum of values: [B, H, T, S] x [B, S, G, V] -> [B, T, H, V], GQA without repeats."""
   b, h, t, s = weights_BHTS.shape
   g, v = value_BSGV.shape[2:]
-  weights_BGRTS = weights_BHTS.astype(value_BSGV.dtype).reshape(b, g, h // g, t, s)
+  weights_BHTS = weights_BHTS.astype(value_BSGV.dtype)
+  if g == h:
+    return jnp.einsum("BHTS,BSHV->BTHV", weights_BHTS, value_BSGV)
+  weights_BGRTS = weights_BHTS.reshape(b, g, h // g, t, s)
   out_BTGRV = jnp.einsum("BGRTS,BSGV->BTGRV", weights_BGRTS, value_BSGV)
   return out_BTGRV.reshape(b, t, h, v)
 

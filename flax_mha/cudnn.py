@@ -1,0 +1,47 @@
+"""cuDNN flash attention on NVIDIA GPUs, through `jax.nn.dot_product_attention(implementation="cudnn")`.
+
+Same signature as `reference.attention`. cuDNN's constraints are checked up front and raise a
+`ValueError` that names the one that fails, instead of an opaque lowering error.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flax_mha import masks
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+MAX_HEAD_DIM = 128
+
+
+def unsupported_reason(query, key, value, dropout_rate) -> str | None:
+  """Why cuDNN can't run this call (None when it can). Reads static facts only."""
+  if jax.default_backend() != "gpu":
+    return f"cuDNN needs a GPU backend, the default backend is {jax.default_backend()!r}"
+  if query.dtype not in SUPPORTED_DTYPES:
+    return f"cuDNN needs bfloat16 or float16 inputs, got {query.dtype}"
+  if dropout_rate > 0.0:
+    return "cuDNN's dropout differs from flax_mha's hashed keep-mask: use dropout_rate=0"
+  k, v = query.shape[-1], value.shape[-1]
+  if k != v or k > MAX_HEAD_DIM or k % 8:
+    return f"cuDNN needs K == V, a multiple of 8 and <= {MAX_HEAD_DIM}, got K={k}, V={v}"
+  return None
+
+
+def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+  """cuDNN flash attention: [B, T, H, V]; rows with no visible key give 0, as everywhere else."""
+  del dropout_rng
+  reason = unsupported_reason(query, key, value, dropout_rate)
+  if reason is not None:
+    raise ValueError(f"implementation='cudnn' cannot run: {reason}")
+  if mask is not None and is_causal:  # cuDNN drops the mask when is_causal (measured on H100)
+    mask = mask & masks.causal_mask(query.shape[1], key.shape[1])
+    is_causal = False
+  out = jax.nn.dot_product_attention(
+      query, key, value, bias=None if bias is None else bias.astype(query.dtype), mask=mask,
+      scale=scale, is_causal=is_causal, implementation="cudnn")
+  if mask is None:
+    return out
+  any_visible_BHT = jnp.any(mask, axis=-1)  # top-left causal alone always sees key 0
+  return jnp.where(any_visible_BHT.transpose(0, 2, 1)[..., None], out, 0.0).astype(out.dtype)

@@ -1,0 +1,149 @@
+"""flax_mha.chunked against the reference: values, gradients, offsets (ring attention) and memory.
+
+Block sizes (3, 4) divide none of the prime lengths, so every test also covers the padding.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from flax_mha import chunked
+from flax_mha import reference
+
+B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
+SMALL = chunked.make_attention(block_q=3, block_k=4)
+
+
+def _inputs(seed=0, t=T, s=S, h=H, g=G, k=K, v=V):
+  rng = np.random.default_rng(seed)
+  q, kk, vv = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((B, t, h, k), (B, s, g, k), (B, s, g, v)))
+  bias = jnp.asarray(rng.standard_normal((1, h, t, s)), jnp.float32)
+  mask = jnp.asarray(rng.random((B, 1, t, s)) < 0.7)
+  return q, kk, vv, bias, mask
+
+
+def _call(fn, q, k, v, bias, mask, is_causal, dropout_rate):
+  return fn(q, k, v, bias, mask, is_causal=is_causal, scale=0.37, dropout_rate=dropout_rate,
+            dropout_rng=jax.random.key(7))
+
+
+# Every combination of bias, mask, causal and dropout; head layouts (GQA, MHA, MQA) in turn.
+CASES = [(*flags, [(H, G), (H, H), (H, 1)][n % 3]) for n, flags in enumerate(
+    itertools.product([False, True], [False, True], [False, True], [0.0, 0.25]))]
+
+
+@pytest.mark.parametrize("use_bias,use_mask,is_causal,dropout_rate,heads", CASES)
+def test_values_and_grads_match_reference(use_bias, use_mask, is_causal, dropout_rate, heads):
+  q, k, v, bias, mask = _inputs(h=heads[0], g=heads[1])
+  mask = mask if use_mask else None
+  bias = bias if use_bias else jnp.zeros_like(bias)  # a zero bias still checks dbias
+
+  def loss(fn):
+    return lambda q, k, v, bias: jnp.sum(
+        jnp.sin(_call(fn, q, k, v, bias, mask, is_causal, dropout_rate)))
+
+  out = jax.jit(lambda *a: _call(SMALL, *a, mask, is_causal, dropout_rate))(q, k, v, bias)
+  ref = _call(reference.attention, q, k, v, bias, mask, is_causal, dropout_rate)
+  chex.assert_trees_all_close(out, ref, atol=2e-6, rtol=2e-6)
+  grads = jax.jit(jax.grad(loss(SMALL), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  ref_grads = jax.grad(loss(reference.attention), argnums=(0, 1, 2, 3))(q, k, v, bias)
+  chex.assert_trees_all_close(grads, ref_grads, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_check_grads_numerically(is_causal):
+  q, k, v, bias, mask = _inputs(1, t=4, s=5, h=2, g=1, k=3, v=2)
+  fn = lambda q, k, v, bias: _call(SMALL, q, k, v, bias, mask, is_causal, 0.0)
+  check_grads(fn, (q, k, v, bias), order=1, modes=("rev",), atol=5e-2, rtol=5e-2, eps=1e-2)
+
+
+def test_fully_masked_rows_give_zero_and_finite_grads():
+  q, k, v, _, _ = _inputs(2)
+  mask = jnp.ones((B, 1, T, S), bool).at[:, :, 2].set(False)
+  out = _call(SMALL, q, k, v, None, mask, False, 0.0)
+  np.testing.assert_array_equal(out[:, 2], 0.0)
+  grads = jax.grad(lambda q, k, v: jnp.sum(_call(SMALL, q, k, v, None, mask, False, 0.0)),
+                   argnums=(0, 1, 2))(q, k, v)
+  chex.assert_tree_all_finite(grads)
+  np.testing.assert_array_equal(grads[0][:, 2], 0.0)
+
+
+def test_long_bias_broadcast_and_t_ne_s_grads():
+  q, k, v, _, _ = _inputs(3, t=13, s=6)
+  bias = jnp.asarray(np.random.default_rng(3).standard_normal((B, 1, 1, 6)), jnp.float32)
+  f = lambda fn: jax.grad(lambda b: jnp.sum(_call(fn, q, k, v, b, None, True, 0.0) ** 2))
+  chex.assert_trees_all_close(f(SMALL)(bias), f(reference.attention)(bias), atol=1e-5)
+
+
+@pytest.mark.parametrize("q_offset,kv_offset", [(0, 0), (5, 0), (0, 6), (9, 3)])
+def test_forward_backward_with_offsets(q_offset, kv_offset):
+  """chunked_forward/backward of a shard pair equal the reference on the global causal mask."""
+  q, k, v, _, _ = _inputs(4)
+  t_pos = q_offset + jnp.arange(T)[:, None]
+  visible = t_pos >= kv_offset + jnp.arange(S)[None, :]
+  kw = dict(scale=0.37, is_causal=True, block_q=3, block_k=4)
+  out, lse = jax.jit(lambda q, k, v, o1, o2: chunked.chunked_forward(
+      q, k, v, q_offset=o1, kv_offset=o2, **kw))(q, k, v, q_offset, kv_offset)  # traced offsets
+  ref_fn = lambda q, k, v: reference.attention(
+      q, k, v, None, visible[None, None], is_causal=False, scale=0.37, dropout_rate=0.0,
+      dropout_rng=None)
+  chex.assert_trees_all_close(out, ref_fn(q, k, v), atol=2e-6)
+  logits = reference.attention_logits(q, k, None, 0.37)
+  ref_lse = jax.nn.logsumexp(jnp.where(visible, logits, -jnp.inf), axis=-1)
+  chex.assert_trees_all_close(lse, ref_lse, atol=2e-6)
+  dout = jnp.asarray(np.random.default_rng(5).standard_normal(out.shape), jnp.float32)
+  grads = chunked.chunked_backward(q, k, v, out, lse, dout, q_offset=q_offset,
+                                   kv_offset=kv_offset, **kw)
+  _, vjp = jax.vjp(ref_fn, q, k, v)
+  chex.assert_trees_all_close(grads, vjp(dout), atol=1e-5)
+
+
+def test_backward_contributions_sum_over_key_shards():
+  """Splitting the keys in two and adding chunked_backward's parts gives the full gradient."""
+  q, k, v, _, _ = _inputs(6)
+  kw = dict(scale=0.37, is_causal=True, block_q=3, block_k=4)
+  out, lse = chunked.chunked_forward(q, k, v, **kw)
+  dout = jnp.ones_like(out)
+  full = chunked.chunked_backward(q, k, v, out, lse, dout, **kw)
+  parts = [chunked.chunked_backward(q, k[:, sl], v[:, sl], out, lse, dout, kv_offset=sl.start,
+                                    **kw) for sl in (slice(0, 5), slice(5, S))]
+  chex.assert_trees_all_close(parts[0][0] + parts[1][0], full[0], atol=1e-5)
+  chex.assert_trees_all_close(jnp.concatenate([parts[0][1], parts[1][1]], 1), full[1], atol=1e-5)
+
+
+def _fwd_bwd(fn, n, h=8, d=64):
+  x = jax.ShapeDtypeStruct((1, n, h, d), jnp.float32)
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v, None, None, is_causal=True, scale=d**-0.5,
+                                    dropout_rate=0.0, dropout_rng=None))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
+
+
+def test_memory_is_linear():
+  n = 8192  # plain attention keeps several [8, n, n] float32 matrices: > 4 GiB
+  plain = _fwd_bwd(reference.attention, n).memory_analysis().temp_size_in_bytes
+  ours = _fwd_bwd(chunked.attention, n).memory_analysis().temp_size_in_bytes
+  assert plain > 4 * 2**30, plain
+  assert ours < 512 * 2**20, ours
+
+
+def test_long_sequence_runs_and_matches_reference_on_a_slice():
+  n, h, d = 4096, 2, 32
+  q, k, v = (jax.random.normal(key, (1, n, h, d)) for key in jax.random.split(jax.random.key(0), 3))
+  kw = dict(is_causal=True, scale=d**-0.5, dropout_rate=0.0, dropout_rng=None)
+  loss = lambda q, k, v: jnp.sum(chunked.attention(q, k, v, None, None, **kw) ** 2)
+  out = chunked.attention(q, k, v, None, None, **kw)
+  dq = jax.jit(jax.grad(loss))(q, k, v)
+  rows = slice(1000, 1064)  # causal: these rows see keys [0, 1064)
+  ref = reference.attention(q[:, rows], k[:, :1064], v[:, :1064], None,
+                            (jnp.arange(1000, 1064)[:, None] >= jnp.arange(1064))[None, None],
+                            is_causal=False, scale=d**-0.5, dropout_rate=0.0, dropout_rng=None)
+  chex.assert_trees_all_close(out[:, rows], ref, atol=2e-5)
+  chex.assert_tree_all_finite(dq)
