@@ -16,19 +16,19 @@ import jax.numpy as jnp
 from flax_mha.transformer import Transformer, TransformerConfig
 
 
-def greedy_decode(config: TransformerConfig, params, src, *, max_len: int):
-  """Greedy decoding: src [B, S] int -> tokens [B, max_len] int32."""
-  _check(config, src, max_len)
+def greedy_decode(config: TransformerConfig | Transformer, params, src, *, max_len: int):
+  """Greedy decoding: src [B, S] int -> tokens [B, max_len] int32. `config` may be the model."""
+  config = _check(config, src, max_len)
   return _greedy(config, params, src, max_len)
 
 
-def beam_search(config: TransformerConfig, params, src, *, max_len: int, beam_size: int = 4,
-                alpha: float = 0.6):
+def beam_search(config: TransformerConfig | Transformer, params, src, *, max_len: int,
+                beam_size: int = 4, alpha: float = 0.6):
   """Beam search with the GNMT length penalty ((5 + len) / 6)^alpha; returns the best beam.
 
   src [B, S] int -> tokens [B, max_len] int32. `beam_size=1` is greedy decoding.
   """
-  _check(config, src, max_len)
+  config = _check(config, src, max_len)
   if not isinstance(beam_size, int) or beam_size < 1:
     raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
   tokens, _ = _beam(config, params, src, max_len, beam_size, float(alpha))
@@ -40,15 +40,19 @@ def length_penalty(length, alpha: float):
   return ((5.0 + length) / 6.0) ** alpha
 
 
-def _check(config, src, max_len):
+def _check(config, src, max_len) -> TransformerConfig:
+  """The config (from a model too), after checking the arguments."""
+  config = config.config if isinstance(config, Transformer) else config
   if not isinstance(config, TransformerConfig):
-    raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+    raise TypeError(
+        f"config must be a TransformerConfig or Transformer, got {type(config).__name__}")
   if src.ndim != 2 or not jnp.issubdtype(src.dtype, jnp.integer):
     raise ValueError(f"src must be integer tokens [B, S], got dtype {src.dtype} and shape "
                      f"{tuple(src.shape)}")
   if not isinstance(max_len, int) or not 0 < max_len <= config.max_len:
     raise ValueError(f"max_len must be an int in [1, config.max_len={config.max_len}], "
                      f"got {max_len!r}")
+  return config
 
 
 def _start(config, params, src, max_len, copies: int):

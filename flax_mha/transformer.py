@@ -32,8 +32,8 @@ class TransformerConfig:
   d_model: int = 128                 # residual stream width D
   num_heads: int = 4                 # query heads H (d_model / H per head)
   num_kv_heads: int | None = None    # key/value heads G for GQA/MQA; None = H (plain MHA)
-  num_encoder_layers: int = 2
-  num_decoder_layers: int = 2
+  num_encoder_layers: int = 2        # the paper's base model has 6; 2 suits toy tasks
+  num_decoder_layers: int = 2        # likewise
   d_ff: int = 512                    # FFN hidden width F (the paper uses 4·D)
   dropout_rate: float = 0.1          # on embeddings+positions and every sublayer output
   attention_dropout_rate: float = 0.0  # on attention weights (the paper uses none)
@@ -41,13 +41,14 @@ class TransformerConfig:
   pre_layer_norm: bool = False       # False: the paper's post-LN; True: pre-LN + final norm
   learned_positions: bool = False    # False: the paper's sinusoids; True: a learned table
   share_embeddings: bool = True      # one embedding for source, target and output projection
-  pad_id: int = 0
+  pad_id: int = 0                    # masked out of attention; fills decodes after eos
   bos_id: int = 1                    # first decoder input (targets are shifted right)
-  eos_id: int = 2
+  eos_id: int = 2                    # ends a target; decoding stops there
   dtype: Any = jnp.float32           # computation dtype; params stay float32
   attention_implementation: str | None = None  # see flax_mha.dot_product_attention
   attention_cls: Any = MultiHeadAttention      # swappable for baselines (same call signature)
-  decode: bool = False               # KV-cache decoding: one or more new tokens per call
+  decode: bool = False               # KV-cache decoding (set by flax_mha.decoding, as in flax's
+                                     # wmt: a config field, since `Transformer.decode` is a method)
 
   def __post_init__(self):
     positive = ("vocab_size", "d_model", "num_heads", "num_encoder_layers",

@@ -28,30 +28,37 @@ def make(vocab=11, max_len=12, seed=0):
 
 
 def naive_greedy(cfg, params, src, max_len):
-  """Recomputes the whole decoder each step: no cache."""
-  model = Transformer(cfg)
-  tgt = jnp.full((src.shape[0], 1), cfg.bos_id, jnp.int32)
+  """Recomputes the whole decoder each step: no cache.
+
+  The target buffer has a fixed length (one compilation); the decoder is causal, so the logits at
+  position i ignore the padding after it.
+  """
+  apply = jax.jit(Transformer(cfg).apply)
+  tgt = np.full((src.shape[0], max_len), cfg.pad_id, np.int32)
+  tgt[:, 0] = cfg.bos_id
   done = np.zeros(src.shape[0], bool)
   out = []
-  for _ in range(max_len):
-    nxt = np.asarray(jnp.argmax(model.apply({"params": params}, src, tgt)[:, -1], -1))
+  for i in range(max_len):
+    nxt = np.asarray(jnp.argmax(apply({"params": params}, src, jnp.asarray(tgt))[:, i], -1))
     nxt = np.where(done, cfg.pad_id, nxt)
     done |= nxt == cfg.eos_id
     out.append(nxt)
-    tgt = jnp.concatenate([tgt, jnp.asarray(nxt)[:, None].astype(jnp.int32)], 1)
+    if i + 1 < max_len:
+      tgt[:, i + 1] = nxt
   return np.stack(out, 1)
 
 
-def sequence_score(cfg, params, src_row, seq, alpha):
-  """Penalised log-prob of `seq` (up to and including eos) under the model, by full recompute."""
-  seq = list(seq)
-  length = seq.index(cfg.eos_id) + 1 if cfg.eos_id in seq else len(seq)
-  seq = seq[:length]
-  tgt_in = jnp.asarray([[cfg.bos_id] + seq[:-1]], jnp.int32)
-  logits = Transformer(cfg).apply({"params": params}, src_row[None], tgt_in)
-  lp = jax.nn.log_softmax(logits[0])
-  total = float(sum(lp[i, tok] for i, tok in enumerate(seq)))
-  return total / length_penalty(length, alpha)
+def sequence_scores(cfg, params, src_row, seqs, alpha):
+  """Penalised log-probs [N] of seqs [N, L] (each up to and including eos), by one full recompute."""
+  seqs = np.asarray(seqs)
+  is_eos = seqs == cfg.eos_id
+  lengths = np.where(is_eos.any(1), is_eos.argmax(1) + 1, seqs.shape[1])
+  valid = np.arange(seqs.shape[1])[None, :] < lengths[:, None]
+  tgt_in = np.concatenate([np.full((len(seqs), 1), cfg.bos_id), seqs[:, :-1]], 1)
+  src = jnp.repeat(src_row[None], len(seqs), axis=0)
+  logits = Transformer(cfg).apply({"params": params}, src, jnp.asarray(tgt_in, jnp.int32))
+  lp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), seqs[..., None], -1)[..., 0]
+  return (lp * valid).sum(1) / length_penalty(lengths, alpha)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -75,7 +82,7 @@ def test_pad_after_eos():
 def test_beam_of_one_is_greedy():
   cfg, params, src = make()
   np.testing.assert_array_equal(beam_search(cfg, params, src, max_len=8, beam_size=1),
-                                greedy_decode(cfg, params, src, max_len=8))
+                                greedy_decode(Transformer(cfg), params, src, max_len=8))
 
 
 def test_wide_beam_finds_the_exhaustive_best():
@@ -83,11 +90,10 @@ def test_wide_beam_finds_the_exhaustive_best():
   vocab, max_len, alpha = 5, 3, 0.6  # 5**3 sequences: few enough to enumerate
   cfg, params, src = make(vocab=vocab)
   tokens = beam_search(cfg, params, src, max_len=max_len, beam_size=vocab**max_len, alpha=alpha)
-  choices = range(vocab)
+  candidates = np.array(list(itertools.product(range(vocab), repeat=max_len)))
   for b in range(B):
-    candidates = [seq for seq in itertools.product(choices, repeat=max_len)]
-    best = max(sequence_score(cfg, params, src[b], seq, alpha) for seq in candidates)
-    got = sequence_score(cfg, params, src[b], list(np.asarray(tokens[b])), alpha)
+    best = sequence_scores(cfg, params, src[b], candidates, alpha).max()
+    got = sequence_scores(cfg, params, src[b], np.asarray(tokens[b])[None], alpha)[0]
     np.testing.assert_allclose(got, best, rtol=1e-5)
 
 
@@ -97,8 +103,8 @@ def test_beam_beats_or_ties_greedy_on_score():
   greedy = np.asarray(greedy_decode(cfg, params, src, max_len=6))
   beams = np.asarray(beam_search(cfg, params, src, max_len=6, beam_size=8, alpha=alpha))
   for b in range(B):
-    assert (sequence_score(cfg, params, src[b], beams[b], alpha)
-            >= sequence_score(cfg, params, src[b], greedy[b], alpha) - 1e-5)
+    beam_score, greedy_score = sequence_scores(cfg, params, src[b], [beams[b], greedy[b]], alpha)
+    assert beam_score >= greedy_score - 1e-5
 
 
 def test_bad_arguments():
@@ -109,5 +115,5 @@ def test_bad_arguments():
     beam_search(cfg, params, src, max_len=4, beam_size=0)
   with pytest.raises(ValueError, match="src must be integer tokens"):
     greedy_decode(cfg, params, src.astype(jnp.float32), max_len=4)
-  with pytest.raises(TypeError, match="config must be a TransformerConfig"):
+  with pytest.raises(TypeError, match="config must be a TransformerConfig or Transformer"):
     greedy_decode({"vocab_size": 3}, params, src, max_len=4)
