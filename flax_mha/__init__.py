@@ -22,6 +22,8 @@ from flax_mha.transformer import Transformer
 from flax_mha.transformer import TransformerConfig
 from flax_mha.decoding import beam_search
 from flax_mha.decoding import greedy_decode
+from flax_mha import sharding
+from flax_mha.ring_attention import ring_attention
 
 __version__ = "0.1.0"
 

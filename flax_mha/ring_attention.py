@@ -1,0 +1,127 @@
+"""Ring attention (Liu et al., 2023): sequence parallelism for exact attention.
+
+Query, key and value are split along the sequence over a mesh axis of n devices. Each device keeps
+its query shard and passes its key/value shard around the ring (`lax.ppermute` to the next
+device), n steps in all; at every step it runs the chunked kernel (`flax_mha.chunked`) on the
+(query shard, visiting key shard) pair and merges the partial result into its running output by
+log-sum-exp. No device ever holds more than one key/value shard or one [T/n, S/n] tile set, so
+per-device memory falls as 1/n. The backward (a `jax.custom_vjp`) sends K/V around the ring again
+together with their gradient accumulators dK/dV, each device adding its query shard's
+contribution from the GLOBAL lse saved by the forward; after n hops the accumulators are home.
+
+Causal attention compares global positions (query shard i starts at i·T/n, key shard j at j·S/n,
+top-left aligned like `dot_product_attention`); a key shard entirely in a query shard's future
+contributes nothing (the kernel's causal loop bounds skip all of its tiles).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from flax_mha import _checks
+from flax_mha.chunked import chunked_backward, chunked_forward
+
+
+def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
+                   is_causal: bool = False, scale: float | None = None,
+                   batch_axis: str | None = None):
+  """Exact attention with the sequence split over `mesh`'s `axis_name`.
+
+  Args:
+    query: [B, T, H, K] global array (sharded or not; it is laid out as T over `axis_name`).
+    key: [B, S, G, K], H a multiple of G (GQA).
+    value: [B, S, G, V].
+    mesh: the device mesh; T and S must be multiples of its `axis_name` size n.
+    axis_name: the mesh axis the sequence is split over.
+    is_causal: static; query t sees keys s <= t (global positions).
+    scale: static logits multiplier, default 1/sqrt(K).
+    batch_axis: optional mesh axis to split B over as well (data parallelism).
+
+  Returns:
+    [B, T, H, V] in the query dtype, sharded like the query. Differentiable in q, k, v.
+  """
+  _checks.check_qkv(query, key, value)
+  if query.ndim != 4:
+    raise ValueError(f"query must be [B, T, H, K], got shape {tuple(query.shape)}")
+  if not isinstance(is_causal, bool):
+    raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
+  n = mesh.shape[axis_name]
+  for name, length in (("query", query.shape[1]), ("key", key.shape[1])):
+    if length % n:
+      raise ValueError(f"{name} length {length} must be a multiple of mesh axis "
+                       f"{axis_name!r} of size {n}")
+  scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+  spec = P(batch_axis, axis_name)
+  local = functools.partial(_ring, axis_name=axis_name, n=n, is_causal=is_causal, scale=scale)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                       check_vma=False)(query, key, value)
+
+
+def _shift(xs, axis_name: str, n: int):
+  """Send every array in `xs` to the next device on the ring."""
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  return tuple(lax.ppermute(x, axis_name, perm) for x in xs)
+
+
+def _offsets(step, t: int, s: int, axis_name: str, n: int):
+  """Global start of this device's query shard and of the key shard it holds at ring `step`."""
+  me = lax.axis_index(axis_name)
+  return me * t, ((me - step) % n) * s
+
+
+def _ring_forward(q, k, v, axis_name, n, is_causal, scale):
+  """Local shards -> (out [B, T/n, H, V] float32, global lse [B, H, T/n] float32)."""
+  b, t, h, _ = q.shape
+  kernel = functools.partial(chunked_forward, scale=scale, is_causal=is_causal)
+
+  def step(i, carry):
+    out, lse, k_i, v_i = carry
+    q_offset, kv_offset = _offsets(i, t, k.shape[1], axis_name, n)
+    out_i, lse_i = kernel(q, k_i, v_i, q_offset=q_offset, kv_offset=kv_offset)
+    lse_new = jnp.logaddexp(lse, lse_i)
+    safe = jnp.where(jnp.isfinite(lse_new), lse_new, 0.0)  # rows with no visible key yet
+    weight = lambda l: jnp.exp(l - safe).transpose(0, 2, 1)[..., None]  # [B, H, T] -> [B, T, H, 1]
+    out = weight(lse) * out + weight(lse_i) * out_i
+    return (out, lse_new, *_shift((k_i, v_i), axis_name, n))
+
+  init = (jnp.zeros((b, t, h, v.shape[-1]), jnp.float32),
+          jnp.full((b, h, t), -jnp.inf, jnp.float32), k, v)
+  out, lse, _, _ = lax.fori_loop(0, n, step, init)
+  return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ring(q, k, v, axis_name, n, is_causal, scale):
+  out, _ = _ring_forward(q, k, v, axis_name, n, is_causal, scale)
+  return out.astype(q.dtype)
+
+
+def _ring_fwd(q, k, v, axis_name, n, is_causal, scale):
+  out, lse = _ring_forward(q, k, v, axis_name, n, is_causal, scale)
+  return out.astype(q.dtype), (q, k, v, out, lse)
+
+
+def _ring_bwd(axis_name, n, is_causal, scale, residuals, dout):
+  q, k, v, out, lse = residuals
+  kernel = functools.partial(chunked_backward, scale=scale, is_causal=is_causal)
+
+  def step(i, carry):
+    dq, k_i, v_i, dk_i, dv_i = carry
+    q_offset, kv_offset = _offsets(i, q.shape[1], k.shape[1], axis_name, n)
+    dq_i, dk_c, dv_c = kernel(q, k_i, v_i, out, lse, dout, q_offset=q_offset,
+                              kv_offset=kv_offset)
+    # The accumulators travel with their key/value shard; after n hops they are back home.
+    return (dq + dq_i, *_shift((k_i, v_i, dk_i + dk_c, dv_i + dv_c), axis_name, n))
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  dq, _, _, dk, dv = lax.fori_loop(0, n, step, (zeros(q), k, v, zeros(k), zeros(v)))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,129 @@
+"""Data and tensor (head) parallelism on JAX's SPMD engine, declared in one place.
+
+Parameters stay plain arrays (the tree equals flax.linen's); their layout comes from two tables:
+
+  PARAM_AXES     parameter path suffix -> logical axes, one name per array dim
+  LOGICAL_RULES  logical axis -> mesh axis ('data', 'model', 'seq') or None (replicated)
+
+Megatron-style tensor parallelism: the query/key/value kernels [D, H, K] and the first FFN kernel
+[D, F] are split over their output (heads, mlp) on 'model' (column-parallel), the `out` kernel
+[H, V, D] and the second FFN kernel [F, D] over their input (row-parallel), so every head and
+every hidden unit lives on one device and XLA inserts one all-reduce after each sublayer. The
+batch of activations is split over 'data'. `jit` propagates these layouts through the step; no
+sharding constraint inside the modules is needed.
+
+A dim whose size the mesh axis does not divide (e.g. G=1 key/value head on model=2, a vocab of 11)
+is replicated instead, so any config runs on any mesh.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# Mesh axis names: batch, tensor (heads / FFN width), sequence (ring attention).
+MESH_AXES = ("data", "model", "seq")
+
+# Parameter path suffix (regex on 'a/b/c' paths) -> logical axis of each dim; first match wins.
+# Paths that match nothing (LayerNorm scales, output biases) are replicated.
+PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"(query|key|value)/kernel$", ("embed", "heads", "head_dim")),  # column-parallel
+    (r"(query|key|value)/bias$", ("heads", "head_dim")),
+    (r"out/kernel$", ("heads", "head_dim", "embed")),                  # row-parallel
+    (r"Dense_0/kernel$", ("embed", "mlp")),                            # column-parallel
+    (r"Dense_0/bias$", ("mlp",)),
+    (r"Dense_1/kernel$", ("mlp", "embed")),                            # row-parallel
+    (r"(^|/)embedding$", ("vocab", "embed")),
+    (r"pos_embedding$", ("length", "embed")),
+    (r"logits/kernel$", ("embed", "vocab")),
+)
+
+# Logical axis -> mesh axis. Everything not listed is replicated.
+LOGICAL_RULES: dict[str, str | None] = {
+    "batch": "data",
+    "heads": "model",
+    "mlp": "model",
+}
+
+
+def make_mesh(data: int = 1, model: int = 1, seq: int = 1, devices=None) -> Mesh:
+  """A (data, model, seq) mesh over the first data·model·seq devices (default: all local ones)."""
+  devices = jax.devices() if devices is None else devices
+  n = data * model * seq
+  if min(data, model, seq) < 1 or n > len(devices):
+    raise ValueError(f"mesh data={data} x model={model} x seq={seq} needs {n} devices, "
+                     f"{len(devices)} available")
+  return jax.make_mesh((data, model, seq), MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices[:n])
+
+
+def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+  """The logical axes of the parameter at `path` ('encoder/layer_0/ffn/Dense_0/kernel').
+
+  Works on any tree that holds parameters (a train state, optimizer moments): only the suffix
+  counts. A leaf whose rank differs from the table's entry (a scalar step count) is replicated.
+  """
+  for pattern, axes in PARAM_AXES:
+    if re.search(pattern, path) and len(axes) == ndim:
+      return axes
+  return (None,) * ndim
+
+
+def spec_for(axes, shape, mesh: Mesh, rules=None) -> P:
+  """PartitionSpec of logical `axes` under `rules`, replicating dims the mesh axis can't divide."""
+  rules = LOGICAL_RULES if rules is None else rules
+  spec = []
+  for name, size in zip(axes, shape):
+    mesh_axis = rules.get(name) if name is not None else None
+    if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+      mesh_axis = None
+    spec.append(mesh_axis)
+  return P(*spec)
+
+
+def shardings_for(tree, mesh: Mesh, rules=None):
+  """Pytree of `NamedSharding`s for the parameters in `tree` (params, a train state, ...)."""
+  def one(path, leaf):
+    shape = getattr(leaf, "shape", ())
+    axes = logical_axes(_path_str(path), len(shape))
+    return NamedSharding(mesh, spec_for(axes, shape, mesh, rules))
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+param_shardings = shardings_for
+
+
+def shard_params(params, mesh: Mesh, rules=None):
+  """`params` placed on `mesh` as `PARAM_AXES` and `rules` declare."""
+  return jax.device_put(params, shardings_for(params, mesh, rules))
+
+
+shard_train_state = shard_params  # the same rules apply to every parameter-shaped leaf
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
+  """Sharding of an array [B, ...] of rank `ndim`: the batch over 'data', the rest replicated."""
+  return NamedSharding(mesh, P(LOGICAL_RULES["batch"], *(None,) * (ndim - 1)))
+
+
+def shard_batch(batch, mesh: Mesh):
+  """Every array [B, ...] in `batch` split over 'data' (B must be a multiple of its size)."""
+  data = mesh.shape[LOGICAL_RULES["batch"]]
+  def one(x):
+    if x.shape[0] % data:
+      raise ValueError(f"batch size {x.shape[0]} must be a multiple of mesh data={data}")
+    return jax.device_put(x, batch_sharding(mesh, x.ndim))
+  return jax.tree_util.tree_map(one, batch)
+
+
+def _path_str(path) -> str:
+  """'a/b/0/c' from a jax key path (dict keys, attributes, sequence indices)."""
+  parts = []
+  for entry in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(entry, attr):
+        parts.append(str(getattr(entry, attr)))
+        break
+  return "/".join(parts)
