@@ -1,0 +1,251 @@
+"""Attention speed and memory: flax_mha's implementations against jax.nn, flax.linen and torch.
+
+  python -m experiments.benchmark_attention [--quick]   # CPU, float32 -> docs/benchmark_cpu.*
+  python -m experiments.benchmark_attention --device gpu --dtype bfloat16 --json gpu.json
+
+Speed: forward and forward+backward, H=8, B·N = 4096 (B >= 1), causal and not; every peer in its
+native layout (transposes outside the timing), 2 warm-ups, median of 5 runs, all in one process
+so the ratios compare like with like. FLOPs: forward 4·B·H·N²·D (halved when causal), forward +
+backward 3.5x that. Memory: XLA's temp bytes of the compiled forward+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import flax_mha
+from flax_mha import attention as attention_lib
+from flax_mha import chunked
+from flax_mha import reference
+
+H100_BF16_TFLOPS = 989.0
+GIB = 2**30
+
+
+def _jax_peers(device):
+  """name -> fn(q, k, v, causal) in the [B, N, H, D] layout."""
+  ours = lambda name: lambda q, k, v, c: flax_mha.dot_product_attention(
+      q, k, v, is_causal=c, implementation=name)
+  peers = {"chunked": ours("chunked"), "default": ours(None)}
+  if device == "gpu":
+    peers["cudnn"] = ours("cudnn")
+    peers["jax.nn xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(
+        q, k, v, is_causal=c, implementation="xla")
+    peers["jax.nn cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(
+        q, k, v, is_causal=c, implementation="cudnn")
+    return peers
+  peers["reference"] = ours("reference")
+  peers["jax.nn"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c)
+  peers["flax.linen"] = lambda q, k, v, c: nn.dot_product_attention(
+      q, k, v, mask=nn.make_causal_mask(jnp.ones(q.shape[:2], bool)) if c else None)
+  return peers
+
+
+def _jax_callables(fn, q, k, v, causal):
+  fwd = jax.jit(lambda q, k, v: fn(q, k, v, causal))
+  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, causal).astype(jnp.float32)),
+                          argnums=(0, 1, 2)))
+  return (lambda: jax.block_until_ready(fwd(q, k, v)),
+          lambda: jax.block_until_ready(grad(q, k, v)))
+
+
+def _torch_callables(q, k, v, causal, device):
+  """torch SDPA in its [B, H, N, D] layout, or None when torch can't be imported."""
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  torch.set_num_threads(os.cpu_count() or 1)
+  dev = "cuda" if device == "gpu" else "cpu"
+  if dev == "cuda" and not torch.cuda.is_available():
+    return None
+  to = lambda x: torch.tensor(jnp.asarray(x, jnp.float32).transpose(0, 2, 1, 3).__array__(),
+                              dtype=getattr(torch, str(q.dtype)), device=dev, requires_grad=True)
+  tq, tk, tv = to(q), to(k), to(v)
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+  sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+  def fwd():
+    with torch.no_grad():
+      sdpa(tq, tk, tv, is_causal=causal)
+    sync()
+
+  def fwd_bwd():
+    sdpa(tq, tk, tv, is_causal=causal).float().sum().backward()
+    sync()
+
+  return fwd, fwd_bwd
+
+
+def _median_seconds(fn, runs):
+  fn()
+  fn()
+  times = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _skip(name, n, device):
+  """Budget for a < 10 min CPU run: the O(N²)-memory XLA peers stop at N = 4096, reference
+  (the same algorithm as jax.nn) at 2048; 'default' is timed as the implementation it picks."""
+  if device == "gpu" or name in ("chunked", "torch"):
+    return False
+  if name == "default":
+    return True
+  return n > (2048 if name == "reference" else 4096)
+
+
+def speed(grid, dtype, device, runs, tokens=4096):
+  rows = []
+  for d, n, causal in grid:
+    b = max(1, tokens // n)
+    q, k, v = (jax.random.normal(key, (b, n, 8, d), dtype)
+               for key in jax.random.split(jax.random.key(0), 3))
+    flops = 4 * b * 8 * n * n * d / (2 if causal else 1)
+    peers = {name: _jax_callables(fn, q, k, v, causal)
+             for name, fn in _jax_peers(device).items() if not _skip(name, n, device)}
+    torch_fns = _torch_callables(q, k, v, causal, device)
+    if torch_fns is not None:
+      peers["torch"] = torch_fns
+    times = {name: [_median_seconds(f, runs) for f in fns] for name, fns in peers.items()}
+    picked = attention_lib.default_implementation(q, k, v, None, None, 0.0)
+    if "default" not in times and picked in times:
+      times["default"] = times[picked]
+    for name, (t_fwd, t_fb) in times.items():
+      rows.append(dict(impl=name, D=d, N=n, B=b, causal=causal, fwd_ms=1e3 * t_fwd,
+                       fwd_bwd_ms=1e3 * t_fb, fwd_gflops=flops / t_fwd / 1e9,
+                       fwd_bwd_gflops=3.5 * flops / t_fb / 1e9,
+                       picks=picked if name == "default" else None))
+    print(f"D={d} N={n} causal={causal}: " + ", ".join(
+        f"{name} {t[0]*1e3:.2f}/{t[1]*1e3:.2f} ms" for name, t in times.items()), flush=True)
+  return rows
+
+
+def temp_bytes(fn, n, h, d=64):
+  """XLA temp bytes of jit(grad(sum(attention))) at [1, n, h, d], float32, causal (compile only)."""
+  x = jax.ShapeDtypeStruct((1, n, h, d), jnp.float32)
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v, None, None, is_causal=True, scale=d**-0.5,
+                                    dropout_rate=0.0, dropout_rng=None))
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def memory(quick):
+  impls = {"chunked": chunked.attention, "reference": reference.attention}
+  sizes = [(1024, 8), (4096, 8)] if quick else [(1024, 8), (4096, 8), (8192, 8), (32768, 8),
+                                                 (131072, 1)]
+  rows = []
+  for n, h in sizes:
+    for name, fn in impls.items():
+      if name == "reference" and n * n * h * 4 > 64 * GIB:
+        continue
+      rows.append(dict(impl=name, N=n, H=h, temp_gib=temp_bytes(fn, n, h) / GIB))
+  largest = {}
+  cap = 2**18 if quick else 2**20  # compile time grows with N: stop searching there
+  for name, fn in impls.items():  # doubling N at H=8 until the temp bytes pass 20 GiB
+    n = 1024
+    while n < cap and temp_bytes(fn, n * 2, 8) <= 20 * GIB:
+      n *= 2
+    largest[name] = f">= {n}" if n == cap else str(n)
+  return rows, largest
+
+
+def markdown(speed_rows, mem_rows, largest, device, dtype):
+  unit = "TFLOP/s" if device == "gpu" else "GFLOP/s"
+  scale = 1e-3 if device == "gpu" else 1.0
+  peers = sorted({r["impl"] for r in speed_rows} - {"default"})
+  lines = [f"# Attention benchmark ({device}, {dtype})", "",
+           "Generated by `python -m experiments.benchmark_attention`. H=8, B·N=4096 (B>=1) unless "
+           "--tokens says otherwise. "
+           f"Cells: fwd / fwd+bwd {unit}; `default` is `implementation=None` (the name it picks "
+           "in brackets); ratios are default's speed-up over each peer (fwd+bwd, same process).",
+           ""]
+  for causal in (False, True):
+    lines += [f"## {'Causal' if causal else 'Non-causal'}", "",
+              "| D | N | default | " + " | ".join(peers) + " | " +
+              " | ".join(f"x {p}" for p in peers if p != "chunked") + " |",
+              "|" + "---|" * (3 + 2 * len(peers) - 1)]
+    keyed = {(r["D"], r["N"], r["impl"]): r for r in speed_rows if r["causal"] == causal}
+    for d, n in sorted({(r["D"], r["N"]) for r in speed_rows}):
+      cell = lambda p: (f"{keyed[d, n, p]['fwd_gflops']*scale:.1f} / "
+                        f"{keyed[d, n, p]['fwd_bwd_gflops']*scale:.1f}"
+                        if (d, n, p) in keyed else "—")
+      ratio = lambda p: (
+          f"{keyed[d, n, p]['fwd_bwd_ms'] / keyed[d, n, 'default']['fwd_bwd_ms']:.2f}"
+              if (d, n, p) in keyed and (d, n, "default") in keyed else "—")
+      pick = keyed.get((d, n, "default"), {}).get("picks")
+      lines.append(f"| {d} | {n} | {cell('default')} ({pick}) | " +
+                   " | ".join(cell(p) for p in peers) + " | " +
+                   " | ".join(ratio(p) for p in peers if p != "chunked") + " |")
+    lines.append("")
+  if device == "gpu":
+    lines += [f"% of {H100_BF16_TFLOPS:.0f} TFLOP/s (H100 bf16 dense) = TFLOP/s / 9.89.", ""]
+  if mem_rows:
+    lines += ["## Memory: XLA temp bytes of forward+backward (float32, causal, D=64, B=1)", "",
+              "| impl | N | H | temp GiB |", "|---|---|---|---|"]
+    lines += [f"| {r['impl']} | {r['N']} | {r['H']} | {r['temp_gib']:.3f} |" for r in mem_rows]
+    lines += ["", "Largest N (H=8, D=64) whose forward+backward compiles within 20 GiB of temp: " +
+              ", ".join(f"{k} {v}" for k, v in largest.items()), ""]
+  return "\n".join(lines)
+
+
+def plot(speed_rows, path, device):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  d = min(r["D"] for r in speed_rows)
+  for ax, causal in zip(axes, (False, True)):
+    for impl in sorted({r["impl"] for r in speed_rows}):
+      pts = sorted((r["N"], r["fwd_bwd_gflops"]) for r in speed_rows
+                   if r["impl"] == impl and r["causal"] == causal and r["D"] == d)
+      ax.plot(*zip(*pts), marker="o", label=impl)
+    ax.set(xscale="log", xlabel="N", title=f"fwd+bwd, D={d}, {'causal' if causal else 'full'}")
+  axes[0].set_ylabel("GFLOP/s" if device == "cpu" else "GFLOP/s (x1e3 = TFLOP/s)")
+  axes[1].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="small grid, < 1 minute")
+  parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+  parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on GPU by default")
+  parser.add_argument("--tokens", type=int, default=4096,
+                      help="B·N (B = max(1, tokens // N)); a GPU needs e.g. 65536 to be busy")
+  parser.add_argument("--json", default=None, help="also write all rows as JSON here")
+  parser.add_argument("--out", default=None, help="markdown path (default docs/benchmark_<dev>.md)")
+  args = parser.parse_args()
+  dtype = args.dtype or ("bfloat16" if args.device == "gpu" else "float32")
+  if args.quick:
+    grid = [(64, n, c) for n in (128, 512) for c in (False, True)]
+  else:
+    grid = [(d, n, c) for d in (64, 128) for n in (128, 512, 1024, 2048, 4096, 8192)
+            for c in (False, True)]
+  speed_rows = speed(grid, jnp.dtype(dtype), args.device, runs=5, tokens=args.tokens)
+  mem_rows, largest = memory(args.quick) if args.device == "cpu" else ([], {})
+  out = args.out or f"docs/benchmark_{args.device}.md"
+  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+  with open(out, "w") as f:
+    f.write(markdown(speed_rows, mem_rows, largest, args.device, dtype))
+  plot(speed_rows, out[:-3] + ".png", args.device)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(speed=speed_rows, memory=mem_rows, largest_n=largest), f, indent=1)
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  main()

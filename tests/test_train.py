@@ -1,0 +1,173 @@
+"""End-to-end training of the tiny configs: metrics, plots, checkpoints, exact resume, decoding."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import algorithmic, dates, dates_long, num2words_de
+from experiments import data, metrics, train
+from tests.multidevice.run import run_check
+
+SUMMARY_KEYS = {"task", "steps", "train_seconds", "eval_token_accuracy", "eval_exact_match",
+                "params"}
+TIMING_KEYS = {"train_seconds", "steps_per_second", "train/tokens_per_second"}
+
+
+def tiny_config(steps=20):
+  """Copy of strings of length <= 8: every batch has the same shape, so one compilation."""
+  config = algorithmic.get_config("copy,tiny")
+  config.task.kwargs.max_len = 8
+  config.train.steps = steps
+  return config
+
+
+def _untimed(row):
+  return {k: v for k, v in row.items() if k not in TIMING_KEYS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """Every run here compiles the same few programs: share them through jax's persistent cache."""
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+  before = [getattr(jax.config, name) for name in names]
+  jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update(names[1], 0.0)
+  yield
+  for name, value in zip(names, before):
+    jax.config.update(name, value)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("copy"))
+  return workdir, train.train_and_evaluate(tiny_config(), workdir)
+
+
+def test_loss_goes_down(trained):
+  workdir, _ = trained
+  losses = [r["train/loss"] for r in metrics.read_rows(workdir) if "train/loss" in r]
+  uniform = np.log(train.get_task("copy").vocab.size)  # the loss of a uniform guess, roughly
+  assert len(losses) == 4 and losses[-1] < 0.95 * losses[0] and losses[-1] < 0.8 * uniform
+
+
+def test_summary_metrics_and_plots_written(trained):
+  workdir, summary = trained
+  with open(os.path.join(workdir, "summary.json")) as f:
+    assert json.load(f) == summary
+  assert SUMMARY_KEYS <= set(summary) and summary["steps"] == 20 and summary["task"] == "copy"
+  assert 0.0 <= summary["eval_exact_match"] <= summary["eval_token_accuracy"] <= 1.0
+  rows = metrics.read_rows(workdir)
+  assert [r["step"] for r in rows if "eval/exact_match" in r] == [10, 20]
+  for name in ("learning_curves.png", "cross_attention.png", "encoder_self_attention.png"):
+    with open(os.path.join(workdir, name), "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert os.listdir(os.path.join(workdir, "tensorboard"))
+
+
+def test_checkpoint_round_trip(trained):
+  """A finished workdir restores its final state: re-evaluating it reproduces the summary."""
+  workdir, summary = trained
+  again = train.train_and_evaluate(tiny_config(), workdir)
+  assert _untimed(again) == _untimed(summary)
+
+
+class Killed(Exception):
+  pass
+
+
+def test_killed_and_resumed_run_equals_uninterrupted(trained, tmp_path, monkeypatch):
+  """Killed at step 13 (checkpoint at 10), restarted: same metrics as one uninterrupted run."""
+  uninterrupted_dir, uninterrupted = trained
+  batch_fn = data.train_batch
+
+  def dies_at_13(task, seed, step, *args):
+    if step == 13:
+      raise Killed()
+    return batch_fn(task, seed, step, *args)
+
+  monkeypatch.setattr(data, "train_batch", dies_at_13)
+  with pytest.raises(Killed):
+    train.train_and_evaluate(tiny_config(), str(tmp_path))
+  assert max(r["step"] for r in metrics.read_rows(str(tmp_path))) == 10
+  monkeypatch.setattr(data, "train_batch", batch_fn)
+  resumed = train.train_and_evaluate(tiny_config(), str(tmp_path))
+  assert _untimed(resumed) == _untimed(uninterrupted)
+  assert ([_untimed(r) for r in metrics.read_rows(str(tmp_path))]
+          == [_untimed(r) for r in metrics.read_rows(uninterrupted_dir)])
+
+
+@pytest.mark.slow
+def test_text_target_reports_bleu_and_chrf(tmp_path):
+  """German number words (a text target): BLEU/chrF from the greedy decodings."""
+  config = num2words_de.get_config("words,tiny")
+  config.task.kwargs.max_value = 100  # short words (<= 16 characters): one shape
+  config.train.update(steps=4, log_every=2, checkpoint_every=4)
+  config.eval.update(every=4, num_examples=8, batch_size=8)
+  summary = train.train_and_evaluate(config, str(tmp_path))
+  assert 0.0 <= summary["eval_bleu"] <= 100.0 and 0.0 <= summary["eval_chrf"] <= 100.0
+
+
+def test_greedy_decodings_are_vocabulary_strings(trained):
+  del trained  # run after it: the compilation cache then holds the decoder
+  config = tiny_config()
+  task = train.get_task(config.task.name, **config.task.kwargs)
+  cfg = train.model_config(config, task)
+  model = train.Transformer(cfg)
+  evaluator = train.Evaluator(config, task, model, cfg)
+  state = train.init_state(config, task, model, train.make_optimizer(config.train))
+  hyps = evaluator.decode(state.params)
+  assert len(hyps) == len(evaluator.pairs) == config.eval.num_examples
+  assert all(task.vocab.decode(task.vocab.encode(h)) == h for h in hyps)
+
+
+@pytest.mark.parametrize("module,arg", [
+    (dates, None), (dates, "tiny"), (dates_long, None), (num2words_de, None),
+    (num2words_de, "words,tiny"), (algorithmic, "reverse"), (algorithmic, "sort,tiny"),
+    (algorithmic, "addition")])
+def test_configs_build_their_task(module, arg):
+  config = module.get_config(arg)
+  task = train.get_task(config.task.name, **config.task.kwargs)
+  assert train.model_config(config, task).vocab_size == task.vocab.size
+  with pytest.raises(ValueError):
+    module.get_config("no_such_variant")
+
+
+def test_unknown_config_key_raises(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--config", "configs/dates.py:tiny",
+       "--workdir", str(tmp_path), "--config.train.no_such_key=1"],
+      capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)), timeout=120)
+  assert result.returncode != 0 and "no_such_key" in result.stderr
+  assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_copy_is_learned(tmp_path):
+  config = tiny_config(steps=400)
+  config.model.update(d_model=64, d_ff=128)
+  config.train.update(batch_size=64, peak_lr=3e-3, warmup_steps=50, log_every=100,
+                      checkpoint_every=400)
+  config.eval.update(every=400, num_examples=64, batch_size=64)
+  summary = train.train_and_evaluate(config, str(tmp_path))
+  assert summary["eval_exact_match"] > 0.9
+  np.testing.assert_array_less(0.95, summary["eval_token_accuracy"])
+
+
+@pytest.mark.multidevice
+def test_sharded_run_matches_single_device():
+  """--config.mesh.data=2 --config.mesh.model=2 on 8 emulated devices logs the 1-device losses."""
+  lines = run_check("check_train.py")
+  assert any(line.startswith("OK runner layout") for line in lines), lines
+  assert any(line.startswith("OK runner data_x_model") for line in lines), lines
+
+
+def test_mesh_must_divide_batch(tmp_path):
+  config = tiny_config()
+  config.mesh.data = 3
+  with pytest.raises(ValueError, match="multiple of mesh.data=3"):
+    train.train_and_evaluate(config, str(tmp_path))
