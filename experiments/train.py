@@ -171,21 +171,34 @@ def init_state(config, task: Task, model, tx) -> TrainState:
 
 
 def shard_and_compile(config, state: TrainState, model, tx):
-  """`state` laid out on the config's (data, model) mesh, and the jitted step for that layout.
+  """`state` laid out on the config's (data, model, seq) mesh, and the jitted step for it.
 
-  Parameters and Adam moments follow flax_mha.sharding's tables; batches are split over 'data'.
-  A 1 x 1 mesh is the single-device run; the same seed gives the same losses on any mesh.
+  Parameters and Adam moments follow flax_mha.sharding's tables; batches are split over 'data';
+  with seq > 1 the training model's attention is ring attention over 'seq' (evaluation and
+  decoding use the model as configured). A 1 x 1 x 1 mesh is the single-device run; the same
+  seed gives the same losses on any mesh.
   """
-  if config.train.batch_size % config.mesh.data:
+  mesh_cfg = config.mesh
+  if config.train.batch_size % mesh_cfg.data:
     raise ValueError(f"train.batch_size={config.train.batch_size} must be a multiple of "
-                     f"mesh.data={config.mesh.data}")
-  mesh = sharding.make_mesh(data=config.mesh.data, model=config.mesh.model)
+                     f"mesh.data={mesh_cfg.data}")
+  if any(length % mesh_cfg.seq for length in config.train.length_buckets):
+    raise ValueError(f"train.length_buckets={tuple(config.train.length_buckets)} must be "
+                     f"multiples of mesh.seq={mesh_cfg.seq}")
+  mesh = sharding.make_mesh(data=mesh_cfg.data, model=mesh_cfg.model, seq=mesh_cfg.seq)
+  if mesh_cfg.seq > 1:
+    model = Transformer(model.config.replace(attention_implementation="ring"))
   state = sharding.shard_train_state(state, mesh)
   state_shardings = sharding.shardings_for(state, mesh)
-  step_fn = jax.jit(functools.partial(train_step, model=model, tx=tx,
-                                      label_smoothing=config.train.label_smoothing),
-                    in_shardings=(state_shardings, sharding.batch_sharding(mesh, ndim=2)),
-                    out_shardings=(state_shardings, None), donate_argnums=0)
+  jitted = jax.jit(functools.partial(train_step, model=model, tx=tx,
+                                     label_smoothing=config.train.label_smoothing),
+                   in_shardings=(state_shardings, sharding.batch_sharding(mesh, ndim=2)),
+                   out_shardings=(state_shardings, None), donate_argnums=0)
+
+  def step_fn(state, batch):
+    with jax.set_mesh(mesh):  # ring attention finds its mesh here when the step is traced
+      return jitted(state, batch)
+
   return state, step_fn
 
 

@@ -17,6 +17,7 @@ from flax_mha import _checks
 from flax_mha import chunked
 from flax_mha import cudnn
 from flax_mha import reference
+from flax_mha import ring_attention
 
 # name -> fn(query[B,T,H,K], key[B,S,G,K], value[B,S,G,V], bias, mask, *, is_causal, scale,
 #            dropout_rate, dropout_rng) -> [B,T,H,V].
@@ -24,29 +25,37 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "reference": reference.attention,  # plain and readable: the one every other is tested against
     "chunked": chunked.attention,      # online softmax, linear memory, its own backward
     "cudnn": cudnn.attention,          # cuDNN flash attention (GPU, 16-bit inputs)
+    "ring": ring_attention.attention,  # sequence-parallel over the 'seq' axis of jax.set_mesh
 }
 
-# Up to this many logits per (batch, head), the plain XLA graph beats the chunked loops on CPU
-# (measured by experiments/benchmark_attention.py: equal at 256², chunked ~2x faster at 512²).
-SMALL_LOGITS = 256 * 256
+# Up to this many logits per (batch, head), one fused XLA graph beats the chunked loops on CPU
+# (experiments/benchmark_attention.py, 2 cores, float32, forward+backward): at 512² the plain
+# graph is 10-40% faster, except causal with K <= 64, where chunked tiles skip half the work and
+# win by ~20% already at 512².
+SMALL_LOGITS = 512 * 512
+SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
 
 
 def register_implementation(name: str, fn: Callable) -> None:
-  """Make `fn` selectable as `implementation=name` (same signature as `reference.attention`)."""
+  """Add an implementation with `reference.attention`'s signature under `name`."""
   IMPLEMENTATIONS[name] = fn
 
 
-def default_implementation(query, key, value, bias, mask, dropout_rate) -> str:
+def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
+                           dropout_rate: float) -> str:
   """What `implementation=None` runs, decided at trace time from static shapes and the backend.
 
   1. On a GPU, "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
-  2. Otherwise "reference" for small problems (T·S <= SMALL_LOGITS), where one fused XLA graph
-     has the least overhead, and "chunked" beyond, which is faster and needs memory linear in S.
+  2. Otherwise "reference" for small problems (T·S up to SMALL_LOGITS, or
+     SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64), where one fused XLA graph has the
+     least overhead, and "chunked" beyond, which is faster and needs memory linear in S.
   """
   del bias, mask
   if cudnn.unsupported_reason(query, key, value, dropout_rate) is None:
     return "cudnn"
-  return "reference" if query.shape[1] * key.shape[1] <= SMALL_LOGITS else "chunked"
+  narrow_causal = is_causal and query.shape[-1] <= 64
+  limit = SMALL_LOGITS_CAUSAL_NARROW if narrow_causal else SMALL_LOGITS
+  return "reference" if query.shape[1] * key.shape[1] <= limit else "chunked"
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
@@ -77,7 +86,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
   q, k, v, bias4, mask4, scale = args
   name = implementation
   if name is None:
-    name = default_implementation(q, k, v, bias4, mask4, dropout_rate)
+    name = default_implementation(q, k, v, bias4, mask4, is_causal=is_causal,
+                                  dropout_rate=dropout_rate)
   if name not in IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be None or one of {sorted(IMPLEMENTATIONS)}, got {implementation!r}")

@@ -28,20 +28,25 @@ from flax_mha import _checks
 from flax_mha.chunked import chunked_backward, chunked_forward
 
 
-def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
+def ring_attention(query, key, value, mask=None, *, mesh: Mesh, axis_name: str = "seq",
                    is_causal: bool = False, scale: float | None = None,
-                   batch_axis: str | None = None):
+                   batch_axis: str | None = None, head_axis: str | None = None):
   """Exact attention with the sequence split over `mesh`'s `axis_name`.
 
   Args:
     query: [B, T, H, K] global array (sharded or not; it is laid out as T over `axis_name`).
     key: [B, S, G, K], H a multiple of G (GQA).
     value: [B, S, G, V].
-    mesh: the device mesh; T and S must be multiples of its `axis_name` size n.
+    mask: optional boolean (True = attend) broadcasting to [B, H, T, S]. It is split like the
+      query along T (a key-padding mask [B, 1, 1, S] is not split at all), so a full [B, 1, T, S]
+      mask costs T·S/n booleans per device.
+    mesh: the device mesh (or the abstract mesh of `jax.set_mesh`); T and S must be multiples
+      of its `axis_name` size n.
     axis_name: the mesh axis the sequence is split over.
     is_causal: static; query t sees keys s <= t (global positions).
     scale: static logits multiplier, default 1/sqrt(K).
     batch_axis: optional mesh axis to split B over as well (data parallelism).
+    head_axis: optional mesh axis to split H and G over as well (tensor parallelism).
 
   Returns:
     [B, T, H, V] in the query dtype, sharded like the query. Differentiable in q, k, v.
@@ -51,16 +56,51 @@ def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
     raise ValueError(f"query must be [B, T, H, K], got shape {tuple(query.shape)}")
   if not isinstance(is_causal, bool):
     raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
+  _checks.check_scale(scale)
+  (b, t, h, _), s = query.shape, key.shape[1]
+  if mask is not None:
+    _checks.check_broadcast("mask", mask, (b, h, t, s), boolean=True)
+    mask = jnp.asarray(mask).reshape((1,) * (4 - mask.ndim) + mask.shape)
   n = mesh.shape[axis_name]
-  for name, length in (("query", query.shape[1]), ("key", key.shape[1])):
+  for name, length in (("query", t), ("key", s)):
     if length % n:
       raise ValueError(f"{name} length {length} must be a multiple of mesh axis "
                        f"{axis_name!r} of size {n}")
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-  spec = P(batch_axis, axis_name)
+  spec = P(batch_axis, axis_name, head_axis)
+  mask_spec = None if mask is None else P(
+      *(axis if size > 1 else None
+        for axis, size in zip((batch_axis, head_axis, axis_name), mask.shape[:3])), None)
   local = functools.partial(_ring, axis_name=axis_name, n=n, is_causal=is_causal, scale=scale)
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                       check_vma=False)(query, key, value)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, mask_spec),
+                       out_specs=spec, check_vma=False)(query, key, value, mask)
+
+
+def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+  """`dot_product_attention(..., implementation="ring")`: ring attention over the context mesh.
+
+  Runs under `with jax.set_mesh(mesh)` where the mesh has a 'seq' axis (see
+  `flax_mha.sharding.make_mesh`); B is split over 'data' and H, G over 'model' where those axes
+  divide them. Supports masks and causality; bias and dropout raise.
+  """
+  del dropout_rng
+  if bias is not None or dropout_rate:
+    raise ValueError("implementation='ring' supports mask and is_causal, not bias or dropout; "
+                     f"got bias={'None' if bias is None else 'an array'}, "
+                     f"dropout_rate={dropout_rate}")
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or "seq" not in mesh.axis_names:
+    raise ValueError("implementation='ring' needs a mesh with a 'seq' axis in context: call it "
+                     "under `with jax.set_mesh(flax_mha.sharding.make_mesh(seq=n))`, got "
+                     f"{mesh}")
+
+  def axis(name, *sizes):
+    divides = name in mesh.axis_names and all(x % mesh.shape[name] == 0 for x in sizes)
+    return name if divides and mesh.shape[name] > 1 else None
+
+  return ring_attention(query, key, value, mask, mesh=mesh, is_causal=is_causal, scale=scale,
+                        batch_axis=axis("data", query.shape[0]),
+                        head_axis=axis("model", query.shape[2], key.shape[2]))
 
 
 def _shift(xs, axis_name: str, n: int):
@@ -75,7 +115,14 @@ def _offsets(step, t: int, s: int, axis_name: str, n: int):
   return me * t, ((me - step) % n) * s
 
 
-def _ring_forward(q, k, v, axis_name, n, is_causal, scale):
+def _mask_block(mask, kv_offset, s: int):
+  """The columns of this device's mask [b, h, t or 1, S or 1] for the key shard at kv_offset."""
+  if mask is None or mask.shape[3] == 1:
+    return mask
+  return lax.dynamic_slice_in_dim(mask, kv_offset, s, axis=3)
+
+
+def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale):
   """Local shards -> (out [B, T/n, H, V] float32, global lse [B, H, T/n] float32)."""
   b, t, h, _ = q.shape
   kernel = functools.partial(chunked_forward, scale=scale, is_causal=is_causal)
@@ -83,7 +130,8 @@ def _ring_forward(q, k, v, axis_name, n, is_causal, scale):
   def step(i, carry):
     out, lse, k_i, v_i = carry
     q_offset, kv_offset = _offsets(i, t, k.shape[1], axis_name, n)
-    out_i, lse_i = kernel(q, k_i, v_i, q_offset=q_offset, kv_offset=kv_offset)
+    out_i, lse_i = kernel(q, k_i, v_i, q_offset=q_offset, kv_offset=kv_offset,
+                          mask=_mask_block(mask, kv_offset, k.shape[1]))
     lse_new = jnp.logaddexp(lse, lse_i)
     safe = jnp.where(jnp.isfinite(lse_new), lse_new, 0.0)  # rows with no visible key yet
     weight = lambda l: jnp.exp(l - safe).transpose(0, 2, 1)[..., None]  # [B, H, T] -> [B, T, H, 1]
@@ -96,32 +144,32 @@ def _ring_forward(q, k, v, axis_name, n, is_causal, scale):
   return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring(q, k, v, axis_name, n, is_causal, scale):
-  out, _ = _ring_forward(q, k, v, axis_name, n, is_causal, scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring(q, k, v, mask, axis_name, n, is_causal, scale):
+  out, _ = _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale)
   return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, axis_name, n, is_causal, scale):
-  out, lse = _ring_forward(q, k, v, axis_name, n, is_causal, scale)
-  return out.astype(q.dtype), (q, k, v, out, lse)
+def _ring_fwd(q, k, v, mask, axis_name, n, is_causal, scale):
+  out, lse = _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale)
+  return out.astype(q.dtype), (q, k, v, mask, out, lse)
 
 
 def _ring_bwd(axis_name, n, is_causal, scale, residuals, dout):
-  q, k, v, out, lse = residuals
+  q, k, v, mask, out, lse = residuals
   kernel = functools.partial(chunked_backward, scale=scale, is_causal=is_causal)
 
   def step(i, carry):
     dq, k_i, v_i, dk_i, dv_i = carry
     q_offset, kv_offset = _offsets(i, q.shape[1], k.shape[1], axis_name, n)
     dq_i, dk_c, dv_c = kernel(q, k_i, v_i, out, lse, dout, q_offset=q_offset,
-                              kv_offset=kv_offset)
+                              kv_offset=kv_offset, mask=_mask_block(mask, kv_offset, k.shape[1]))
     # The accumulators travel with their key/value shard; after n hops they are back home.
     return (dq + dq_i, *_shift((k_i, v_i, dk_i + dk_c, dv_i + dv_c), axis_name, n))
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
   dq, _, _, dk, dv = lax.fori_loop(0, n, step, (zeros(q), k, v, zeros(k), zeros(v)))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -160,14 +160,17 @@ def test_copy_is_learned(tmp_path):
 
 @pytest.mark.multidevice
 def test_sharded_run_matches_single_device():
-  """--config.mesh.data=2 --config.mesh.model=2 on 8 emulated devices logs the 1-device losses."""
+  """--config.mesh.{data,model,seq}=2 on 8 emulated devices logs the 1-device losses."""
   lines = run_check("check_train.py")
   assert any(line.startswith("OK runner layout") for line in lines), lines
-  assert any(line.startswith("OK runner data_x_model") for line in lines), lines
+  assert any(line.startswith("OK runner data_x_model_x_seq") for line in lines), lines
 
 
 def test_mesh_must_divide_batch(tmp_path):
   config = tiny_config()
   config.mesh.data = 3
   with pytest.raises(ValueError, match="multiple of mesh.data=3"):
+    train.train_and_evaluate(config, str(tmp_path))
+  config.mesh.update(data=1, seq=3)
+  with pytest.raises(ValueError, match="multiples of mesh.seq=3"):
     train.train_and_evaluate(config, str(tmp_path))

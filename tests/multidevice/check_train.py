@@ -1,7 +1,8 @@
 """Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_train.py does).
 
-The experiment runner on a data x model = 2 x 2 mesh must log the single-device run's losses and
-evaluation metrics (same seed), with the train state really split. Prints one 'OK ...' per check.
+The experiment runner on a data x model x seq = 2 x 2 x 2 mesh (batch split, heads and FFN split,
+ring attention over the sequence) must log the single-device run's losses and evaluation metrics
+(same seed), with the train state really split. Prints one 'OK ...' per check.
 """
 
 import sys
@@ -19,25 +20,25 @@ from flax_mha.transformer import Transformer
 TIMING_KEYS = ("train_seconds", "steps_per_second", "train/tokens_per_second")
 
 
-def tiny_config(data: int, model: int):
+def tiny_config(data: int, model: int, seq: int):
   config = algorithmic.get_config("copy,tiny")
   config.task.kwargs.max_len = 8
   config.train.steps = 10
   config.eval.every = 10
-  config.mesh.update(data=data, model=model)
+  config.mesh.update(data=data, model=model, seq=seq)
   return config
 
 
-def run(data: int, model: int) -> tuple[list[dict], dict]:
+def run(data: int, model: int, seq: int) -> tuple[list[dict], dict]:
   with tempfile.TemporaryDirectory() as workdir:
-    summary = train.train_and_evaluate(tiny_config(data, model), workdir)
+    summary = train.train_and_evaluate(tiny_config(data, model, seq), workdir)
     rows = [{k: v for k, v in r.items() if k not in TIMING_KEYS}
             for r in metrics.read_rows(workdir)]
   return rows, {k: v for k, v in summary.items() if k not in TIMING_KEYS}
 
 
 def check_layout():
-  config = tiny_config(2, 2)
+  config = tiny_config(2, 2, 2)
   task = get_task(config.task.name, **config.task.kwargs)
   model = Transformer(train.model_config(config, task))
   tx = train.make_optimizer(config.train)
@@ -53,15 +54,15 @@ def check_layout():
 def main():
   assert jax.device_count() == 8, jax.device_count()
   check_layout()
-  want_rows, want_summary = run(1, 1)
-  got_rows, got_summary = run(2, 2)
+  want_rows, want_summary = run(1, 1, 1)
+  got_rows, got_summary = run(2, 2, 2)
   assert [r["step"] for r in got_rows] == [r["step"] for r in want_rows]
   for got, want in zip(got_rows, want_rows):
     for key, value in want.items():
       np.testing.assert_allclose(got[key], value, rtol=2e-4, atol=1e-5, err_msg=key)
   assert got_summary.keys() == want_summary.keys()
   np.testing.assert_allclose(got_summary["eval_loss"], want_summary["eval_loss"], rtol=2e-4)
-  print(f"OK runner data_x_model losses={[round(r['train/loss'], 5) for r in got_rows if 'train/loss' in r]}")
+  print(f"OK runner data_x_model_x_seq losses={[round(r['train/loss'], 5) for r in got_rows if 'train/loss' in r]}")
 
 
 if __name__ == "__main__":
