@@ -4,8 +4,10 @@
   python -m experiments.benchmark_attention --device gpu --dtype bfloat16 --json gpu.json
 
 Speed: forward and forward+backward, H=8, B·N = 4096 (B >= 1), causal and not; every peer in its
-native layout (transposes outside the timing), 2 warm-ups, median of 5 runs, all in one process
-so the ratios compare like with like. FLOPs: forward 4·B·H·N²·D (halved when causal), forward +
+native layout (transposes outside the timing), 2 warm-ups each, then 5 rounds that time every
+peer once in turn (so load on a shared machine hits all alike), medians; all in one process so
+the ratios compare like with like. torch's OpenMP threads are told not to spin after their work
+(OMP_WAIT_POLICY=PASSIVE), which would otherwise slow the JAX peer timed next. FLOPs: forward 4·B·H·N²·D (halved when causal), forward +
 backward 3.5x that. Memory: XLA's temp bytes of the compiled forward+backward.
 """
 
@@ -16,6 +18,8 @@ import json
 import os
 import statistics
 import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads its OpenMP runtime
 
 import flax.linen as nn
 import jax
@@ -85,15 +89,18 @@ def _torch_callables(q, k, v, causal, device):
   return fwd, fwd_bwd
 
 
-def _median_seconds(fn, runs):
-  fn()
-  fn()
-  times = []
-  for _ in range(runs):
-    start = time.perf_counter()
+def _median_seconds(fns: dict, runs: int) -> dict:
+  """name -> median seconds of fns[name](), timed round-robin after two warm-ups each."""
+  for fn in fns.values():
     fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+    fn()
+  times = {name: [] for name in fns}
+  for _ in range(runs):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _skip(name, n, device):
@@ -118,8 +125,11 @@ def speed(grid, dtype, device, runs, tokens=4096):
     torch_fns = _torch_callables(q, k, v, causal, device)
     if torch_fns is not None:
       peers["torch"] = torch_fns
-    times = {name: [_median_seconds(f, runs) for f in fns] for name, fns in peers.items()}
-    picked = attention_lib.default_implementation(q, k, v, None, None, 0.0)
+    calls = {(name, i): fn for name, fns in peers.items() for i, fn in enumerate(fns)}
+    medians = _median_seconds(calls, runs)
+    times = {name: (medians[name, 0], medians[name, 1]) for name in peers}
+    picked = attention_lib.default_implementation(q, k, v, None, None, is_causal=causal,
+                                                  dropout_rate=0.0)
     if "default" not in times and picked in times:
       times["default"] = times[picked]
     for name, (t_fwd, t_fb) in times.items():

@@ -348,10 +348,17 @@ def _attention_bwd(cfg, residuals, dout):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def default_blocks(t: int, s: int) -> tuple[int, int]:
-  """(block_q, block_k) by measurement on a 2-core CPU (experiments/benchmark_attention.py):
-  128-row tiles win up to 1024 keys (causal skips more tiles), 512 beyond (fewer loop trips)."""
-  block = 128 if max(t, s) <= 1024 else 512
+def default_blocks(t: int, s: int, k: int, is_causal: bool) -> tuple[int, int]:
+  """(block_q, block_k), measured on a 2-core CPU (experiments/benchmark_attention.py, float32).
+
+  Without a causal mask, 512-row tiles (fewest loop trips) are fastest at every length. Causal
+  tiles above the diagonal are skipped, so smaller tiles skip more: 128 rows for K <= 64 and 256
+  for K = 128 win up to 1024 keys; beyond, 512 again.
+  """
+  if is_causal and max(t, s) <= 1024:
+    block = 128 if k <= 64 else 256
+  else:
+    block = 512
   return block, block
 
 
@@ -368,7 +375,7 @@ def make_attention(block_q: int | None = None, block_k: int | None = None):
 
   def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
     """Chunked `softmax(QKᵀ·scale + bias, masked)·V`: [B, T, H, V], as `reference.attention`."""
-    auto_q, auto_k = default_blocks(query.shape[1], key.shape[1])
+    auto_q, auto_k = default_blocks(query.shape[1], key.shape[1], query.shape[-1], is_causal)
     cfg = _Config(float(scale), is_causal, float(dropout_rate), block_q or auto_q,
                   block_k or auto_k)
     return _attention(query, key, value, bias, mask, dropout_rng, cfg)

@@ -32,7 +32,6 @@ def attention_logits(query_BTHK, key_BSGK, bias, scale):
   """Scaled logits [B, H, T, S] in the softmax dtype, bias added; GQA without repeating K."""
   b, t, h, k = query_BTHK.shape
   s, g = key_BSGK.shape[1:3]
-  query_BTHK = query_BTHK * jnp.asarray(scale, query_BTHK.dtype)  # T·K multiplies, not T·S
   f32 = softmax_dtype(query_BTHK.dtype)
   if g == h:  # plain multi-head: a 4-d product is ~25% faster on CPU than the grouped one
     logits_BHTS = jnp.einsum("BTHK,BSHK->BHTS", query_BTHK, key_BSGK, preferred_element_type=f32)
@@ -40,6 +39,9 @@ def attention_logits(query_BTHK, key_BSGK, bias, scale):
     q_BTGRK = query_BTHK.reshape(b, t, g, h // g, k)
     logits_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, key_BSGK, preferred_element_type=f32)
     logits_BHTS = logits_BGRTS.reshape(b, h, t, s)
+  # Scaling the logits fuses into the softmax; scaling the query first (fewer multiplies) made
+  # XLA:CPU's forward ~1.5x slower (experiments/benchmark_attention.py, N=128).
+  logits_BHTS = logits_BHTS * jnp.asarray(scale, f32)
   if bias is not None:
     logits_BHTS = logits_BHTS + bias.astype(logits_BHTS.dtype)
   return logits_BHTS
@@ -77,8 +79,9 @@ def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate,
   if visible is not None:
     logits_BHTS = jnp.where(visible, logits_BHTS, MASK_VALUE)
   weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
-  if visible is not None:
-    # A row with no visible key would be uniform over masked keys: make it zero instead.
+  if mask is not None:
+    # A row with no visible key would be uniform over masked keys: make it zero instead. (Causal
+    # alone never hides a whole row: top-left aligned, query 0 sees key 0.)
     weights_BHTS = jnp.where(visible, weights_BHTS, 0.0)
   if dropout_rate > 0.0:
     bh = jnp.arange(b * h).reshape(b, h, 1, 1)

@@ -221,3 +221,17 @@ def test_split_and_merge_heads_any_dtype():
   chex.assert_shape(heads, (2, T, H, K))
   assert heads.dtype == jnp.int32
   np.testing.assert_array_equal(flax_mha.merge_heads(heads), x)
+
+
+@pytest.mark.parametrize("n, k, is_causal, picked", [
+    (128, 64, False, "reference"), (512, 64, False, "reference"), (1024, 64, False, "chunked"),
+    (256, 64, True, "reference"), (512, 64, True, "chunked"), (512, 128, True, "reference"),
+])
+def test_default_implementation_on_cpu(n, k, is_causal, picked):
+  """Plain XLA graph for small logits, chunked beyond (SMALL_LOGITS, measured on CPU)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU rule")
+  x = jax.ShapeDtypeStruct((1, n, 2, k), jnp.float32)
+  got = flax_mha.attention.default_implementation(x, x, x, None, None, is_causal=is_causal,
+                                                  dropout_rate=0.0)
+  assert got == picked
