@@ -73,22 +73,30 @@ def _fmix32(h):
 
 def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
   """Softmax weights [B, H, T, S] in the softmax dtype; fully masked rows are all zero."""
+  weights_BHTS, row_visible = _weights(query, key, bias, mask, is_causal, scale, dropout_rate,
+                                       dropout_rng)
+  return weights_BHTS if row_visible is None else jnp.where(row_visible, weights_BHTS, 0.0)
+
+
+def _weights(query, key, bias, mask, is_causal, scale, dropout_rate, dropout_rng):
+  """Softmax weights [B, H, T, S] with dropout, and whether each row sees a key [.., T, 1].
+
+  A row with no visible key comes out uniform here; callers zero it (or its output). Without a
+  mask the row flag is None: causal alone never hides a row (top-left: query t sees key 0).
+  """
   logits_BHTS = attention_logits(query, key, bias, scale)
   b, h, t, s = logits_BHTS.shape
   visible = visible_mask(mask, is_causal, t, s)
   if visible is not None:
     logits_BHTS = jnp.where(visible, logits_BHTS, MASK_VALUE)
   weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
-  if mask is not None:
-    # A row with no visible key would be uniform over masked keys: make it zero instead. (Causal
-    # alone never hides a whole row: top-left aligned, query 0 sees key 0.)
-    weights_BHTS = jnp.where(visible, weights_BHTS, 0.0)
   if dropout_rate > 0.0:
     bh = jnp.arange(b * h).reshape(b, h, 1, 1)
     keep = dropout_keep_mask(
         dropout_rng, dropout_rate, bh, jnp.arange(t)[:, None], jnp.arange(s)[None, :], s)
     weights_BHTS = jnp.where(keep, weights_BHTS / (1.0 - dropout_rate), 0.0)
-  return weights_BHTS
+  row_visible = None if mask is None else jnp.any(visible, axis=-1, keepdims=True)
+  return weights_BHTS, row_visible
 
 
 def apply_weights(weights_BHTS, value_BSGV):
@@ -105,7 +113,12 @@ def apply_weights(weights_BHTS, value_BSGV):
 
 def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
   """Reference `softmax(QKᵀ·scale + bias, masked)·V`: [B, T, H, V]."""
-  weights = attention_weights(
-      query, key, bias, mask, is_causal=is_causal, scale=scale,
-      dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-  return apply_weights(weights, value)
+  weights_BHTS, row_visible = _weights(query, key, bias, mask, is_causal, scale, dropout_rate,
+                                       dropout_rng)
+  out_BTHV = apply_weights(weights_BHTS, value)
+  if row_visible is None:
+    return out_BTHV
+  # Rows with no visible key give 0: one multiply per output row rather than per weight.
+  row_visible_BTH1 = jnp.moveaxis(row_visible.reshape((1,) * (4 - row_visible.ndim)
+                                                      + row_visible.shape), 1, 2)
+  return jnp.where(row_visible_BTH1, out_BTHV, 0.0)
