@@ -28,20 +28,26 @@ def visible_mask(mask, is_causal: bool, num_q: int, num_kv: int):
   return masks_lib.combine_masks(mask, causal)
 
 
-def attention_logits(query_BTHK, key_BSGK, bias, scale):
-  """Scaled logits [B, H, T, S] in the softmax dtype, bias added; GQA without repeating K."""
+def attention_logits(query_BTHK, key_BSGK, bias, scale, *, scale_query: bool = False):
+  """Scaled logits [B, H, T, S] in the softmax dtype, bias added; GQA without repeating K.
+
+  `scale_query` multiplies the query [T, K] rather than the logits [T, S]: cheaper when nothing
+  else touches the logits before the softmax (XLA:CPU fuses a logit scale into a mask or bias
+  pass, not into the product). Same value either way, up to rounding.
+  """
   b, t, h, k = query_BTHK.shape
   s, g = key_BSGK.shape[1:3]
   f32 = softmax_dtype(query_BTHK.dtype)
+  if scale_query:
+    query_BTHK = query_BTHK * jnp.asarray(scale, query_BTHK.dtype)
   if g == h:  # plain multi-head: a 4-d product is ~25% faster on CPU than the grouped one
     logits_BHTS = jnp.einsum("BTHK,BSHK->BHTS", query_BTHK, key_BSGK, preferred_element_type=f32)
   else:
     q_BTGRK = query_BTHK.reshape(b, t, g, h // g, k)
     logits_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, key_BSGK, preferred_element_type=f32)
     logits_BHTS = logits_BGRTS.reshape(b, h, t, s)
-  # Scaling the logits fuses into the softmax; scaling the query first (fewer multiplies) made
-  # XLA:CPU's forward ~1.5x slower (experiments/benchmark_attention.py, N=128).
-  logits_BHTS = logits_BHTS * jnp.asarray(scale, f32)
+  if not scale_query:
+    logits_BHTS = logits_BHTS * jnp.asarray(scale, f32)
   if bias is not None:
     logits_BHTS = logits_BHTS + bias.astype(logits_BHTS.dtype)
   return logits_BHTS
@@ -84,9 +90,12 @@ def _weights(query, key, bias, mask, is_causal, scale, dropout_rate, dropout_rng
   A row with no visible key comes out uniform here; callers zero it (or its output). Without a
   mask the row flag is None: causal alone never hides a row (top-left: query t sees key 0).
   """
-  logits_BHTS = attention_logits(query, key, bias, scale)
+  visible = visible_mask(mask, is_causal, query.shape[1], key.shape[1])
+  # Scaling the query when the logits get no other elementwise pass: up to 1.15x faster
+  # forward+backward at N <= 512 (experiments/benchmark_attention.py); slower with a mask.
+  scale_query = visible is None and bias is None
+  logits_BHTS = attention_logits(query, key, bias, scale, scale_query=scale_query)
   b, h, t, s = logits_BHTS.shape
-  visible = visible_mask(mask, is_causal, t, s)
   if visible is not None:
     logits_BHTS = jnp.where(visible, logits_BHTS, MASK_VALUE)
   weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
@@ -100,15 +109,20 @@ def _weights(query, key, bias, mask, is_causal, scale, dropout_rate, dropout_rng
 
 
 def apply_weights(weights_BHTS, value_BSGV):
-  """Weighted sum of values: [B, H, T, S] x [B, S, G, V] -> [B, T, H, V], GQA without repeats."""
+  """Weighted sum of values: [B, H, T, S] x [B, S, G, V] -> [B, T, H, V], GQA without repeats.
+
+  The product keeps the weights' head-major order and the result is transposed after: asking
+  the product for [B, T, H, V] directly made XLA:CPU's forward ~2x slower at N <= 256.
+  """
   b, h, t, s = weights_BHTS.shape
   g, v = value_BSGV.shape[2:]
   weights_BHTS = weights_BHTS.astype(value_BSGV.dtype)
   if g == h:
-    return jnp.einsum("BHTS,BSHV->BTHV", weights_BHTS, value_BSGV)
-  weights_BGRTS = weights_BHTS.reshape(b, g, h // g, t, s)
-  out_BTGRV = jnp.einsum("BGRTS,BSGV->BTGRV", weights_BGRTS, value_BSGV)
-  return out_BTGRV.reshape(b, t, h, v)
+    out_BHTV = jnp.einsum("BHTS,BSHV->BHTV", weights_BHTS, value_BSGV)
+  else:
+    weights_BGRTS = weights_BHTS.reshape(b, g, h // g, t, s)
+    out_BHTV = jnp.einsum("BGRTS,BSGV->BGRTV", weights_BGRTS, value_BSGV).reshape(b, h, t, v)
+  return out_BHTV.transpose(0, 2, 1, 3)
 
 
 def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
