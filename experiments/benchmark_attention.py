@@ -7,8 +7,9 @@ Speed: forward and forward+backward, H=8, B·N = 4096 (B >= 1), causal and not; 
 native layout (transposes outside the timing), 2 warm-ups each, then 5 rounds that time every
 peer once in turn (so load on a shared machine hits all alike), medians; all in one process so
 the ratios compare like with like. torch's OpenMP threads are told not to spin after their work
-(OMP_WAIT_POLICY=PASSIVE), which would otherwise slow the JAX peer timed next. FLOPs: forward 4·B·H·N²·D (halved when causal), forward +
-backward 3.5x that. Memory: XLA's temp bytes of the compiled forward+backward.
+(OMP_WAIT_POLICY=PASSIVE), which would otherwise slow the JAX peer timed next. FLOPs: forward
+4·B·H·N²·D (halved when causal), forward + backward 3.5x that. Memory: XLA's temp bytes of the
+compiled forward+backward.
 """
 
 from __future__ import annotations
