@@ -31,7 +31,7 @@ from ml_collections import config_flags
 
 from experiments import data, metrics, plots
 from experiments.tasks import BOS, EOS, PAD, Task, get_task
-from flax_mha import sharding
+from flax_mha import ring_implementation, sharding
 from flax_mha.decoding import greedy_decode
 from flax_mha.transformer import Transformer, TransformerConfig
 
@@ -187,7 +187,7 @@ def shard_and_compile(config, state: TrainState, model, tx):
                      f"multiples of mesh.seq={mesh_cfg.seq}")
   mesh = sharding.make_mesh(data=mesh_cfg.data, model=mesh_cfg.model, seq=mesh_cfg.seq)
   if mesh_cfg.seq > 1:
-    model = Transformer(model.config.replace(attention_implementation="ring"))
+    model = Transformer(model.config.replace(attention_implementation=ring_implementation))
   state = sharding.shard_train_state(state, mesh)
   state_shardings = sharding.shardings_for(state, mesh)
   jitted = jax.jit(functools.partial(train_step, model=model, tx=tx,

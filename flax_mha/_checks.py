@@ -1,12 +1,13 @@
 """Input checks at the public boundary: every message names the argument, what was expected and what came.
 
-Shapes use the dimension key of STYLE.md: B batch, T query length, S key length, H query heads,
-G key/value heads, K qk head dim, V value head dim. Checks read static shapes and dtypes only, so
+Shapes use the dimension key written in `flax_mha/__init__.py`: B batch, T query length, S key
+length, H query heads, G key/value heads, K qk head dim, V value head dim. Checks read static shapes and dtypes only, so
 they cost nothing under `jit` and never touch traced values.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -50,10 +51,17 @@ def check_qkv(query, key, value) -> None:
     raise ValueError(
         "query [..., T, H, K] and key [..., S, G, K] must share the head dim K, got "
         f"{query.shape[-1]} and {key.shape[-1]}")
-  num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
-  if num_kv_heads == 0 or num_heads % num_kv_heads:
+  check_heads(query.shape[-2], key.shape[-2], names=("query heads H", "key/value heads G"))
+
+
+def check_heads(num_heads, num_kv_heads, *, names=("num_heads", "num_kv_heads")) -> None:
+  """Both positive ints and num_heads a multiple of num_kv_heads (GQA/MQA)."""
+  for name, n in zip(names, (num_heads, num_kv_heads)):
+    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n <= 0:
+      raise ValueError(f"{name} must be a positive int, got {n!r}")
+  if num_heads % num_kv_heads:
     raise ValueError(
-        f"query heads H={num_heads} must be a multiple of key/value heads G={num_kv_heads}")
+        f"{names[0]}={num_heads} must be a multiple of {names[1]}={num_kv_heads}")
 
 
 def check_broadcast(name: str, x, target: tuple[int, ...], *, boolean: bool) -> None:
@@ -61,7 +69,9 @@ def check_broadcast(name: str, x, target: tuple[int, ...], *, boolean: bool) -> 
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be an array, got {type(x).__name__}")
   if boolean and x.dtype != jnp.bool_:
-    raise TypeError(f"{name} must be boolean (True = attend), got dtype {x.dtype}")
+    raise TypeError(
+        f"{name} must be boolean (True = attend), got dtype {x.dtype}: for flax's 1/0 masks "
+        f"pass {name}.astype(bool); an additive mask (0 / -inf) belongs in `bias`")
   if not boolean and not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
   try:
@@ -74,27 +84,52 @@ def check_broadcast(name: str, x, target: tuple[int, ...], *, boolean: bool) -> 
 
 
 def check_scale(scale) -> None:
-  """scale is static: a Python real number (or None for 1/sqrt(K))."""
+  """scale is static: a finite Python real number (or None for 1/sqrt(K))."""
   if scale is None:
     return
   if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
     raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+  if not math.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale}")
+
+
+def check_is_causal(is_causal) -> None:
+  """is_causal is static: a Python bool."""
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
+
+
+def check_dropout_rate(rate, name: str = "dropout_rate") -> None:
+  """A static Python number in [0, 1)."""
+  if not isinstance(rate, numbers.Real) or isinstance(rate, bool):
+    raise TypeError(f"{name} must be a Python float in [0, 1), got {type(rate).__name__}")
+  if not 0.0 <= float(rate) < 1.0:
+    raise ValueError(f"{name} must be in [0, 1), got {rate}")
 
 
 def check_dropout(dropout_rate, dropout_rng, *, needs_rng: bool = True) -> None:
-  """dropout_rate is a static Python number in [0, 1); a nonzero rate needs an rng."""
-  if not isinstance(dropout_rate, numbers.Real) or isinstance(dropout_rate, bool):
-    raise TypeError(
-        f"dropout_rate must be a Python float in [0, 1), got {type(dropout_rate).__name__}")
-  if not 0.0 <= float(dropout_rate) < 1.0:
-    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+  """dropout_rate in [0, 1); a nonzero rate needs an rng, which must be ONE key."""
+  check_dropout_rate(dropout_rate)
   if needs_rng and dropout_rate > 0.0 and dropout_rng is None:
     raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng, got None")
   if dropout_rng is not None:
     if not hasattr(dropout_rng, "dtype"):
       raise TypeError(f"dropout_rng must be a jax.random.key, got {type(dropout_rng).__name__}")
-    is_typed = jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key)
-    if not is_typed and (dropout_rng.dtype != jnp.uint32 or dropout_rng.ndim != 1):
+    if jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key):
+      if dropout_rng.ndim:
+        raise ValueError(
+            f"dropout_rng must be a single key (shape ()), got shape {tuple(dropout_rng.shape)}")
+    elif dropout_rng.dtype != jnp.uint32 or dropout_rng.ndim != 1:
       raise TypeError(
-          "dropout_rng must be a jax.random.key or a raw uint32 key (jax.random.PRNGKey), got "
-          f"dtype {dropout_rng.dtype} and shape {tuple(dropout_rng.shape)}")
+          "dropout_rng must be a jax.random.key or a single raw uint32 key "
+          f"(jax.random.PRNGKey), got dtype {dropout_rng.dtype} and shape "
+          f"{tuple(dropout_rng.shape)}")
+
+
+def check_tokens(name: str, tokens, rank: int = 2) -> None:
+  """Integer token ids of the given rank ([B, L] by default)."""
+  if not hasattr(tokens, "dtype") or not hasattr(tokens, "ndim"):
+    raise TypeError(f"{name} must be an integer array [B, L], got {type(tokens).__name__}")
+  if tokens.ndim != rank or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{name} must be integer tokens of rank {rank} ([B, L]), got dtype "
+                     f"{tokens.dtype} and shape {tuple(tokens.shape)}")

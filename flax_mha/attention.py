@@ -14,31 +14,27 @@ from typing import Callable
 import jax.numpy as jnp
 
 from flax_mha import _checks
+from flax_mha import _common
 from flax_mha import chunked
 from flax_mha import cudnn
 from flax_mha import reference
-from flax_mha import ring_attention
+from flax_mha import xla
 
-# name -> fn(query[B,T,H,K], key[B,S,G,K], value[B,S,G,V], bias, mask, *, is_causal, scale,
-#            dropout_rate, dropout_rng) -> [B,T,H,V].
+# name -> fn(query [B,T,H,K], key [B,S,G,K], value [B,S,G,V], bias, mask, *, is_causal, scale,
+#            dropout_rate, dropout_rng) -> [B,T,H,V]; bias and mask None or rank 4.
 IMPLEMENTATIONS: dict[str, Callable] = {
-    "reference": reference.attention,  # plain and readable: the one every other is tested against
+    "reference": reference.attention,  # the oracle: the formula on the page, untuned
+    "xla": xla.attention,              # the same graph tuned for XLA: fastest for small T·S
     "chunked": chunked.attention,      # online softmax, linear memory, its own backward
     "cudnn": cudnn.attention,          # cuDNN flash attention (GPU, 16-bit inputs)
-    "ring": ring_attention.attention,  # sequence-parallel over the 'seq' axis of jax.set_mesh
 }
 
-# Up to this many logits per (batch, head), one fused XLA graph beats the chunked loops on CPU
-# (experiments/benchmark_attention.py, 2 cores, float32, forward+backward): at 512² the plain
-# graph is 10-40% faster, except causal with K <= 64, where chunked tiles skip half the work and
-# win by ~20% already at 512².
+# Up to this many logits per (batch, head), `implementation=None` runs the plain XLA graph, and
+# the chunked loops beyond (where they are faster and memory-lean). The crossover is where the
+# two are level in `python -m experiments.benchmark_attention` on a 2-core CPU, float32,
+# forward+backward; chunked's causal tile skipping moves it down for causal K <= 64.
 SMALL_LOGITS = 512 * 512
 SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
-
-
-def register_implementation(name: str, fn: Callable) -> None:
-  """Add an implementation with `reference.attention`'s signature under `name`."""
-  IMPLEMENTATIONS[name] = fn
 
 
 def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
@@ -46,21 +42,22 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
   """What `implementation=None` runs, decided at trace time from static shapes and the backend.
 
   1. On a GPU, "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
-  2. Otherwise "reference" for small problems (T·S up to SMALL_LOGITS, or
-     SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64), where one fused XLA graph has the
-     least overhead, and "chunked" beyond, which is faster and needs memory linear in S.
+  2. Otherwise "xla" for small problems (T·S up to SMALL_LOGITS, or SMALL_LOGITS_CAUSAL_NARROW
+     when causal with K <= 64), where one fused XLA graph has the least overhead, and "chunked"
+     beyond, which is faster there and needs memory linear in S.
+  Every choice computes the same function (see `flax_mha.reference`).
   """
   del bias, mask
   if cudnn.unsupported_reason(query, key, value, dropout_rate) is None:
     return "cudnn"
   narrow_causal = is_causal and query.shape[-1] <= 64
   limit = SMALL_LOGITS_CAUSAL_NARROW if narrow_causal else SMALL_LOGITS
-  return "reference" if query.shape[1] * key.shape[1] <= limit else "chunked"
+  return "xla" if query.shape[1] * key.shape[1] <= limit else "chunked"
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
                           scale: float | None = None, dropout_rate: float = 0.0,
-                          dropout_rng=None, implementation: str | None = None):
+                          dropout_rng=None, implementation: str | Callable | None = None):
   """Scaled dot-product attention `softmax(Q·Kᵀ·scale + bias, masked)·V`.
 
   Args:
@@ -68,33 +65,38 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
     key: [..., S, G, K], same dtype; H must be a multiple of G (GQA/MQA: query head h reads
       key/value head h // (H // G); K/V are never materialised H times).
     value: [..., S, G, V]; V may differ from K.
-    bias: optional additive bias, floating, broadcastable to [..., H, T, S].
-    mask: optional boolean mask, True = attend, broadcastable to [..., H, T, S].
+    bias: optional additive bias, floating, broadcastable to [..., H, T, S]. A logit at -inf
+      hides its key, exactly like a False in `mask`.
+    mask: optional boolean mask, True = attend, broadcastable to [..., H, T, S]. Numeric masks
+      are refused rather than guessed at: flax's float 1/0 masks (`flax.linen.make_causal_mask`)
+      mean `mask.astype(bool)`; torch-style additive float masks (0 / -inf) belong in `bias`.
     is_causal: static; query i sees keys j <= i (top-left aligned when T != S).
-    scale: static multiplier of the logits; default 1/sqrt(K).
+    scale: static finite multiplier of the logits; default 1/sqrt(K).
     dropout_rate: static rate of dropout on the attention weights, in [0, 1).
-    dropout_rng: a `jax.random.key`, required when dropout_rate > 0. The keep-mask is a pure
-      function of (rng, batch·head, t, s), so every implementation drops the same weights.
+    dropout_rng: one `jax.random.key` (or raw uint32 key), required when dropout_rate > 0. The
+      keep-mask is a pure function of (rng, batch·head, t, s), so every implementation drops the
+      same weights.
     implementation: None (the best available, chosen at trace time by
-      `default_implementation`), or a name in `IMPLEMENTATIONS`, e.g. "reference".
+      `default_implementation`), a name in `IMPLEMENTATIONS`, or a callable with their
+      signature (e.g. `flax_mha.ring_implementation`, ring attention). Every implementation computes the
+      same function; forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) works with "reference" and
+      "xla", not with "chunked", "cudnn" or ring attention (custom VJPs): None picks "chunked"
+      for large T·S, so ask for "xla" explicitly when you need forward mode there.
 
   Returns:
-    [..., T, H, V] in the input dtype. Softmax runs in float32 for 16-bit inputs. A query row whose
-    every key is masked gets output 0 and finite gradients, never NaN.
+    [..., T, H, V] in the input dtype. Products and softmax run in float32 for 16-bit inputs, in
+    the input dtype otherwise. A query row with no visible key (all masked, or every logit -inf)
+    gets output 0 and finite gradients, never NaN. Empty inputs (T, S or V = 0) give zeros.
   """
-  args = _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng)
-  q, k, v, bias4, mask4, scale = args
-  name = implementation
-  if name is None:
-    name = default_implementation(q, k, v, bias4, mask4, is_causal=is_causal,
-                                  dropout_rate=dropout_rate)
-  if name not in IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be None or one of {sorted(IMPLEMENTATIONS)}, got {implementation!r}")
-  out_BTHV = IMPLEMENTATIONS[name](
-      q, k, v, bias4, mask4, is_causal=is_causal, scale=scale,
-      dropout_rate=float(dropout_rate), dropout_rng=dropout_rng)
-  return out_BTHV.reshape(*query.shape[:-1], value.shape[-1])
+  q, k, v, bias4, mask4, scale = _prepare(
+      query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng)
+  out_shape = (*query.shape[:-1], value.shape[-1])
+  if 0 in (q.shape[0], q.shape[1], k.shape[1], v.shape[-1]):
+    return jnp.zeros(out_shape, query.dtype)
+  fn = _resolve(implementation, q, k, v, bias4, mask4, is_causal, dropout_rate)
+  out_BTHV = fn(q, k, v, bias4, mask4, is_causal=is_causal, scale=scale,
+                dropout_rate=float(dropout_rate), dropout_rng=dropout_rng)
+  return out_BTHV.reshape(out_shape)
 
 
 def dot_product_attention_weights(query, key, bias=None, mask=None, *, is_causal: bool = False,
@@ -102,16 +104,20 @@ def dot_product_attention_weights(query, key, bias=None, mask=None, *, is_causal
                                   dropout_rng=None):
   """Attention weights [..., H, T, S] (softmax dtype), as used by `dot_product_attention`.
 
-  Same arguments and conventions as `dot_product_attention`, without `value`. Fully masked rows
-  are all zero. Materialises the [..., H, T, S] matrix: for plots and small inputs.
+  Same arguments and conventions as `dot_product_attention`, without `value`; computed by the
+  oracle (`flax_mha.reference`). Rows with no visible key are all zero. Materialises the
+  [..., H, T, S] matrix: for plots and small inputs.
   """
   value = key[..., :0]  # shape-only stand-in so the shared checks apply
   q, k, _, bias4, mask4, scale = _prepare(
       query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng)
+  *batch, t, h, _ = query.shape
+  if 0 in (q.shape[0], t, k.shape[1]):
+    return jnp.zeros((*batch, h, t, k.shape[1]), _common.softmax_dtype(query.dtype))
   weights_BHTS = reference.attention_weights(
       q, k, bias4, mask4, is_causal=is_causal, scale=scale,
       dropout_rate=float(dropout_rate), dropout_rng=dropout_rng)
-  return weights_BHTS.reshape(*query.shape[:-3], *weights_BHTS.shape[1:])
+  return weights_BHTS.reshape(*batch, *weights_BHTS.shape[1:])
 
 
 def split_heads(x, num_heads: int):
@@ -131,11 +137,24 @@ def merge_heads(x):
   return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
+def _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate) -> Callable:
+  """The implementation function that `implementation` names (or is)."""
+  if callable(implementation):
+    return implementation
+  if implementation is None:
+    implementation = default_implementation(q, k, v, bias, mask, is_causal=is_causal,
+                                            dropout_rate=dropout_rate)
+  if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be None, a callable or one of {sorted(IMPLEMENTATIONS)}, got "
+        f"{implementation!r}")
+  return IMPLEMENTATIONS[implementation]
+
+
 def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng):
   """Check everything, then flatten the batch dims: ([B,T,H,K], [B,S,G,K], [B,S,G,V], bias, mask)."""
   _checks.check_qkv(query, key, value)
-  if not isinstance(is_causal, bool):
-    raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
+  _checks.check_is_causal(is_causal)
   _checks.check_scale(scale)
   _checks.check_dropout(dropout_rate, dropout_rng)
   *batch, t, h, k = query.shape
@@ -145,11 +164,12 @@ def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
     _checks.check_broadcast("bias", bias, target, boolean=False)
   if mask is not None:
     _checks.check_broadcast("mask", mask, target, boolean=True)
-  scale = 1.0 / math.sqrt(k) if scale is None else scale
+  if scale is None:
+    scale = 1.0 / math.sqrt(k) if k else 1.0  # K = 0: every logit is 0 whatever the scale
   b = math.prod(batch)
   flat = lambda x: x.reshape(b, *x.shape[len(batch):])
   return (flat(query), flat(key), flat(value), _flatten_batch(bias, batch),
-          _flatten_batch(mask, batch), scale)
+          _flatten_batch(mask, batch), float(scale))
 
 
 def _flatten_batch(x, batch):

@@ -5,11 +5,14 @@ max `m`, normaliser `l` and output accumulator per query row, and saves only `ou
 log-sum-exp `lse` for the backward (a `jax.custom_vjp`), which recomputes each tile. No [T, S]
 matrix is ever stored (except the gradient of a full [B, H, T, S] bias, which is that big).
 
-Layout inside: query blocks [n_q, B, G, R, bq, K] (R = H // G; one transpose in), key/value
-blocks [n_k, B, G, bk, K], keys also pre-transposed [n_k, B, G, K, bk]: the R query heads that
+Block letters (beside the dimension key): Q the rows of a query tile (block_q = bq), P the
+columns of a key tile (block_k = bk); n_q, n_k count the tiles.
+
+Layout inside: query blocks [n_q, B, G, R, Q, K] (R = H // G; one transpose in), key/value
+blocks [n_k, B, G, P, K], keys also pre-transposed [n_k, B, G, K, P]: the R query heads that
 share a key head are rows of one matmul (K/V are never repeated), and every matmul is a plain
-row-major product (transposed operands ran at half speed on XLA:CPU). The backward works on
-transposed tiles [B, G, bk, R, bq] for the same reason. Loops: `lax.scan`
+row-major product (no transposed operand for XLA:CPU to copy). The backward works on
+transposed tiles [B, G, P, R, Q] for the same reason. Loops: `lax.scan`
 over query blocks (forward) or key blocks (backward), `lax.fori_loop` over the other axis whose
 bounds skip the tiles that causality hides (traced bounds work, so ring attention's traced
 offsets keep the skip). T and S are padded to block multiples; padded keys are masked.
@@ -29,13 +32,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flax_mha import reference
+from flax_mha import _common
+from flax_mha import _dropout
 
 # Block sizes of chunked_forward/backward (ring attention's per-device shards): large shards.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
-# Running max before any visible key: finite so that exp(m_old - m_new) is 0, never NaN.
-_M_INIT = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,21 +65,21 @@ def _tiling(t: int, s: int, block_q: int, block_k: int) -> _Tiling:
   return _Tiling(t, s, bq, bk, -(-t // bq), -(-s // bk))
 
 
-def _blocks(x_BLGK, n: int, size: int, groups: int, transpose: bool = False):
+def _blocks(x_BLHK, n: int, size: int, groups: int, transpose: bool = False):
   """[B, L, H, K] -> [n, B, G, R, size, K] (or [n, B, G, K, R, size]), zero-padding L to n·size.
 
   H = G·R is split so that the R query heads sharing a key head sit next to the rows they add to
   a matmul; with `transpose` the feature dim comes first, for matmuls that contract over rows.
   """
-  b, length, h, k = x_BLGK.shape
-  x_BLGK = jnp.pad(x_BLGK, ((0, 0), (0, n * size - length), (0, 0), (0, 0)))
-  x = x_BLGK.reshape(b, n, size, groups, h // groups, k)
+  b, length, h, k = x_BLHK.shape
+  x_BLHK = jnp.pad(x_BLHK, ((0, 0), (0, n * size - length), (0, 0), (0, 0)))
+  x = x_BLHK.reshape(b, n, size, groups, h // groups, k)
   return x.transpose((1, 0, 3, 5, 4, 2) if transpose else (1, 0, 3, 4, 2, 5))
 
 
-def _unblock(x_nBGRbV, length: int, transposed: bool = False):
+def _unblock(x_nBGRQV, length: int, transposed: bool = False):
   """Inverse of `_blocks`: [n, B, G, R, size, V] (or [n, B, G, V, R, size]) -> [B, length, H, V]."""
-  x = x_nBGRbV.transpose((1, 0, 5, 2, 4, 3) if transposed else (1, 0, 4, 2, 3, 5))
+  x = x_nBGRQV.transpose((1, 0, 5, 2, 4, 3) if transposed else (1, 0, 4, 2, 3, 5))
   b, n, size, g, r, v = x.shape
   return x.reshape(b, n * size, g * r, v)[:, :length]
 
@@ -99,10 +101,10 @@ def _tile_index(x, i, j, tl: _Tiling):
   return starts, sizes
 
 
-def _as_layout(x_BHQS, groups: int, transposed: bool):
-  """A [b, h, q, s] tile (h = H or 1) as [b, G, R, q, s], or [b, G, s, R, q] when transposed."""
-  b, h, q, s = x_BHQS.shape
-  x = x_BHQS.reshape(b, groups, h // groups, q, s) if h > 1 else x_BHQS[:, :, None]
+def _as_layout(x_BHQP, groups: int, transposed: bool):
+  """A [b, h, q, p] tile (h = H or 1) as [b, G, R, q, p], or [b, G, p, R, q] when transposed."""
+  b, h, q, p = x_BHQP.shape
+  x = x_BHQP.reshape(b, groups, h // groups, q, p) if h > 1 else x_BHQP[:, :, None]
   return x.transpose(0, 1, 4, 2, 3) if transposed else x
 
 
@@ -154,21 +156,21 @@ def _bias_and_visible(i, j, ctx: _TileCtx, transposed: bool):
 def _row_col(i, j, tl: _Tiling, transposed: bool):
   """Row (t) and column (s) indices of tile (i, j), broadcastable to its layout."""
   t_pos, s_pos = i * tl.bq + jnp.arange(tl.bq), j * tl.bk + jnp.arange(tl.bk)
-  if transposed:  # [B, G, S, R, Q]
+  if transposed:  # [B, G, P, R, Q]
     return t_pos, s_pos[:, None, None]
-  return t_pos[:, None], s_pos  # [B, G, R, Q, S]
+  return t_pos[:, None], s_pos  # [B, G, R, Q, P]
 
 
 def _masked_logits(raw, i, j, ctx: _TileCtx, transposed: bool):
-  """scale·raw + bias, hidden entries -inf (float32, in the tile's layout)."""
+  """scale·raw + bias, hidden entries -inf (in raw's dtype and the tile's layout)."""
   bias, visible = _bias_and_visible(i, j, ctx, transposed)
   s = raw * ctx.cfg.scale
   if bias is not None:
-    s = s + bias.astype(jnp.float32)
+    s = s + bias.astype(raw.dtype)
   return s if visible is None else jnp.where(visible, s, -jnp.inf)
 
 
-def _dropout(p, i, j, ctx: _TileCtx, transposed: bool):
+def _apply_dropout(p, i, j, ctx: _TileCtx, transposed: bool):
   """p · keep / (1 - rate) with the reference's hash mask over (b·H + h, t, s), or p unchanged."""
   rate = ctx.cfg.dropout_rate
   if rate == 0.0:
@@ -177,8 +179,8 @@ def _dropout(p, i, j, ctx: _TileCtx, transposed: bool):
   r = ctx.heads // g
   bh = jnp.arange(b * ctx.heads).reshape((b, g, 1, r, 1) if transposed else (b, g, r, 1, 1))
   t_pos, s_pos = _row_col(i, j, ctx.tl, transposed)
-  keep = reference.dropout_keep_mask(ctx.rng, rate, bh, t_pos, s_pos, ctx.tl.s)
-  return jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
+  keep = _dropout.keep_mask(ctx.rng, rate, bh, t_pos, s_pos, ctx.tl.s)
+  return _dropout.apply(p, rate, keep)
 
 
 def _context(q, k, bias, mask, rng, cfg: _Config, q_offset, kv_offset) -> _TileCtx:
@@ -188,34 +190,36 @@ def _context(q, k, bias, mask, rng, cfg: _Config, q_offset, kv_offset) -> _TileC
 
 
 def _forward(q, k, v, bias, mask, rng, cfg: _Config, q_offset=0, kv_offset=0):
-  """out [B, T, H, V] float32 and lse [B, H, T] float32 (-inf where no key is visible)."""
+  """out [B, T, H, V] and lse [B, H, T] in the softmax dtype (lse -inf: no key visible)."""
   ctx = _context(q, k, bias, mask, rng, cfg, q_offset, kv_offset)
-  tl, g = ctx.tl, ctx.groups
-  q_blocks = _blocks(q, tl.n_q, tl.bq, g)  # [n_q, B, G, R, bq, K]
-  kt_blocks = _blocks(k, tl.n_k, tl.bk, g, transpose=True)[:, :, :, :, 0]  # [n_k, B, G, K, bk]
-  v_blocks = _blocks(v, tl.n_k, tl.bk, g)[:, :, :, 0]  # [n_k, B, G, bk, V]
+  tl, g, acc = ctx.tl, ctx.groups, _common.softmax_dtype(q.dtype)
+  q_blocks = _blocks(q, tl.n_q, tl.bq, g)  # [n_q, B, G, R, Q, K]
+  kt_blocks = _blocks(k, tl.n_k, tl.bk, g, transpose=True)[:, :, :, :, 0]  # [n_k, B, G, K, P]
+  v_blocks = _blocks(v, tl.n_k, tl.bk, g)[:, :, :, 0]  # [n_k, B, G, P, V]
 
   def q_step(_, xs):
     i, q_i = xs
 
     def k_step(j, carry):
-      m, l, acc = carry
-      raw = jnp.einsum("BGRQK,BGKS->BGRQS", q_i, kt_blocks[j],
-                       preferred_element_type=jnp.float32)
+      m, l, o = carry
+      raw = jnp.einsum("BGRQK,BGKP->BGRQP", q_i, kt_blocks[j], preferred_element_type=acc)
       s = _masked_logits(raw, i, j, ctx, transposed=False)
       m_new = jnp.maximum(m, s.max(axis=-1))
-      p = jnp.exp(s - m_new[..., None])
-      alpha = jnp.exp(m - m_new)
-      pv = jnp.einsum("BGRQS,BGSV->BGRQV", _dropout(p, i, j, ctx, False).astype(v.dtype),
-                      v_blocks[j], preferred_element_type=jnp.float32)
-      return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
+      # A row that has seen only -inf so far keeps m = -inf; subtracting 0 instead keeps
+      # exp(-inf - m) at 0 rather than NaN.
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe[..., None])
+      alpha = jnp.exp(m - m_safe)
+      p_dropped = _apply_dropout(p, i, j, ctx, False).astype(v.dtype)
+      pv = jnp.einsum("BGRQP,BGPV->BGRQV", p_dropped, v_blocks[j], preferred_element_type=acc)
+      return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * o + pv
 
     stats_shape = q_i.shape[:-1]  # [B, G, R, bq]
-    init = (jnp.full(stats_shape, _M_INIT, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
-            jnp.zeros((*stats_shape, v.shape[-1]), jnp.float32))
+    init = (jnp.full(stats_shape, -jnp.inf, acc), jnp.zeros(stats_shape, acc),
+            jnp.zeros((*stats_shape, v.shape[-1]), acc))
     hi = _causal_hi(i, tl, q_offset, kv_offset) if cfg.is_causal else tl.n_k
-    m, l, acc = lax.fori_loop(0, hi, k_step, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    m, l, o = lax.fori_loop(0, hi, k_step, init)
+    out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return None, (out, m + jnp.log(l))
 
   _, (out, lse) = lax.scan(q_step, None, (jnp.arange(tl.n_q), q_blocks))
@@ -224,52 +228,52 @@ def _forward(q, k, v, bias, mask, rng, cfg: _Config, q_offset=0, kv_offset=0):
 
 
 def _backward(q, k, v, out, lse, dout, bias, mask, rng, cfg: _Config, q_offset=0, kv_offset=0):
-  """float32 (dq, dk, dv, dbias) of one (query, key) pair given the global out/lse (dbias: None
-  without a bias).
+  """(dq, dk, dv, dbias) of one (query, key) pair in the softmax dtype, given the global out/lse
+  (dbias: None without a bias).
 
-  Works on transposed tiles [B, G, bk, R, bq] so that all five matmuls per tile are plain
+  Works on transposed tiles [B, G, P, R, Q] so that all five matmuls per tile are plain
   row-major products (no transposed operand): sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dV += Pᵀ·dO,
   dK += dSᵀ·Q and dQᵀ += Kᵀ·dSᵀ.
   """
   ctx = _context(q, k, bias, mask, rng, cfg, q_offset, kv_offset)
-  tl, g = ctx.tl, ctx.groups
-  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, H]
+  tl, g, acc = ctx.tl, ctx.groups, _common.softmax_dtype(q.dtype)
+  delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)  # [B, T, H]
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no visible key: every p is 0 anyway
-  rows = lambda x_BTH: _blocks(x_BTH[..., None], tl.n_q, tl.bq, g)[..., 0]  # [n_q, B, G, R, bq]
+  rows = lambda x_BTH: _blocks(x_BTH[..., None], tl.n_q, tl.bq, g)[..., 0]  # [n_q, B, G, R, Q]
   q_blocks, do_blocks = _blocks(q, tl.n_q, tl.bq, g), _blocks(dout, tl.n_q, tl.bq, g)
-  qt_blocks = _blocks(q, tl.n_q, tl.bq, g, transpose=True)  # [n_q, B, G, K, R, bq]
+  qt_blocks = _blocks(q, tl.n_q, tl.bq, g, transpose=True)  # [n_q, B, G, K, R, Q]
   dot_blocks = _blocks(dout, tl.n_q, tl.bq, g, transpose=True)
   lse_blocks, delta_blocks = rows(lse.transpose(0, 2, 1)), rows(delta)
-  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  mm = functools.partial(jnp.einsum, preferred_element_type=acc)
 
   def k_step(carry, xs):
     j, k_j, kt_j, v_j = xs
 
     def q_step(i, carry):
       dqt, dbias, dk_j, dv_j = carry
-      st = _masked_logits(f32("BGSK,BGKRQ->BGSRQ", k_j, qt_blocks[i]), i, j, ctx, True)
+      st = _masked_logits(mm("BGPK,BGKRQ->BGPRQ", k_j, qt_blocks[i]), i, j, ctx, True)
       pt = jnp.exp(st - lse_blocks[i][:, :, None])
-      dpt = _dropout(f32("BGSV,BGVRQ->BGSRQ", v_j, dot_blocks[i]), i, j, ctx, True)
+      dpt = _apply_dropout(mm("BGPV,BGVRQ->BGPRQ", v_j, dot_blocks[i]), i, j, ctx, True)
       dst = pt * (dpt - delta_blocks[i][:, :, None])
-      pdt = _dropout(pt, i, j, ctx, True).astype(v_j.dtype)
-      dv_j = dv_j + f32("BGSRQ,BGRQV->BGSV", pdt, do_blocks[i])
-      dk_j = dk_j + f32("BGSRQ,BGRQK->BGSK", dst.astype(k_j.dtype), q_blocks[i]) * cfg.scale
-      dqt = dqt.at[i].add(f32("BGKS,BGSRQ->BGKRQ", kt_j, dst.astype(k_j.dtype)) * cfg.scale)
+      pdt = _apply_dropout(pt, i, j, ctx, True).astype(v_j.dtype)
+      dv_j = dv_j + mm("BGPRQ,BGRQV->BGPV", pdt, do_blocks[i])
+      dk_j = dk_j + mm("BGPRQ,BGRQK->BGPK", dst.astype(k_j.dtype), q_blocks[i]) * cfg.scale
+      dqt = dqt.at[i].add(mm("BGKP,BGPRQ->BGKRQ", kt_j, dst.astype(k_j.dtype)) * cfg.scale)
       if dbias is not None:
         dbias = _add_tile(dbias, dst, i, j, ctx)
       return dqt, dbias, dk_j, dv_j
 
     dqt, dbias = carry
-    init = (dqt, dbias, jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32))
+    init = (dqt, dbias, jnp.zeros(k_j.shape, acc), jnp.zeros(v_j.shape, acc))
     lo = _causal_lo(j, tl, q_offset, kv_offset) if cfg.is_causal else 0
     dqt, dbias, dk_j, dv_j = lax.fori_loop(lo, tl.n_q, q_step, init)
     return (dqt, dbias), (dk_j, dv_j)
 
-  k_blocks = _blocks(k, tl.n_k, tl.bk, g)[:, :, :, 0]  # [n_k, B, G, bk, K]
-  kt_blocks = _blocks(k, tl.n_k, tl.bk, g, transpose=True)[:, :, :, :, 0]  # [n_k, B, G, K, bk]
+  k_blocks = _blocks(k, tl.n_k, tl.bk, g)[:, :, :, 0]  # [n_k, B, G, P, K]
+  kt_blocks = _blocks(k, tl.n_k, tl.bk, g, transpose=True)[:, :, :, :, 0]  # [n_k, B, G, K, P]
   v_blocks = _blocks(v, tl.n_k, tl.bk, g)[:, :, :, 0]
-  dqt0 = jnp.zeros(qt_blocks.shape, jnp.float32)
-  dbias0 = None if ctx.bias is None else jnp.zeros(ctx.bias.shape, jnp.float32)
+  dqt0 = jnp.zeros(qt_blocks.shape, acc)
+  dbias0 = None if ctx.bias is None else jnp.zeros(ctx.bias.shape, acc)
   (dqt, dbias), (dk, dv) = lax.scan(
       k_step, (dqt0, dbias0), (jnp.arange(tl.n_k), k_blocks, kt_blocks, v_blocks))
   if dbias is not None:
@@ -279,12 +283,12 @@ def _backward(q, k, v, out, lse, dout, bias, mask, rng, cfg: _Config, q_offset=0
 
 
 def _add_tile(dbias, dst, i, j, ctx: _TileCtx):
-  """dbias[tile (i, j)] += dS (transposed tile [B, G, bk, R, bq]), summed where bias broadcasts."""
+  """dbias[tile (i, j)] += dS (transposed tile [B, G, P, R, Q]), summed where bias broadcasts."""
   b, g, bk, r, bq = dst.shape
-  ds_BHQS = dst.transpose(0, 1, 3, 4, 2).reshape(b, g * r, bq, bk)
+  ds_BHQP = dst.transpose(0, 1, 3, 4, 2).reshape(b, g * r, bq, bk)
   starts, sizes = _tile_index(dbias, i, j, ctx.tl)
-  axes = tuple(a for a in range(4) if sizes[a] == 1 and ds_BHQS.shape[a] > 1)
-  update = ds_BHQS.sum(axis=axes, keepdims=True) + lax.dynamic_slice(dbias, starts, sizes)
+  axes = tuple(a for a in range(4) if sizes[a] == 1 and ds_BHQP.shape[a] > 1)
+  update = ds_BHQP.sum(axis=axes, keepdims=True) + lax.dynamic_slice(dbias, starts, sizes)
   return lax.dynamic_update_slice(dbias, update, starts)
 
 
@@ -302,7 +306,8 @@ def chunked_forward(query, key, value, *, scale, is_causal, q_offset=0, kv_offse
     dropout_rng: required when dropout_rate > 0; the keep-mask hashes local (t, s) and num_kv=S.
 
   Returns:
-    out [B, T, H, V] float32 (normalised within this shard) and lse [B, H, T] float32, the
+    out [B, T, H, V] (normalised within this shard) and lse [B, H, T] in the softmax dtype
+    (float32 for 16- and 32-bit inputs, float64 for float64), lse being the
     log-sum-exp of the visible logits: -inf for a row with no visible key (its out is 0).
   """
   cfg = _Config(float(scale), is_causal, float(dropout_rate), block_q, block_k)
@@ -315,9 +320,9 @@ def chunked_backward(query, key, value, out, lse, dout, *, scale, is_causal, q_o
   """Gradient contribution of this key shard, given the GLOBAL out [B,T,H,V] and lse [B,H,T].
 
   Same arguments as `chunked_forward`, plus the attention output over all shards, its lse and
-  the output cotangent dout [B, T, H, V]. Returns float32 (dquery [B,T,H,K], this shard's
-  contribution: summing over key shards gives the full gradient; dkey [B,S,G,K]; dvalue
-  [B,S,G,V]). Bias gradients are available through `attention` (the custom_vjp), not here.
+  the output cotangent dout [B, T, H, V]. Returns, in the softmax dtype, (dquery [B,T,H,K],
+  this shard's contribution: summing over key shards gives the full gradient; dkey [B,S,G,K];
+  dvalue [B,S,G,V]). Bias gradients are available through `attention` (the custom_vjp), not here.
   """
   cfg = _Config(float(scale), is_causal, float(dropout_rate), block_q, block_k)
   dq, dk, dv, _ = _backward(query, key, value, out, lse, dout, None, mask, dropout_rng, cfg,
@@ -349,11 +354,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def default_blocks(t: int, s: int, k: int, is_causal: bool) -> tuple[int, int]:
-  """(block_q, block_k), measured on a 2-core CPU (experiments/benchmark_attention.py, float32).
+  """(block_q, block_k) for a shape: the fastest of a sweep on a 2-core CPU in float32
+  (`python -m experiments.benchmark_blocks` re-runs it).
 
-  Without a causal mask, 512-row tiles (fewest loop trips) are fastest at every length. Causal
-  tiles above the diagonal are skipped, so smaller tiles skip more: 128 rows for K <= 64 and 256
-  for K = 128 win up to 1024 keys; beyond, 512 again.
+  Large tiles mean few loop trips; causal tiles above the diagonal are skipped, so smaller tiles
+  skip more of the causal work at short lengths.
   """
   if is_causal and max(t, s) <= 1024:
     block = 128 if k <= 64 else 256
@@ -362,12 +367,19 @@ def default_blocks(t: int, s: int, k: int, is_causal: bool) -> tuple[int, int]:
   return block, block
 
 
+FORWARD_MODE_ERROR = (
+    "implementation='chunked' has no forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize "
+    "of a custom_vjp function): its memory-lean backward is a custom VJP. Use "
+    "implementation='xla' or 'reference' for forward mode, or reverse mode (jax.grad, jax.vjp, "
+    "jax.jacrev) with 'chunked'.")
+
+
 def make_attention(block_q: int | None = None, block_k: int | None = None):
   """Chunked attention with static block sizes (None: `default_blocks` of the shape), with
   `reference.attention`'s signature.
 
-  Gradients flow to query, key, value and bias; memory is O((T + S)·(H·K + bq·bk)) plus the
-  size of the bias gradient when a bias is given.
+  Gradients (reverse mode only) flow to query, key, value and bias; memory is
+  O((T + S)·(H·K + bq·bk)) plus the size of the bias gradient when a bias is given.
   """
   for name, block in (("block_q", block_q), ("block_k", block_k)):
     if block is not None and not (isinstance(block, int) and block > 0):
@@ -378,7 +390,12 @@ def make_attention(block_q: int | None = None, block_k: int | None = None):
     auto_q, auto_k = default_blocks(query.shape[1], key.shape[1], query.shape[-1], is_causal)
     cfg = _Config(float(scale), is_causal, float(dropout_rate), block_q or auto_q,
                   block_k or auto_k)
-    return _attention(query, key, value, bias, mask, dropout_rng, cfg)
+    try:
+      return _attention(query, key, value, bias, mask, dropout_rng, cfg)
+    except TypeError as e:  # raised here when jax.jvp traces this call outside of jit
+      if "forward-mode" in str(e):
+        raise TypeError(FORWARD_MODE_ERROR) from e
+      raise
 
   return attention
 

@@ -35,13 +35,19 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
   reason = unsupported_reason(query, key, value, dropout_rate)
   if reason is not None:
     raise ValueError(f"implementation='cudnn' cannot run: {reason}")
-  if mask is not None and is_causal:  # cuDNN drops the mask when is_causal (measured on H100)
+  if mask is not None and is_causal:  # jax.nn's cuDNN path takes one mask kind: fold causality in
     mask = mask & masks.causal_mask(query.shape[1], key.shape[1])
     is_causal = False
   out = jax.nn.dot_product_attention(
       query, key, value, bias=None if bias is None else bias.astype(query.dtype), mask=mask,
       scale=scale, is_causal=is_causal, implementation="cudnn")
-  if mask is None:
+  # Rows that see no key (masked, or every logit -inf through the bias) are 0 by flax_mha's
+  # semantics, whatever cuDNN returns for them. Top-left causal alone always sees key 0.
+  visible = mask
+  if bias is not None:
+    finite = bias > -jnp.inf
+    visible = finite if visible is None else visible & finite
+  if visible is None:
     return out
-  any_visible_BHT = jnp.any(mask, axis=-1)  # top-left causal alone always sees key 0
+  any_visible_BHT = jnp.any(visible, axis=-1)
   return jnp.where(any_visible_BHT.transpose(0, 2, 1)[..., None], out, 0.0).astype(out.dtype)

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
+from flax_mha import _checks
 from flax_mha import masks as masks_lib
 from flax_mha.attention import dot_product_attention, dot_product_attention_weights
 
@@ -35,7 +36,8 @@ class MultiHeadAttention(nn.Module):
     param_dtype: parameter dtype.
     precision: precision of the projections.
     kernel_init, out_kernel_init, bias_init: initialisers (out_kernel_init defaults to kernel_init).
-    implementation: attention implementation name, see `flax_mha.dot_product_attention`.
+    implementation: None, an implementation name or a callable with the internal signature,
+      passed through to `flax_mha.dot_product_attention` (which documents and checks it).
     decode: autoregressive decoding with a KV cache in the 'cache' collection. Initialise with
       the full-length input to size the cache; each later call appends its T tokens and attends
       causally to everything cached (query t sees cached positions <= index + t).
@@ -53,7 +55,7 @@ class MultiHeadAttention(nn.Module):
   kernel_init: Initializer = nn.linear.default_kernel_init
   out_kernel_init: Initializer | None = None
   bias_init: Initializer = nn.initializers.zeros_init()
-  implementation: str | None = None
+  implementation: str | Callable | None = None
   decode: bool = False
 
   @nn.compact
@@ -61,26 +63,36 @@ class MultiHeadAttention(nn.Module):
                is_causal: bool = False, deterministic: bool = True, dropout_rng=None,
                sow_weights: bool = False):
     """inputs_q [..., T, D_q], inputs_k [..., S, D_k] (default inputs_q), inputs_v [..., S, D_v]
-    (default inputs_k); mask (bool, True = attend) and bias broadcast to [..., H, T, S].
+    (default inputs_k; giving inputs_v without inputs_k is an error, as in flax).
+
+    mask broadcasts to [..., H, T, S]: boolean (True = attend) or, as in flax.linen, numeric with
+    nonzero = attend (e.g. the float32 masks of `nn.make_causal_mask`, `nn.make_attention_mask`).
+    A torch-style additive float mask (0 / -inf) is not a mask: pass it as `bias`, which is added
+    to the logits and broadcasts to [..., H, T, S] too.
 
     Returns [..., T, out_features]. With `sow_weights`, the weights [..., H, T, S] are sown into
     'intermediates' under 'attention_weights'.
     """
+    if inputs_k is None and inputs_v is not None:
+      raise ValueError(
+          "inputs_v was given but inputs_k is None: pass inputs_k too (the keys would otherwise "
+          "silently be inputs_q); for keys equal to values pass inputs_k only")
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v
+    _check_inputs(inputs_q, inputs_k, inputs_v)  # first: _head_dims reads inputs_q.shape
     h, g, k_dim, v_dim = self._head_dims(inputs_q)
-    _check_inputs(inputs_q, inputs_k, inputs_v)
+    mask = _as_bool_mask(mask)
     dense = functools.partial(
         nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
         precision=self.precision)
-    query_TQK = dense(features=(h, k_dim), name="query")(inputs_q)
+    query_THK = dense(features=(h, k_dim), name="query")(inputs_q)
     key_SGK = dense(features=(g, k_dim), name="key")(inputs_k)
     value_SGV = dense(features=(g, v_dim), name="value")(inputs_v)
 
     if self.decode:
       key_SGK, value_SGV, mask = self._update_cache(
-          key_SGK, value_SGV, mask, query_TQK.shape[-3])
+          key_SGK, value_SGV, mask, query_THK.shape[-3])
       is_causal = False  # the cache mask above already holds causality, with the cache offset
 
     rng = None
@@ -92,11 +104,11 @@ class MultiHeadAttention(nn.Module):
       rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
     rate = self.dropout_rate if rng is not None else 0.0
     out_THV = dot_product_attention(
-        query_TQK, key_SGK, value_SGV, bias, mask, is_causal=is_causal, dropout_rate=rate,
+        query_THK, key_SGK, value_SGV, bias, mask, is_causal=is_causal, dropout_rate=rate,
         dropout_rng=rng, implementation=self.implementation)
     if sow_weights:
       self.sow("intermediates", "attention_weights", dot_product_attention_weights(
-          query_TQK, key_SGK, bias, mask, is_causal=is_causal, dropout_rate=rate,
+          query_THK, key_SGK, bias, mask, is_causal=is_causal, dropout_rate=rate,
           dropout_rng=rng))
     out_features = self.out_features or inputs_q.shape[-1]
     return nn.DenseGeneral(
@@ -107,18 +119,14 @@ class MultiHeadAttention(nn.Module):
   def _head_dims(self, inputs_q):
     """(H, G, K, V) from the attributes, checked."""
     h = self.num_heads
-    if not isinstance(h, int) or h <= 0:
-      raise ValueError(f"num_heads must be a positive int, got {h!r}")
     g = h if self.num_kv_heads is None else self.num_kv_heads
-    if not isinstance(g, int) or g <= 0 or h % g:
-      raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads, got {g!r}")
+    _checks.check_heads(h, g)
     qkv = self.qkv_features or inputs_q.shape[-1]
     v_features = self.v_features or qkv
     for name, width in (("qkv_features", qkv), ("v_features", v_features)):
       if width % h:
         raise ValueError(f"{name}={width} must be divisible by num_heads={h}")
-    if not 0.0 <= self.dropout_rate < 1.0:
-      raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
+    _checks.check_dropout_rate(self.dropout_rate)
     return h, g, qkv // h, v_features // h
 
   def _update_cache(self, key_SGK, value_SGV, mask, num_q: int):
@@ -138,7 +146,10 @@ class MultiHeadAttention(nn.Module):
           f"decode step: keys must be [..., T<= {max_len}, {g}, {k}] with batch {tuple(batch)} "
           f"as at init, got {tuple(key_SGK.shape)}")
     cur = index.value
-    start = (0,) * len(batch) + (cur, 0, 0)
+    # Zeros in the index's dtype: under jax_enable_x64 bare 0s are int64, and
+    # dynamic_update_slice refuses start indices of mixed types.
+    zero = jnp.zeros((), cur.dtype)
+    start = (zero,) * len(batch) + (cur, zero, zero)
     cached_key.value = lax.dynamic_update_slice(cached_key.value, key_SGK, start)
     cached_value.value = lax.dynamic_update_slice(cached_value.value, value_SGV, start)
     index.value = cur + new_len
@@ -159,11 +170,10 @@ class SelfAttention(MultiHeadAttention):
 
 def _check_inputs(inputs_q, inputs_k, inputs_v):
   """Module-level input checks, naming the module's own arguments."""
-  for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k), ("inputs_v", inputs_v)):
-    if not hasattr(x, "ndim") or x.ndim < 2:
-      raise ValueError(
-          f"{name} must be an array [..., length, features], got "
-          f"{getattr(x, 'shape', type(x).__name__)}")
+  for name, x, layout in (("inputs_q", inputs_q, "[..., T, D_q]"),
+                          ("inputs_k", inputs_k, "[..., S, D_k]"),
+                          ("inputs_v", inputs_v, "[..., S, D_v]")):
+    _checks.check_array(name, x, 2, layout, floating=False)
   if inputs_k.shape[:-2] != inputs_q.shape[:-2] or inputs_v.shape[:-2] != inputs_q.shape[:-2]:
     raise ValueError(
         "inputs_q, inputs_k and inputs_v must share batch dims [...], got shapes "
@@ -173,3 +183,13 @@ def _check_inputs(inputs_q, inputs_k, inputs_v):
         "inputs_k [..., S, D_k] and inputs_v [..., S, D_v] must share the length S, got "
         f"{tuple(inputs_k.shape)} and {tuple(inputs_v.shape)}")
 
+
+def _as_bool_mask(mask):
+  """A boolean mask; numeric masks mean what they mean in flax.linen: nonzero = attend."""
+  if mask is None or not hasattr(mask, "dtype") or mask.dtype == jnp.bool_:
+    return mask  # None, bool, or not an array: the pure function's checks name the problem
+  if not (jnp.issubdtype(mask.dtype, jnp.integer) or jnp.issubdtype(mask.dtype, jnp.floating)):
+    raise TypeError(
+        "mask must be boolean (True = attend) or integer/float (nonzero = attend, as in "
+        f"flax.linen), got dtype {mask.dtype}")
+  return mask != 0

@@ -22,14 +22,16 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from flax_mha import _checks
+from flax_mha import _common
 from flax_mha.chunked import chunked_backward, chunked_forward
+from flax_mha.sharding import DATA_AXIS, MODEL_AXIS, SEQ_AXIS
 
 
-def ring_attention(query, key, value, mask=None, *, mesh: Mesh, axis_name: str = "seq",
-                   is_causal: bool = False, scale: float | None = None,
+def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
+                   axis_name: str = SEQ_AXIS, is_causal: bool = False, scale: float | None = None,
                    batch_axis: str | None = None, head_axis: str | None = None):
   """Exact attention with the sequence split over `mesh`'s `axis_name`.
 
@@ -40,16 +42,20 @@ def ring_attention(query, key, value, mask=None, *, mesh: Mesh, axis_name: str =
     mask: optional boolean (True = attend) broadcasting to [B, H, T, S]. It is split like the
       query along T (a key-padding mask [B, 1, 1, S] is not split at all), so a full [B, 1, T, S]
       mask costs T·S/n booleans per device.
-    mesh: the device mesh (or the abstract mesh of `jax.set_mesh`); T and S must be multiples
-      of its `axis_name` size n.
+    mesh: the device mesh, its axes Auto or Explicit (`jax.make_mesh` makes Explicit ones), or
+      the abstract mesh of `jax.set_mesh`; T and S must be multiples of its `axis_name` size n.
     axis_name: the mesh axis the sequence is split over.
     is_causal: static; query t sees keys s <= t (global positions).
     scale: static logits multiplier, default 1/sqrt(K).
-    batch_axis: optional mesh axis to split B over as well (data parallelism).
-    head_axis: optional mesh axis to split H and G over as well (tensor parallelism).
+    batch_axis: optional mesh axis to split B over as well (data parallelism); it must divide B.
+    head_axis: optional mesh axis to split H and G over as well (tensor parallelism); it must
+      divide both.
 
   Returns:
-    [B, T, H, V] in the query dtype, sharded like the query. Differentiable in q, k, v.
+    [B, T, H, V] in the query dtype, differentiable in q, k, v. On Auto axes it is laid out as
+    P(batch_axis, axis_name, head_axis) and `jit` propagates that. Explicit axes are part of the
+    array's type, so the inputs are resharded to that layout on the way in and the output back
+    to the query's type on the way out: a query already laid out so moves nothing.
   """
   _checks.check_qkv(query, key, value)
   if query.ndim != 4:
@@ -57,40 +63,88 @@ def ring_attention(query, key, value, mask=None, *, mesh: Mesh, axis_name: str =
   if not isinstance(is_causal, bool):
     raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
   _checks.check_scale(scale)
-  (b, t, h, _), s = query.shape, key.shape[1]
+  (b, t, h, _), (s, g) = query.shape, key.shape[1:3]
   if mask is not None:
     _checks.check_broadcast("mask", mask, (b, h, t, s), boolean=True)
     mask = jnp.asarray(mask).reshape((1,) * (4 - mask.ndim) + mask.shape)
-  n = mesh.shape[axis_name]
-  for name, length in (("query", t), ("key", s)):
-    if length % n:
-      raise ValueError(f"{name} length {length} must be a multiple of mesh axis "
-                       f"{axis_name!r} of size {n}")
+  _check_axes(mesh, axis_name, batch_axis, head_axis)
+  _check_divides(mesh, "axis_name", axis_name, ("query length T", t), ("key length S", s),
+                 fix="pad the sequences to a multiple of it")
+  _check_divides(mesh, "batch_axis", batch_axis, ("the batch B", b), fix="pass batch_axis=None")
+  _check_divides(mesh, "head_axis", head_axis, ("query heads H", h), ("key/value heads G", g),
+                 fix="pass head_axis=None")
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
   spec = P(batch_axis, axis_name, head_axis)
   mask_spec = None if mask is None else P(
       *(axis if size > 1 else None
         for axis, size in zip((batch_axis, head_axis, axis_name), mask.shape[:3])), None)
-  local = functools.partial(_ring, axis_name=axis_name, n=n, is_causal=is_causal, scale=scale)
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, mask_spec),
-                       out_specs=spec, check_vma=False)(query, key, value, mask)
+  local = functools.partial(_ring, axis_name=axis_name, n=mesh.shape[axis_name],
+                            is_causal=is_causal, scale=scale)
+  ring = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, mask_spec),
+                       out_specs=spec, check_vma=False)
+  args = (_to_explicit(x, x_spec, mesh) for x, x_spec in zip(
+      (query, key, value, mask), (spec, spec, spec, mask_spec)))
+  return _to_explicit(ring(*args), P(*jax.typeof(query).sharding.spec[:3]), mesh)
+
+
+def _check_axes(mesh, axis_name, batch_axis, head_axis):
+  """Every named axis is one of the mesh's, and no two dims share one."""
+  names = tuple(mesh.axis_names)
+  if axis_name not in names:
+    raise ValueError(f"axis_name={axis_name!r} must be an axis of the mesh {names}: pass one of "
+                     "them, or build the mesh with flax_mha.sharding.make_mesh(seq=n)")
+  for arg, axis in (("batch_axis", batch_axis), ("head_axis", head_axis)):
+    if axis is not None and axis not in names:
+      raise ValueError(f"{arg}={axis!r} must be None or an axis of the mesh {names}")
+  used = [axis for axis in (axis_name, batch_axis, head_axis) if axis is not None]
+  if len(set(used)) != len(used):
+    raise ValueError(f"axis_name={axis_name!r}, batch_axis={batch_axis!r} and "
+                     f"head_axis={head_axis!r} must be different mesh axes (or None)")
+
+
+def _check_divides(mesh, arg, axis, *dims, fix: str):
+  """The size of mesh `axis` divides every (name, size) in `dims`; `fix` says what to do if not."""
+  if axis is None:
+    return
+  n = mesh.shape[axis]
+  if any(size % n for _, size in dims):
+    what = " and ".join(f"{name}={size}" for name, size in dims)
+    raise ValueError(f"{arg}={axis!r} of size {n} must divide {what}: {fix}, or use a mesh "
+                     "whose axis size divides them")
+
+
+def _to_explicit(x, spec, mesh):
+  """`x` resharded to `spec` on the Explicit axes of `mesh` (shard_map requires the types to
+  match its specs there); Auto axes are left to shard_map, and without Explicit axes x is kept."""
+  if x is None or spec is None:
+    return x
+  explicit = {axis for axis, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == AxisType.Explicit}
+  if not explicit:
+    return x
+  spec = P(*(axis if axis in explicit else None for axis in spec))
+  return jax.reshard(x, NamedSharding(mesh, spec))
 
 
 def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
-  """`dot_product_attention(..., implementation="ring")`: ring attention over the context mesh.
+  """Ring attention over the context mesh, as an `implementation` of `dot_product_attention`.
 
-  Runs under `with jax.set_mesh(mesh)` where the mesh has a 'seq' axis (see
-  `flax_mha.sharding.make_mesh`); B is split over 'data' and H, G over 'model' where those axes
-  divide them. Supports masks and causality; bias and dropout raise.
+  Exported as `flax_mha.ring_implementation`:
+
+    with jax.set_mesh(flax_mha.sharding.make_mesh(seq=4)):
+      out = flax_mha.dot_product_attention(q, k, v, implementation=flax_mha.ring_implementation)
+
+  The mesh needs a SEQ_AXIS ('seq') axis; B is split over DATA_AXIS and H, G over MODEL_AXIS
+  where those axes divide them. Supports masks and causality; bias and dropout raise.
   """
   del dropout_rng
   if bias is not None or dropout_rate:
-    raise ValueError("implementation='ring' supports mask and is_causal, not bias or dropout; "
+    raise ValueError("ring attention supports mask and is_causal, not bias or dropout; "
                      f"got bias={'None' if bias is None else 'an array'}, "
                      f"dropout_rate={dropout_rate}")
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or "seq" not in mesh.axis_names:
-    raise ValueError("implementation='ring' needs a mesh with a 'seq' axis in context: call it "
+  if SEQ_AXIS not in mesh.axis_names:
+    raise ValueError(f"ring attention needs a mesh with a {SEQ_AXIS!r} axis in context: call it "
                      "under `with jax.set_mesh(flax_mha.sharding.make_mesh(seq=n))`, got "
                      f"{mesh}")
 
@@ -99,8 +153,8 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
     return name if divides and mesh.shape[name] > 1 else None
 
   return ring_attention(query, key, value, mask, mesh=mesh, is_causal=is_causal, scale=scale,
-                        batch_axis=axis("data", query.shape[0]),
-                        head_axis=axis("model", query.shape[2], key.shape[2]))
+                        batch_axis=axis(DATA_AXIS, query.shape[0]),
+                        head_axis=axis(MODEL_AXIS, query.shape[2], key.shape[2]))
 
 
 def _shift(xs, axis_name: str, n: int):
@@ -123,8 +177,9 @@ def _mask_block(mask, kv_offset, s: int):
 
 
 def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale):
-  """Local shards -> (out [B, T/n, H, V] float32, global lse [B, H, T/n] float32)."""
+  """Local shards -> (out [B, T/n, H, V], global lse [B, H, T/n]) in the softmax dtype."""
   b, t, h, _ = q.shape
+  acc = _common.softmax_dtype(q.dtype)
   kernel = functools.partial(chunked_forward, scale=scale, is_causal=is_causal)
 
   def step(i, carry):
@@ -138,8 +193,7 @@ def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale):
     out = weight(lse) * out + weight(lse_i) * out_i
     return (out, lse_new, *_shift((k_i, v_i), axis_name, n))
 
-  init = (jnp.zeros((b, t, h, v.shape[-1]), jnp.float32),
-          jnp.full((b, h, t), -jnp.inf, jnp.float32), k, v)
+  init = (jnp.zeros((b, t, h, v.shape[-1]), acc), jnp.full((b, h, t), -jnp.inf, acc), k, v)
   out, lse, _, _ = lax.fori_loop(0, n, step, init)
   return out, lse
 
@@ -167,7 +221,7 @@ def _ring_bwd(axis_name, n, is_causal, scale, residuals, dout):
     # The accumulators travel with their key/value shard; after n hops they are back home.
     return (dq + dq_i, *_shift((k_i, v_i, dk_i + dk_c, dv_i + dv_c), axis_name, n))
 
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  zeros = lambda x: jnp.zeros(x.shape, _common.softmax_dtype(q.dtype))
   dq, _, _, dk, dv = lax.fori_loop(0, n, step, (zeros(q), k, v, zeros(k), zeros(v)))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 

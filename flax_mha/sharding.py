@@ -23,8 +23,12 @@ import re
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# Mesh axis names: batch, tensor (heads / FFN width), sequence (ring attention).
-MESH_AXES = ("data", "model", "seq")
+# Mesh axis names, defined here only: batch, tensor (heads / FFN width), sequence (ring
+# attention). flax_mha.ring_attention imports them, so this module must not import flax.
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+SEQ_AXIS = "seq"
+MESH_AXES = (DATA_AXIS, MODEL_AXIS, SEQ_AXIS)
 
 # Parameter path suffix (regex on 'a/b/c' paths) -> logical axis of each dim; first match wins.
 # Paths that match nothing (LayerNorm scales, output biases) are replicated.
@@ -42,9 +46,9 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 
 # Logical axis -> mesh axis. Everything not listed is replicated.
 LOGICAL_RULES: dict[str, str | None] = {
-    "batch": "data",
-    "heads": "model",
-    "mlp": "model",
+    "batch": DATA_AXIS,
+    "heads": MODEL_AXIS,
+    "mlp": MODEL_AXIS,
 }
 
 
@@ -90,9 +94,6 @@ def shardings_for(tree, mesh: Mesh, rules=None):
     axes = logical_axes(_path_str(path), len(shape))
     return NamedSharding(mesh, spec_for(axes, shape, mesh, rules))
   return jax.tree_util.tree_map_with_path(one, tree)
-
-
-param_shardings = shardings_for
 
 
 def shard_params(params, mesh: Mesh, rules=None):

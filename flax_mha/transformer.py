@@ -1,7 +1,8 @@
 """The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
 
 Built on `flax_mha.MultiHeadAttention`. Shapes: B batch, S source length, T target length,
-D d_model, F d_ff. Token id conventions live in `TransformerConfig` (pad 0, bos 1, eos 2).
+D d_model, F d_ff, C vocabulary size. Token id conventions live in `TransformerConfig` (pad 0,
+bos 1, eos 2).
 
 Attention weights, with `sow_weights=True` and `mutable=['intermediates']`, are sown at
   encoder/layer_{i}/self_attention/attention_weights   [B, H, S, S]
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import numbers
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax_mha import _checks
 from flax_mha import masks as masks_lib
 from flax_mha.modules import MultiHeadAttention
 
@@ -45,28 +48,28 @@ class TransformerConfig:
   bos_id: int = 1                    # first decoder input (targets are shifted right)
   eos_id: int = 2                    # ends a target; decoding stops there
   dtype: Any = jnp.float32           # computation dtype; params stay float32
-  attention_implementation: str | None = None  # see flax_mha.dot_product_attention
+  # None (its default choice), a name in flax_mha.IMPLEMENTATIONS or a callable with their
+  # signature: passed through to flax_mha.dot_product_attention, which checks it.
+  attention_implementation: str | Callable | None = None
   attention_cls: Any = MultiHeadAttention      # swappable for baselines (same call signature)
   decode: bool = False               # KV-cache decoding (set by flax_mha.decoding, as in flax's
                                      # wmt: a config field, since `Transformer.decode` is a method)
 
   def __post_init__(self):
-    positive = ("vocab_size", "d_model", "num_heads", "num_encoder_layers",
-                "num_decoder_layers", "d_ff", "max_len")
+    positive = ("vocab_size", "d_model", "num_encoder_layers", "num_decoder_layers", "d_ff",
+                "max_len")
     for name in positive:
-      if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-        raise ValueError(f"TransformerConfig.{name} must be a positive int, got "
-                         f"{getattr(self, name)!r}")
+      value = getattr(self, name)
+      if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}")
+    kv = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+    _checks.check_heads(self.num_heads, kv, names=("TransformerConfig.num_heads",
+                                                   "TransformerConfig.num_kv_heads"))
     if self.d_model % self.num_heads:
       raise ValueError(f"TransformerConfig.d_model={self.d_model} must be divisible by "
                        f"num_heads={self.num_heads}")
-    kv = self.num_kv_heads or self.num_heads
-    if self.num_heads % kv:
-      raise ValueError(f"TransformerConfig.num_heads={self.num_heads} must be a multiple of "
-                       f"num_kv_heads={self.num_kv_heads}")
     for name in ("dropout_rate", "attention_dropout_rate"):
-      if not 0.0 <= getattr(self, name) < 1.0:
-        raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+      _checks.check_dropout_rate(getattr(self, name), f"TransformerConfig.{name}")
     ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
     for name, value in ids.items():
       if not 0 <= value < self.vocab_size:
@@ -199,7 +202,7 @@ class Stack(nn.Module):
 
 
 class Transformer(nn.Module):
-  """Encoder-decoder Transformer: `__call__(src [B,S], tgt_in [B,T]) -> logits [B,T,vocab]`."""
+  """Encoder-decoder Transformer: `__call__(src [B, S], tgt_in [B, T]) -> logits [B, T, C]`."""
   config: TransformerConfig
 
   def setup(self):
@@ -221,28 +224,24 @@ class Transformer(nn.Module):
 
   def encode(self, src, *, train: bool = False, sow_weights: bool = False):
     """src [B, S] int -> (memory [B, S, D], src_valid [B, S] bool)."""
-    _check_tokens("src", src)
+    _checks.check_tokens("src", src)
     src_valid = src != self.config.pad_id
     mask = masks_lib.make_attention_mask(src_valid, src_valid)
     return self.encoder(src, mask, train=train, sow_weights=sow_weights), src_valid
 
   def decode(self, tgt_in, memory, src_valid, *, train: bool = False, sow_weights: bool = False):
-    """tgt_in [B, T] int (shifted right), memory [B, S, D] -> logits [B, T, vocab] float32.
+    """tgt_in [B, T] int (shifted right), memory [B, S, D] -> logits [B, T, C] float32.
 
     In decode mode (config.decode) tgt_in holds only the new tokens; the cache holds the rest.
     """
-    _check_tokens("tgt_in", tgt_in)
+    _checks.check_tokens("tgt_in", tgt_in)
     cfg = self.config
     # Padding sits at the end of targets, so the causal mask already hides it from real queries;
     # the key-padding mask is for the (unused) rows of pad queries. The cache handles decode.
     self_mask = None if cfg.decode else (tgt_in != cfg.pad_id)[:, None, None, :]
     cross_mask = src_valid[:, None, None, :]
-    x = self.decoder(tgt_in, memory, self_mask, cross_mask, train=train, sow_weights=sow_weights)
-    logits = self.tgt_embed.attend(x) if cfg.share_embeddings else self.logits_dense(x)
-    return logits.astype(jnp.float32)
-
-
-def _check_tokens(name, tokens):
-  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"{name} must be integer tokens [B, L], got dtype {tokens.dtype} and "
-                     f"shape {tuple(tokens.shape)}")
+    x_BTD = self.decoder(
+        tgt_in, memory, self_mask, cross_mask, train=train, sow_weights=sow_weights)
+    logits_BTC = (self.tgt_embed.attend(x_BTD) if cfg.share_embeddings
+                  else self.logits_dense(x_BTD))
+    return logits_BTC.astype(jnp.float32)

@@ -1,7 +1,7 @@
 """Shared test helpers: an independent float64 NumPy attention, random arrays, jit/no-jit variants.
 
-Dimension key (STYLE.md): B batch, T query length, S key length, H query heads, G key/value heads,
-K qk head dim, V value head dim, D model width. Tests use distinct prime sizes so a swapped axis
+Dimension key (flax_mha/__init__.py): B batch, T query length, S key length, H query heads,
+G key/value heads, K qk head dim, V value head dim, D model width. Tests use distinct prime sizes so a swapped axis
 fails instead of broadcasting silently.
 """
 
@@ -41,7 +41,7 @@ def np_attention(query, key, value=None, bias=None, mask=None, *, is_causal=Fals
   if is_causal:
     visible = visible & np.tril(np.ones((t, s), bool))
   logits = np.where(visible, logits, -np.inf)
-  row_max = logits.max(axis=-1, keepdims=True)
+  row_max = logits.max(axis=-1, keepdims=True, initial=-np.inf)
   row_max = np.where(np.isfinite(row_max), row_max, 0.0)
   e = np.where(visible, np.exp(logits - row_max), 0.0)
   denom = e.sum(axis=-1, keepdims=True)

@@ -99,23 +99,40 @@ def test_matches_jax_nn(rng, g, is_causal):
   np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
 
 
-def test_implementation_reference_equals_default(rng):
-  q, k, v = qkv(rng)
-  ref = flax_mha.dot_product_attention(q, k, v, is_causal=True, implementation="reference")
-  default = flax_mha.dot_product_attention(q, k, v, is_causal=True)
-  np.testing.assert_allclose(default, ref, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(ref, np_attention(q, k, v, is_causal=True), **TOL)
+@pytest.mark.parametrize("n", [8, 640])  # None picks "xla" at 8 x 8, "chunked" at 640 x 640
+def test_default_implementation_equals_numpy_at_both_regimes(n):
+  rng = np.random.default_rng(n)
+  q, k, v = qkv(rng, t=n, s=n, h=2, g=1, k=4, v=3)
+  bias, mask = randn(rng, B, 1, n, n), random_mask(rng, B, 2, n, n, p=0.9)
+  picked = flax_mha.attention.default_implementation(
+      q, k, v, bias, mask, is_causal=True, dropout_rate=0.0)
+  assert picked == ("xla" if n == 8 else "chunked")
+  out = jax.jit(functools.partial(flax_mha.dot_product_attention, is_causal=True))(
+      q, k, v, bias, mask)
+  np.testing.assert_allclose(out, np_attention(q, k, v, bias, mask, is_causal=True), **TOL)
 
 
-def test_gradients_check_grads(rng):
+@pytest.mark.parametrize("g", [6, 3, 1])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_oracle_matches_numpy(rng, g, is_causal):
+  """The oracle every other implementation is tested against, against float64 NumPy."""
+  q, k, v = qkv(rng, g=g)
+  bias, mask = randn(rng, B, 1, T, S), random_mask(rng, 1, H, T, S)
+  out = flax_mha.dot_product_attention(q, k, v, bias, mask, is_causal=is_causal,
+                                       implementation="reference")
+  np.testing.assert_allclose(out, np_attention(q, k, v, bias, mask, is_causal=is_causal), **TOL)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_gradients_check_grads(rng, implementation):
   """Forward- and reverse-mode gradients (GQA, causal, bias, mask) against finite differences."""
   q, k, v = qkv(rng, t=3, s=5, h=6, g=3, k=7, v=2)
   bias, mask = randn(rng, 1, 6, 3, 5), random_mask(rng, 1, 1, 3, 5)
   mask[..., 0] = True
   with jax.enable_x64(True):
     args = [jnp.asarray(x, jnp.float64) for x in (q, k, v, bias)]
-    fn = jax.jit(
-        lambda q, k, v, b: flax_mha.dot_product_attention(q, k, v, b, mask, is_causal=True))
+    fn = jax.jit(lambda q, k, v, b: flax_mha.dot_product_attention(
+        q, k, v, b, mask, is_causal=True, implementation=implementation))
     check_grads(fn, args, order=1, modes=["fwd", "rev"])
 
 
@@ -223,24 +240,10 @@ def test_split_and_merge_heads_any_dtype():
   np.testing.assert_array_equal(flax_mha.merge_heads(heads), x)
 
 
-@pytest.mark.parametrize("n, k, is_causal, picked", [
-    (128, 64, False, "reference"), (512, 64, False, "reference"), (1024, 64, False, "chunked"),
-    (256, 64, True, "reference"), (512, 64, True, "chunked"), (512, 128, True, "reference"),
-])
-def test_default_implementation_on_cpu(n, k, is_causal, picked):
-  """Plain XLA graph for small logits, chunked beyond (SMALL_LOGITS, measured on CPU)."""
-  if jax.default_backend() != "cpu":
-    pytest.skip("the CPU rule")
-  x = jax.ShapeDtypeStruct((1, n, 2, k), jnp.float32)
-  got = flax_mha.attention.default_implementation(x, x, x, None, None, is_causal=is_causal,
-                                                  dropout_rate=0.0)
-  assert got == picked
-
-
 def test_masked_softmax_equals_softmax_of_visible_entries_and_zeroes_hidden_rows():
-  """The reference's masked softmax: visible entries as jax.nn.softmax over them, hidden ones
-  and rows with nothing visible 0; gradients (its own JVP) checked numerically, and finite."""
-  from flax_mha.reference import masked_softmax  # pylint: disable=import-outside-toplevel
+  """The xla implementation's masked softmax: visible entries as jax.nn.softmax over them, hidden
+  ones and rows with nothing visible 0; gradients (its own JVP) checked numerically, and finite."""
+  from flax_mha.xla import masked_softmax  # pylint: disable=import-outside-toplevel
   logits = jax.random.normal(jax.random.key(3), (2, 3, 5, 7)) * 3
   visible = jax.random.bernoulli(jax.random.key(4), 0.6, (2, 1, 5, 7)).at[0, 0, 2].set(False)
   weights = masked_softmax(logits, visible)

@@ -67,7 +67,24 @@ BAD_ATTENTION = [
     ("float dropout_rng", _call(attention, Q, KEY, VAL, dropout_rate=0.1,
                                 dropout_rng=f32((2,))), TypeError, "dropout_rng.*float32"),
     ("unknown implementation", _call(attention, Q, KEY, VAL, implementation="flash9"),
-     ValueError, r"implementation must be None or one of \[.*'reference'.*\], got 'flash9'"),
+     ValueError, r"implementation must be None, a callable or one of \[.*'reference'.*'xla'.*\], "
+     "got 'flash9'"),
+    ("implementation not a name", _call(attention, Q, KEY, VAL, implementation=3), ValueError,
+     "implementation must be None, a callable or one of .* got 3"),
+    ("scale nan", _call(attention, Q, KEY, VAL, scale=float("nan")), ValueError,
+     "scale must be finite, got nan"),
+    ("scale inf", _call(attention, Q, KEY, VAL, scale=float("inf")), ValueError,
+     "scale must be finite, got inf"),
+    ("several dropout keys", _call(attention, Q, KEY, VAL, dropout_rate=0.1,
+                                   dropout_rng=jax.random.split(jax.random.key(0), 3)),
+     ValueError, r"dropout_rng must be a single key \(shape \(\)\), got shape \(3,\)"),
+    ("several raw dropout keys", _call(attention, Q, KEY, VAL, dropout_rate=0.1,
+                                       dropout_rng=jax.random.split(jax.random.PRNGKey(0), 3)),
+     TypeError, r"single raw uint32 key.*shape \(3, 2\)"),
+    ("list query", _call(attention, Q.tolist(), KEY, VAL), TypeError,
+     "query must be an array with layout"),
+    ("flax float mask: how to convert", _call(attention, Q, KEY, VAL, mask=f32((T, S))),
+     TypeError, r"pass mask.astype\(bool\); an additive mask \(0 / -inf\) belongs in `bias`"),
     ("is_causal not bool", _call(attention, Q, KEY, VAL, is_causal=1), TypeError,
      "is_causal must be a Python bool, got int"),
     ("scale not a number", _call(attention, Q, KEY, VAL, scale="0.1"), TypeError,
@@ -134,23 +151,24 @@ BAD_MODULE = [
     ("v_features", _init(_module(v_features=7), X), ValueError,
      "v_features=7 must be divisible by num_heads=3"),
     ("num_kv_heads", _init(_module(num_heads=6, num_kv_heads=4), X), ValueError,
-     "num_heads=6 must be a multiple of num_kv_heads, got 4"),
+     "num_heads=6 must be a multiple of num_kv_heads=4"),
     ("num_heads", _init(_module(num_heads=0), X), ValueError,
      "num_heads must be a positive int, got 0"),
     ("dropout_rate", _init(_module(dropout_rate=1.5), X), ValueError,
      r"dropout_rate must be in \[0, 1\), got 1.5"),
     ("inputs_q rank", _init(_module(), f32((D,))), ValueError,
-     r"inputs_q must be an array \[\.\.\., length, features\], got \(12,\)"),
+     r"inputs_q must have rank >= 2 with layout \[\.\.\., T, D_q\], got shape \(12,\)"),
     ("batch mismatch", _init(_module(), X, f32((3, S, D))), ValueError,
      r"share batch dims.*\(2, 5, 12\), \(3, 7, 12\)"),
     ("key/value length", _init(_module(), X, f32((B, S, D)), f32((B, S + 2, D))), ValueError,
      r"inputs_k.*inputs_v.*length S.*\(2, 7, 12\) and \(2, 9, 12\)"),
-    ("mask dtype", _init(_module(), X, mask=np.ones((T, T), np.int32)), TypeError,
-     "mask must be boolean.*int32"),
+    # Integer and float masks are flax's (nonzero = attend); other dtypes are refused.
+    ("mask dtype", _init(_module(), X, mask=np.ones((T, T), np.complex64)), TypeError,
+     "mask must be boolean.*or integer/float.*complex64"),
     ("mask shape", _init(_module(), X, mask=np.ones((B, 4, T, T), bool)), ValueError,
      r"mask must broadcast to \[\.\.\., H, T, S\] = \(2, 3, 5, 5\), got shape \(2, 4, 5, 5\)"),
     ("implementation", _init(_module(implementation="nope"), X), ValueError,
-     "implementation must be None or one of .*got 'nope'"),
+     "implementation must be None.*one of .*got 'nope'"),
 ]
 
 
@@ -178,3 +196,21 @@ def test_module_decode_step_shape():
     module.apply({**params, "cache": cache}, f32((B, T + 1, D)), mutable=["cache"])
   with pytest.raises(ValueError, match=r"decode step.*batch \(2,\).*got \(3, 1, 3, 4\)"):
     module.apply({**params, "cache": cache}, f32((3, 1, D)), mutable=["cache"])
+
+
+def test_module_non_array_inputs_name_the_argument():
+  """Regression: a list as inputs_q gave AttributeError (_head_dims read .shape before checks)."""
+  with pytest.raises(TypeError, match="inputs_q must be an array .*got list"):
+    _module().init(jax.random.key(0), X.tolist())
+  with pytest.raises(TypeError, match="inputs_k must be an array .*got tuple"):
+    _module().init(jax.random.key(0), X, (1.0, 2.0))
+
+
+def test_module_inputs_v_without_inputs_k():
+  """Regression: inputs_v with inputs_k None silently took the keys from inputs_q (flax raises)."""
+  module = _module()
+  params = module.init(jax.random.key(0), X)
+  with pytest.raises(ValueError, match="inputs_v was given but inputs_k is None: pass inputs_k"):
+    module.apply(params, X, inputs_v=f32((B, T, D)))
+  with pytest.raises(ValueError, match="pass inputs_k too"):
+    module.apply(params, X, None, f32((B, T, D)))

@@ -42,18 +42,23 @@ def test_matches_reference_values_and_grads(use_mask, is_causal):
     return lambda q, k, v: jnp.sum(flax_mha.dot_product_attention(
         q, k, v, mask=mask, is_causal=is_causal, implementation=name).astype(jnp.float32) ** 2)
 
+  # cuDNN in bf16 must be as close to the float32 oracle as our own bf16 graph ("xla", which
+  # rounds the weights to bf16 before the value product, as flash kernels do), within 2x.
   f32 = lambda x: x.astype(jnp.float32)
-  out = flax_mha.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal,
-                                       implementation="cudnn")
-  ref = flax_mha.dot_product_attention(f32(q), f32(k), f32(v), mask=mask, is_causal=is_causal,
-                                       implementation="reference")
+  run = lambda name, *a: flax_mha.dot_product_attention(*a, mask=mask, is_causal=is_causal,
+                                                        implementation=name)
+  out, out_xla = run("cudnn", q, k, v), run("xla", q, k, v)
+  ref = run("reference", f32(q), f32(k), f32(v))
   chex.assert_shape(out, (B, T, H, K))
-  chex.assert_trees_all_close(f32(out), ref, atol=3e-2, rtol=3e-2)
+  err = lambda got, want: float(jnp.max(jnp.abs(f32(got) - want)))
+  assert err(out, ref) <= 2 * err(out_xla, ref) + 1e-3, (err(out, ref), err(out_xla, ref))
   grads = jax.jit(jax.grad(loss("cudnn"), argnums=(0, 1, 2)))(q, k, v)
+  grads_xla = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)
   ref_grads = jax.grad(loss("reference"), argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
-  for got, want in zip(grads, ref_grads):
+  for got, ours, want in zip(grads, grads_xla, ref_grads):
     assert np.all(np.isfinite(f32(got)))
-    np.testing.assert_allclose(f32(got), want, atol=0.1 * float(jnp.abs(want).max()), rtol=0.1)
+    bound = 2 * err(ours, want) + 1e-3 * float(jnp.max(jnp.abs(want)))
+    assert err(got, want) <= bound, (err(got, want), bound)
 
 
 @gpu_only

@@ -49,7 +49,7 @@ def naive_greedy(cfg, params, src, max_len):
 
 
 def sequence_scores(cfg, params, src_row, seqs, alpha):
-  """Penalised log-probs [N] of seqs [N, L] (each up to and including eos), by one full recompute."""
+  """Penalised log-probs [N] of seqs [N, L] (each up to and including eos), one full recompute."""
   seqs = np.asarray(seqs)
   is_eos = seqs == cfg.eos_id
   lengths = np.where(is_eos.any(1), is_eos.argmax(1) + 1, seqs.shape[1])
@@ -70,13 +70,44 @@ def test_greedy_equals_cache_free_greedy(seed):
   np.testing.assert_array_equal(tokens, naive_greedy(cfg, params, src, 8))
 
 
-def test_pad_after_eos():
-  cfg, params, src = make(seed=1)
-  tokens = np.asarray(greedy_decode(cfg, params, src, max_len=10))
-  for row in tokens:
-    if cfg.eos_id in row:
-      after = row[list(row).index(cfg.eos_id) + 1:]
-      assert (after == cfg.pad_id).all()
+def make_eos_prone(step=3, seed=1):
+  """A model that emits eos at decoder step `step` (or earlier) for some rows, and never pad.
+
+  Pre-LN with an untied output layer: the decoder's learned position `step` is pushed along the
+  eos column of the output kernel, so after the final norm eos wins there; pad's output bias is
+  -1e3, so only the decoders' pad-after-eos rule can emit pad.
+  """
+  cfg, _, src = make(seed=seed)
+  cfg = cfg.replace(share_embeddings=False, pre_layer_norm=True, learned_positions=True)
+  params = Transformer(cfg).init(jax.random.key(seed), src, src[:, :2])["params"]
+  params = jax.tree.map(lambda p: p * 1.5, params)
+  w_eos = params["logits"]["kernel"][:, cfg.eos_id]
+  positions = params["decoder"]["positions"]["pos_embedding"]
+  positions = positions.at[step].add(10.0 * w_eos / jnp.linalg.norm(w_eos))
+  bias = params["logits"]["bias"].at[cfg.pad_id].set(-1e3)
+  params = {**params, "decoder": {**params["decoder"], "positions": {"pos_embedding": positions}},
+            "logits": {**params["logits"], "bias": bias}}
+  return cfg, params, src
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_pad_after_eos(search):
+  """Regression: the old test checked greedy only, and only rows that happened to emit eos
+  (vacuous when none did); here eos is forced mid-sequence for both searches."""
+  cfg, params, src = make_eos_prone()
+  max_len = 10
+  if search == "greedy":
+    tokens = np.asarray(greedy_decode(cfg, params, src, max_len=max_len))
+  else:
+    tokens = np.asarray(beam_search(cfg, params, src, max_len=max_len, beam_size=4))
+  first_eos = [list(row).index(cfg.eos_id) if cfg.eos_id in row else None for row in tokens]
+  # Not vacuous: some row ends mid-sequence, with tokens after its eos to check.
+  assert any(i is not None and 0 < i < max_len - 1 for i in first_eos), tokens
+  for row, i in zip(tokens, first_eos):
+    end = max_len if i is None else i
+    assert cfg.pad_id not in row[:end], row  # pad only ever follows eos
+    if i is not None:
+      np.testing.assert_array_equal(row[i + 1:], cfg.pad_id, err_msg=str(row))
 
 
 def test_beam_of_one_is_greedy():
@@ -117,3 +148,13 @@ def test_bad_arguments():
     greedy_decode(cfg, params, src.astype(jnp.float32), max_len=4)
   with pytest.raises(TypeError, match="config must be a TransformerConfig or Transformer"):
     greedy_decode({"vocab_size": 3}, params, src, max_len=4)
+
+
+def test_decoding_under_x64():
+  """Regression: with jax_enable_x64 the KV-cache update mixed int64 and int32 start indices."""
+  with jax.enable_x64(True):
+    cfg, params, src = make()
+    tokens = greedy_decode(cfg, params, src, max_len=6)
+    np.testing.assert_array_equal(tokens, naive_greedy(cfg, params, src, 6))
+    np.testing.assert_array_equal(beam_search(cfg, params, src, max_len=6, beam_size=1), tokens)
+  assert not jax.config.jax_enable_x64

@@ -34,20 +34,23 @@ def _t(x):
   return torch.from_numpy(np.asarray(x))
 
 
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("kdim,vdim", [(None, None), (11, 13)])
-def test_matches_torch_multihead_attention(rng, variant, kdim, vdim):
-  """Packed in_proj_weight (kdim = vdim = E) and separate q/k/v_proj_weight (kdim, vdim != E)."""
-  module = _torch_mha(kdim=kdim, vdim=vdim)
+def test_matches_torch_multihead_attention(rng, variant, kdim, vdim, bias):
+  """Packed in_proj_weight (kdim = vdim = E) and separate q/k/v_proj_weight (kdim, vdim != E),
+  with and without biases (torch's bias=False is our use_bias=False)."""
+  module = _torch_mha(kdim=kdim, vdim=vdim, bias=bias)
   xq, xk, xv = randn(rng, B, T, E), randn(rng, B, S, kdim or E), randn(rng, B, S, vdim or E)
   with torch.no_grad():
     want, _ = module(_t(xq), _t(xk), _t(xv), need_weights=False)
   params = interop.from_torch_multihead_attention(module.state_dict(), NUM_HEADS)
-  model = flax_mha.MultiHeadAttention(num_heads=NUM_HEADS)
+  model = flax_mha.MultiHeadAttention(num_heads=NUM_HEADS, use_bias=bias)
   out = variant(model.apply)(params, xq, xk, xv)
   chex.assert_shape(out, (B, T, E))
   np.testing.assert_allclose(out, want.numpy(), **TOL)
-  # The converted tree has exactly the shapes the module would initialise.
+  # The converted tree has exactly the structure and shapes the module would initialise.
   init = jax.eval_shape(model.init, jax.random.key(0), xq, xk, xv)
+  assert jax.tree.structure(params) == jax.tree.structure(init)
   chex.assert_trees_all_equal_shapes(params, init)
 
 
@@ -76,9 +79,9 @@ def test_state_dict_of_numpy_arrays(rng):
 
 
 def test_bad_state_dicts():
-  no_bias = _torch_mha(bias=False).state_dict()
-  with pytest.raises(ValueError, match="bias"):
-    interop.from_torch_multihead_attention(no_bias, NUM_HEADS)
+  half_bias = {k: v for k, v in _torch_mha().state_dict().items() if k != "out_proj.bias"}
+  with pytest.raises(ValueError, match="both 'in_proj_bias' and 'out_proj.bias'.*or neither"):
+    interop.from_torch_multihead_attention(half_bias, NUM_HEADS)
   with pytest.raises(ValueError, match=r"num_heads.*embed_dim=21.*4"):
     interop.from_torch_multihead_attention(_torch_mha().state_dict(), 4)
   with pytest.raises(ValueError, match="add_bias_kv"):

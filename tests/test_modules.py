@@ -44,11 +44,12 @@ def test_cross_attention_matches_numpy(rng, variant, g):
   model = flax_mha.MultiHeadAttention(
       num_heads=H, num_kv_heads=g, qkv_features=H * K, v_features=H * V, out_features=DOUT)
   params = _init(model, xq, xk, xv, mask=mask)
-  dims = chex.Dimensions(D=DQ, E=DK, F=DV, H=H, G=g, K=K, V=V, O=DOUT)
+  # D, E, P: query, key and value input widths (F is the FFN width); O: output width.
+  dims = chex.Dimensions(D=DQ, E=DK, P=DV, H=H, G=g, K=K, V=V, O=DOUT)
   p = params["params"]
   chex.assert_shape([p["query"]["kernel"], p["key"]["kernel"], p["value"]["kernel"],
                      p["out"]["kernel"], p["out"]["bias"]],
-                    [dims["DHK"], dims["EGK"], dims["FGV"], dims["HVO"], dims["O"]])
+                    [dims["DHK"], dims["EGK"], dims["PGV"], dims["HVO"], dims["O"]])
   out = variant(functools.partial(model.apply, mask=mask))(params, xq, xk, xv)
   chex.assert_shape(out, (B, T, DOUT))
   np.testing.assert_allclose(out, np_module(params, xq, xk, xv, mask), **TOL)
@@ -210,3 +211,58 @@ def test_decode_init_with_cross_attention_lengths(rng):
   out, variables = jax.eval_shape(decoder.init_with_output, jax.random.key(0), xq, xk, xv)
   chex.assert_shape(out, (B, T, DQ))
   chex.assert_shape(variables["cache"]["cached_key"], (B, S, H, K))
+
+
+def test_flax_float_masks_mean_attend(rng):
+  """flax's own masks are float 1/0 (nonzero = attend): same output as the bool mask and as flax."""
+  xq, xk, xv = _inputs(rng)
+  ours, theirs = _flax_pair()
+  self_params = _init(theirs, xq)
+  float_causal = nn.make_causal_mask(np.zeros((B, T)))  # [B, 1, T, T] float32
+  assert float_causal.dtype == jnp.float32
+  bool_causal = np.tril(np.ones((T, T), bool))
+  apply = jax.jit(ours.apply)
+  got = apply(self_params, xq, mask=float_causal)
+  np.testing.assert_allclose(got, apply(self_params, xq, mask=bool_causal), atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(got, theirs.apply(self_params, xq, mask=float_causal), atol=1e-5,
+                             rtol=1e-5)
+  np.testing.assert_allclose(got, np_module(self_params, xq, xq, xq, is_causal=True), **TOL)
+  # Cross attention with nn.make_attention_mask (float32 too) and an int mask.
+  params = _init(theirs, xq, xk, xv)
+  q_valid, k_valid = np.ones((B, T)), (np.arange(S) < 4)[None].repeat(B, 0) * 1.0
+  float_pad = nn.make_attention_mask(q_valid, k_valid)  # [B, 1, T, S]
+  got = ours.apply(params, xq, xk, xv, mask=float_pad)
+  np.testing.assert_allclose(got, theirs.apply(params, xq, xk, xv, mask=float_pad), atol=1e-5,
+                             rtol=1e-5)
+  np.testing.assert_allclose(got, ours.apply(params, xq, xk, xv, mask=float_pad.astype(jnp.int32)))
+  np.testing.assert_allclose(got, np_module(params, xq, xk, xv, float_pad != 0), **TOL)
+
+
+def test_decode_under_x64(rng):
+  """Regression: under jax_enable_x64 the cache update mixed int64 zeros with the int32 index."""
+  with jax.enable_x64(True):
+    x, decoder, params, cache, want = _decode_setup(rng)
+    outs = []
+    for t in range(x.shape[1]):
+      out, state = decoder.apply({**params, "cache": cache}, x[:, t:t + 1], mutable=["cache"])
+      cache = state["cache"]
+      outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), want, atol=1e-5, rtol=1e-5)
+  assert not jax.config.jax_enable_x64
+
+
+def test_callable_implementation_is_passed_through(rng):
+  """A callable `implementation` reaches dot_product_attention with the internal signature."""
+  xq, xk, xv = _inputs(rng)
+  calls = []
+
+  def spy(query, key, value, bias, mask, **kwargs):
+    calls.append((query.shape, key.shape, value.shape))
+    return flax_mha.IMPLEMENTATIONS["reference"](query, key, value, bias, mask, **kwargs)
+
+  model = flax_mha.MultiHeadAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K,
+                                      v_features=H * V, implementation=spy)
+  params = _init(model, xq, xk, xv)
+  out = model.apply(params, xq, xk, xv, is_causal=True)
+  assert calls[-1] == ((B, T, H, K), (B, S, G, K), (B, S, G, V))
+  np.testing.assert_allclose(out, np_module(params, xq, xk, xv, is_causal=True), **TOL)

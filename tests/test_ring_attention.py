@@ -1,16 +1,18 @@
 """flax_mha.ring_attention: 4 sequence shards equal single-device attention, values and grads.
 
-The 8-device checks run in a subprocess (tests/multidevice/check_ring.py); argument checks run
-here on the single CPU device.
+The 8-device checks run in a subprocess (tests/multidevice/check_ring.py); argument checks and
+one-device meshes run here on the single CPU device.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, AxisType
 
 import flax_mha
 from flax_mha import sharding
+from flax_mha import ring_implementation
 from flax_mha.ring_attention import ring_attention
 from tests.conftest import np_attention
 from tests.multidevice.run import run_check
@@ -19,17 +21,53 @@ from tests.multidevice.run import run_check
 @pytest.mark.multidevice
 def test_ring_matches_single_device_on_8_devices():
   lines = run_check("check_ring.py")
-  assert [line.split()[1] for line in lines] == ["full", "gqa_causal", "mqa_full",
-                                                 "key_padding_causal", "full_mask"]
+  assert [line.split()[1] for line in lines] == [
+      "full", "gqa_causal", "mqa_full",
+      "mesh_Auto", "abstract_mesh_Auto", "mesh_Explicit", "abstract_mesh_Explicit",
+      "mesh_mixed", "abstract_mesh_mixed", "explicit_query_type_kept",
+      "key_padding_causal", "full_mask"]
+
+
+def qkv(rng, t=5, s=7, h=6, g=3):
+  """float32 query [2, t, h, 11], key [2, s, g, 11], value [2, s, g, 13]."""
+  return tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((2, t, h, 11), (2, s, g, 11), (2, s, g, 13)))
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_one_device_ring_is_plain_attention(rng, is_causal):
-  q, k, v = (rng.standard_normal(s).astype(np.float32)
-             for s in ((2, 5, 6, 11), (2, 5, 3, 11), (2, 5, 3, 13)))
-  out = ring_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                       mesh=sharding.make_mesh(), is_causal=is_causal)
+  q, k, v = qkv(rng)
+  out = ring_attention(q, k, v, mesh=sharding.make_mesh(), is_causal=is_causal)
   np.testing.assert_allclose(out, np_attention(q, k, v, is_causal=is_causal), atol=1e-5)
+
+
+def test_float64_in_float64_accuracy_out(rng):
+  with jax.enable_x64(True):
+    q, k, v = (x.astype(jnp.float64) for x in qkv(rng))
+    out = ring_attention(q, k, v, mesh=sharding.make_mesh(), is_causal=True)
+    assert out.dtype == jnp.float64
+    np.testing.assert_allclose(out, np_attention(q, k, v, is_causal=True), atol=1e-12)
+    loss = lambda fn: lambda q: jnp.sum(jnp.sin(fn(q)))
+    grad = jax.grad(loss(lambda q: ring_attention(q, k, v, mesh=sharding.make_mesh(),
+                                                  is_causal=True)))(q)
+    want = jax.grad(loss(lambda q: flax_mha.dot_product_attention(
+        q, k, v, is_causal=True, implementation="reference")))(q)
+    np.testing.assert_allclose(grad, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_one_device_mesh_of_either_axis_type(rng, axis_type):
+  """Regression: `jax.make_mesh` meshes are Explicit by default, and shard_map rejected them."""
+  q, k, v = qkv(rng)
+  mesh = jax.make_mesh((1, 1, 1), sharding.MESH_AXES, axis_types=(axis_type,) * 3)
+  want = np_attention(q, k, v, is_causal=True)
+  call = lambda m: (lambda q, k, v: ring_attention(q, k, v, mesh=m(), is_causal=True,
+                                                   batch_axis="data", head_axis="model"))
+  np.testing.assert_allclose(call(lambda: mesh)(q, k, v), want, atol=1e-5)
+  with jax.set_mesh(mesh):
+    np.testing.assert_allclose(jax.jit(call(lambda: mesh))(q, k, v), want, atol=1e-5)
+    abstract = jax.jit(call(jax.sharding.get_abstract_mesh))(q, k, v)
+  np.testing.assert_allclose(abstract, want, atol=1e-5)
 
 
 def test_rejects_bad_shapes():
@@ -38,19 +76,61 @@ def test_rejects_bad_shapes():
     ring_attention(jnp.ones((5, 6, 7)), jnp.ones((5, 6, 7)), jnp.ones((5, 6, 7)), mesh=mesh)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(), r"axis_name='seq' must be an axis of the mesh \('data', 'model'\)"),
+    (dict(axis_name="data", batch_axis="batch"),
+     r"batch_axis='batch' must be None or an axis of the mesh \('data', 'model'\)"),
+    (dict(axis_name="data", head_axis="heads"),
+     r"head_axis='heads' must be None or an axis of the mesh \('data', 'model'\)"),
+    (dict(axis_name="data", batch_axis="data"),
+     r"axis_name='data', batch_axis='data' and head_axis=None must be different"),
+])
+def test_rejects_axes_the_mesh_lacks(kwargs, match):
+  """Regression: a mesh without 'seq' raised a bare KeyError."""
+  x = jnp.ones((2, 6, 6, 4))
+  with pytest.raises(ValueError, match=match):
+    ring_attention(x, x, x, mesh=jax.make_mesh((1, 1), ("data", "model")), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_axis="data"), r"batch_axis='data' of size 2 must divide the batch B=3"),
+    (dict(head_axis="model"), r"head_axis='model' of size 3 must divide .* H=6 and .* G=2"),
+    (dict(axis_name="model"), r"axis_name='model' of size 3 must divide .* T=12 and .* S=4"),
+])
+def test_rejects_axes_that_do_not_divide(kwargs, match):
+  """Sizes are checked before shard_map runs, so an abstract mesh tests them on one device."""
+  q, k = jnp.ones((3, 12, 6, 4)), jnp.ones((3, 4, 2, 4))
+  mesh = AbstractMesh((2, 3, 4), ("data", "model", "seq"))
+  with pytest.raises(ValueError, match=match):
+    ring_attention(q, k, k, mesh=mesh, **kwargs)
+
+
 def test_ring_implementation_on_a_one_device_mesh(rng):
-  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
-             for s in ((2, 5, 6, 11), (2, 7, 3, 11), (2, 7, 3, 13)))
+  """Needs the core's `implementation=<callable>` (flax_mha.attention)."""
+  q, k, v = qkv(rng)
   mask = jnp.asarray(rng.random((2, 1, 5, 7)) < 0.6)
   with jax.set_mesh(sharding.make_mesh()):
-    out = flax_mha.dot_product_attention(q, k, v, mask=mask, implementation="ring")
+    out = flax_mha.dot_product_attention(q, k, v, mask=mask, implementation=ring_implementation)
   np.testing.assert_allclose(out, np_attention(q, k, v, mask=mask), atol=1e-5)
 
 
 def test_ring_implementation_says_what_it_needs():
+  """Needs the core's `implementation=<callable>` (flax_mha.attention)."""
   x = jnp.ones((1, 4, 2, 8))
   with pytest.raises(ValueError, match="needs a mesh with a 'seq' axis"):
-    flax_mha.dot_product_attention(x, x, x, implementation="ring")
+    flax_mha.dot_product_attention(x, x, x, implementation=ring_implementation)
   with pytest.raises(ValueError, match="not bias or dropout"):
     with jax.set_mesh(sharding.make_mesh()):
-      flax_mha.dot_product_attention(x, x, x, bias=jnp.zeros((4, 4)), implementation="ring")
+      flax_mha.dot_product_attention(x, x, x, bias=jnp.zeros((4, 4)),
+                                     implementation=ring_implementation)
+
+
+def test_ring_callable_without_the_dispatcher(rng):
+  """The callable itself, as the dispatcher calls it (rank-4 mask); runs before the core change."""
+  q, k, v = qkv(rng)
+  mask = jnp.asarray(rng.random((2, 1, 5, 7)) < 0.6)
+  with jax.set_mesh(sharding.make_mesh()):
+    out = ring_implementation(q, k, v, None, mask, is_causal=True, scale=0.5, dropout_rate=0.0,
+                             dropout_rng=None)
+  np.testing.assert_allclose(out, np_attention(q, k, v, mask=mask, is_causal=True, scale=0.5),
+                             atol=1e-5)

@@ -4,12 +4,18 @@ The 8-device checks run in a subprocess (tests/multidevice/check_sharding.py); t
 run here on the single CPU device.
 """
 
+import inspect
+import os
+import subprocess
+import sys
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from flax_mha import sharding
-from tests.multidevice.run import run_check
+from flax_mha.ring_attention import ring_attention
+from tests.multidevice.run import ROOT, run_check
 
 
 @pytest.mark.multidevice
@@ -17,7 +23,7 @@ def test_layouts_match_unsharded_on_8_devices():
   lines = run_check("check_sharding.py")
   for name in ("declared specs", "train state", "mha data", "mha model", "mha data_x_model",
                "gqa data_x_model", "ffn data", "ffn model", "ffn data_x_model",
-               "transformer_gqa data_x_model"):
+               "transformer_gqa pinned specs", "transformer_gqa data_x_model"):
     assert any(line.startswith(f"OK {name}") for line in lines), (name, lines)
 
 
@@ -47,3 +53,23 @@ def test_single_device_mesh():
 def test_make_mesh_rejects_too_many_devices():
   with pytest.raises(ValueError, match="needs 1024 devices"):
     sharding.make_mesh(data=1024)
+
+
+def test_mesh_axis_names_have_one_definition():
+  """MESH_AXES, the rules and ring attention's defaults all use the same constants."""
+  assert sharding.MESH_AXES == (sharding.DATA_AXIS, sharding.MODEL_AXIS, sharding.SEQ_AXIS)
+  assert sharding.LOGICAL_RULES["batch"] == sharding.DATA_AXIS
+  assert set(sharding.LOGICAL_RULES.values()) <= set(sharding.MESH_AXES)
+  default = inspect.signature(ring_attention).parameters["axis_name"].default
+  assert default is sharding.SEQ_AXIS
+  assert sharding.make_mesh().axis_names == sharding.MESH_AXES
+
+
+def test_sharding_imports_without_flax():
+  """flax_mha.ring_attention imports sharding; the pure-function layer must not pull in flax."""
+  code = ("import sys, importlib.util, pathlib\n"
+          "spec = importlib.util.spec_from_file_location('s', 'flax_mha/sharding.py')\n"
+          "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+          "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)\n")
+  subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=dict(
+      os.environ, JAX_PLATFORMS="cpu"))

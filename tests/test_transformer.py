@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+import flax_mha
 from flax_mha.transformer import Transformer, TransformerConfig, sinusoidal_positions
 
 VOCAB, B, S, T = 13, 3, 7, 5
@@ -94,7 +95,8 @@ def test_dropout_only_in_training_and_deterministic():
   model = Transformer(cfg)
   eval_a = model.apply(variables, src, tgt)
   np.testing.assert_array_equal(eval_a, model.apply(variables, src, tgt, train=False))
-  train = lambda k: model.apply(variables, src, tgt, train=True, rngs={"dropout": jax.random.key(k)})
+  train = lambda k: model.apply(variables, src, tgt, train=True,
+                                rngs={"dropout": jax.random.key(k)})
   np.testing.assert_array_equal(train(1), train(1))
   assert not np.allclose(train(1), train(2))
   assert not np.allclose(train(1), eval_a)
@@ -175,7 +177,12 @@ def test_overfits_copy_task():
 
 @pytest.mark.parametrize("field, value, match", [
     ("d_model", 31, "d_model=31 must be divisible by num_heads=2"),
-    ("num_kv_heads", 3, "num_heads=2 must be a multiple of num_kv_heads=3"),
+    ("num_kv_heads", 3,
+     "TransformerConfig.num_heads=2 must be a multiple of TransformerConfig.num_kv_heads=3"),
+    ("num_kv_heads", 0, "TransformerConfig.num_kv_heads must be a positive int, got 0"),
+    ("num_heads", 0, "TransformerConfig.num_heads must be a positive int, got 0"),
+    ("attention_dropout_rate", -0.1,
+     r"TransformerConfig.attention_dropout_rate must be in \[0, 1\), got -0.1"),
     ("dropout_rate", 1.0, "dropout_rate must be in"),
     ("eos_id", 99, "eos_id=99 must be in"),
     ("num_encoder_layers", 0, "num_encoder_layers must be a positive int"),
@@ -185,11 +192,29 @@ def test_bad_config(field, value, match):
     TransformerConfig(**{**dict(vocab_size=VOCAB, d_model=32, num_heads=2), field: value})
 
 
+def test_callable_attention_implementation():
+  """A callable attention_implementation is passed through to every attention layer."""
+  calls = []
+
+  def spy(*args, **kwargs):
+    calls.append(1)
+    return flax_mha.IMPLEMENTATIONS["reference"](*args, **kwargs)
+
+  cfg, variables = make()
+  src, tgt = batch()
+  want = Transformer(cfg).apply(variables, src, tgt)
+  got = Transformer(cfg.replace(attention_implementation=spy)).apply(variables, src, tgt)
+  assert len(calls) == 2 + 2 * 2  # encoder self; decoder self and cross, two layers each
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_bad_tokens_and_lengths():
   cfg, variables = make()
   src, tgt = batch()
   model = Transformer(cfg)
   with pytest.raises(ValueError, match="src must be integer tokens"):
     model.apply(variables, src.astype(jnp.float32), tgt)
+  with pytest.raises(TypeError, match="tgt_in must be an integer array .*got list"):
+    model.apply(variables, src, tgt.tolist())
   with pytest.raises(ValueError, match="exceeds TransformerConfig.max_len=16"):
     model.apply(variables, jnp.ones((B, 17), jnp.int32), tgt)

@@ -1,17 +1,20 @@
 """Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_ring_attention.py does).
 
 Ring attention over 4 sequence shards (x 2 batch shards) must equal the float64 NumPy attention
-of tests/conftest.py in values and single-device `flax_mha.reference` in gradients: causal and
-not, MHA, GQA and MQA, T != S, V != K.
+of tests/conftest.py in values and single-device `flax_mha.reference` in loss and gradients:
+causal and not, MHA, GQA and MQA, T != S, V != K, on meshes with Auto, Explicit and mixed axes,
+and as the `implementation` callable of `flax_mha.dot_product_attention`.
 Prints one 'OK ...' per check.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_mha
 from flax_mha import reference, sharding
+from flax_mha import ring_implementation
 from flax_mha.ring_attention import ring_attention
 from tests.conftest import np_attention
 
@@ -24,10 +27,12 @@ CASES = (  # (name, T, S, G, is_causal); T and S multiples of the 4 sequence sha
 )
 
 
-def loss(attention):
+def loss_and_output(attention):
+  """jit: (q, k, v) -> ((loss, output), (dq, dk, dv)); one compile checks values and grads."""
   def fn(q, k, v):
-    return jnp.sum(jnp.sin(attention(q, k, v)) * jnp.arange(V))
-  return jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)))
+    out = attention(q, k, v)
+    return jnp.sum(jnp.sin(out) * jnp.arange(V)), out
+  return jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2), has_aux=True))
 
 
 def single_device(is_causal, mask=None):
@@ -35,12 +40,74 @@ def single_device(is_causal, mask=None):
                                              scale=K**-0.5, dropout_rate=0.0, dropout_rng=None)
 
 
+def expected(q, k, v, *, is_causal, mask=None):
+  """(float64 NumPy output, single-device reference loss, reference grads)."""
+  (want_l, _), want_g = loss_and_output(single_device(is_causal, mask))(q, k, v)
+  return np_attention(q, k, v, mask=mask, is_causal=is_causal), want_l, want_g
+
+
+def random_qkv(rng, t, s, g):
+  """query [B, t, H, K], key [B, s, g, K], value [B, s, g, V], float32."""
+  return tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((B, t, H, K), (B, s, g, K), (B, s, g, V)))
+
+
+def check(name, ring, args, want, *eager_outs):
+  """`ring(*args)` under jit (and any `eager_outs`) against `want` = expected(...); returns the
+  jitted output."""
+  (got_l, out), got_g = loss_and_output(ring)(*args)
+  want_out, want_l, want_g = want
+  for got in (out, *eager_outs):
+    np.testing.assert_allclose(got, want_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got_l, want_l, rtol=1e-5, atol=1e-4)
+  for x, a, b in zip("qkv", got_g, want_g):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{x}")
+  print(f"OK {name} max|out - float64|={float(np.abs(out - want_out).max()):.1e}")
+  return out
+
+
+def check_cases(rng):
+  mesh = sharding.make_mesh(data=2, seq=4)
+  for name, t, s, g, is_causal in CASES:
+    q, k, v = random_qkv(rng, t, s, g)
+    ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=is_causal,
+                                          batch_axis="data")
+    out = check(name, ring, (q, k, v), expected(q, k, v, is_causal=is_causal))
+    assert out.sharding.spec == P("data", "seq"), out.sharding.spec
+    assert out.addressable_shards[0].data.shape == (B // 2, t // 4, H, V)
+
+
+def check_mesh_kinds(rng):
+  """Regression: a `jax.make_mesh` mesh (Explicit axes by default) failed inside shard_map with a
+  spec mismatch. Each kind runs eagerly, under jit without a context mesh, and through the
+  abstract mesh of jax.set_mesh."""
+  q, k, v = random_qkv(rng, 8, 12, 3)
+  want = expected(q, k, v, is_causal=True)
+  assert jax.make_mesh((2, 4), ("data", "seq")).axis_types == (AxisType.Explicit,) * 2
+  kinds = {"Auto": (AxisType.Auto,) * 2, "Explicit": (AxisType.Explicit,) * 2,
+           "mixed": (AxisType.Auto, AxisType.Explicit)}
+  on = lambda get_mesh: lambda q, k, v: ring_attention(q, k, v, mesh=get_mesh(), is_causal=True,
+                                                       batch_axis="data")
+  for name, axis_types in kinds.items():
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=axis_types)
+    out = check(f"mesh_{name}", on(lambda: mesh), (q, k, v), want, on(lambda: mesh)(q, k, v))
+    # The output has the query's type (Explicit axes only ever appear in types): replicated.
+    assert jax.typeof(out).sharding.spec == P(None, None, None, None), jax.typeof(out)
+    with jax.set_mesh(mesh):
+      check(f"abstract_mesh_{name}", on(jax.sharding.get_abstract_mesh), (q, k, v), want)
+  # A query already laid out ring-wise keeps that layout in its type.
+  mesh = jax.make_mesh((2, 4), ("data", "seq"))
+  laid = [jax.reshard(x, NamedSharding(mesh, P("data", "seq"))) for x in (q, k, v)]
+  out = check("explicit_query_type_kept", on(lambda: mesh), laid, want)
+  assert jax.typeof(out).sharding.spec == P("data", "seq", None, None), jax.typeof(out)
+  assert out.addressable_shards[0].data.shape == (B // 2, 8 // 4, H, V)
+
+
 def check_masked_via_dot_product_attention(rng):
-  """implementation='ring' under jax.set_mesh on data x model x seq = 2 x 2 x 2, with masks."""
-  t, s, g = 8, 12, 2
-  q = jnp.asarray(rng.standard_normal((B, t, H, K)), jnp.float32)
-  k = jnp.asarray(rng.standard_normal((B, s, g, K)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((B, s, g, V)), jnp.float32)
+  """The ring callable as `implementation` under jax.set_mesh on data x model x seq = 2 x 2 x 2,
+  with masks (needs the core's `implementation=<callable>`)."""
+  t, s = 8, 12
+  q, k, v = random_qkv(rng, t, s, 2)
   key_padding = (jnp.arange(s) < jnp.array([s, 5])[:, None])[:, None, None, :]  # [B, 1, 1, S]
   full = key_padding & jnp.asarray(rng.random((B, 1, t, s)) < 0.7)
   full = full.at[1, :, 3].set(False)  # a query row with no visible key: output 0
@@ -48,42 +115,18 @@ def check_masked_via_dot_product_attention(rng):
   for name, mask, is_causal in (("key_padding_causal", key_padding, True),
                                 ("full_mask", full, False)):
     ring = lambda q, k, v: flax_mha.dot_product_attention(
-        q, k, v, mask=mask, is_causal=is_causal, implementation="ring")
+        q, k, v, mask=mask, is_causal=is_causal, implementation=ring_implementation)
+    want = expected(q, k, v, mask=mask, is_causal=is_causal)
     with jax.set_mesh(mesh):
-      out = jax.jit(ring)(q, k, v)
-      got_l, got_g = loss(ring)(q, k, v)
-    assert out.sharding.spec == jax.sharding.PartitionSpec("data", "seq", "model"), out.sharding
-    want = np_attention(q, k, v, mask=mask, is_causal=is_causal)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    want_l, want_g = loss(single_device(is_causal, mask))(q, k, v)
-    np.testing.assert_allclose(got_l, want_l, rtol=1e-5, atol=1e-4)
-    for x, a, b in zip("qkv", got_g, want_g):
-      assert np.all(np.isfinite(a)), f"d{x}"
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{x}")
-    print(f"OK {name} max|out - float64|={float(np.abs(out - want).max()):.1e}")
+      out = check(name, ring, (q, k, v), want)
+    assert out.sharding.spec == P("data", "seq", "model"), out.sharding
 
 
 def main():
   assert jax.device_count() == 8, jax.device_count()
-  mesh = sharding.make_mesh(data=2, seq=4)
   rng = np.random.default_rng(0)
-  for name, t, s, g, is_causal in CASES:
-    q = jnp.asarray(rng.standard_normal((B, t, H, K)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((B, s, g, K)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((B, s, g, V)), jnp.float32)
-    ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=is_causal,
-                                          batch_axis="data")
-    out = jax.jit(ring)(q, k, v)
-    assert out.sharding.spec == jax.sharding.PartitionSpec("data", "seq"), out.sharding.spec
-    assert out.addressable_shards[0].data.shape == (B // 2, t // 4, H, V)
-    want = np_attention(q, k, v, is_causal=is_causal)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-    got_l, got_g = loss(ring)(q, k, v)
-    want_l, want_g = loss(single_device(is_causal))(q, k, v)
-    np.testing.assert_allclose(got_l, want_l, rtol=1e-5, atol=1e-4)
-    for x, a, b in zip("qkv", got_g, want_g):
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{x}")
-    print(f"OK {name} max|out - float64|={float(np.abs(out - want).max()):.1e}")
+  check_cases(rng)
+  check_mesh_kinds(rng)
   check_masked_via_dot_product_attention(rng)
 
 

@@ -62,7 +62,8 @@ def main():
       np.testing.assert_allclose(got[key], value, rtol=2e-4, atol=1e-5, err_msg=key)
   assert got_summary.keys() == want_summary.keys()
   np.testing.assert_allclose(got_summary["eval_loss"], want_summary["eval_loss"], rtol=2e-4)
-  print(f"OK runner data_x_model_x_seq losses={[round(r['train/loss'], 5) for r in got_rows if 'train/loss' in r]}")
+  losses = [round(r["train/loss"], 5) for r in got_rows if "train/loss" in r]
+  print(f"OK runner data_x_model_x_seq losses={losses}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,18 @@
+"""Facts every implementation shares: the dtype the softmax runs in and what a query row sees."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flax_mha import masks as masks_lib
+
+
+def softmax_dtype(dtype) -> jnp.dtype:
+  """float32 for 16-bit inputs, the input dtype otherwise (float64 stays float64)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def visible_mask(mask, is_causal: bool, num_q: int, num_kv: int):
+  """The boolean [.., T, S] mask that `mask` and `is_causal` make together (None: all visible)."""
+  causal = masks_lib.causal_mask(num_q, num_kv) if is_causal else None
+  return masks_lib.combine_masks(mask, causal)

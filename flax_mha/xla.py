@@ -1,0 +1,101 @@
+"""The tuned plain graph: the whole [B, H, T, S] logits in one XLA program, shaped for speed.
+
+Same semantics as the oracle (`flax_mha.reference`), tested against it; the differences are
+layout and fusion choices for XLA:CPU (the oracle-vs-xla speed is a column of
+`python -m experiments.benchmark_attention`):
+- the scale multiplies the query [T, K] rather than the logits [T, S] when nothing else touches
+  the logits (XLA:CPU fuses a logit scale into a mask or bias pass, not into the product);
+- plain multi-head attention (G == H) uses a 4-d product rather than the grouped 5-d one;
+- the masked softmax has its own JVP and zeroes hidden entries and empty rows inside its passes;
+- the weights-times-values product keeps the weights' head-major order, transposed after.
+Good for small problems; memory is quadratic in T·S (`flax_mha.chunked` is linear).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flax_mha import _common
+from flax_mha import _dropout
+
+
+def attention_logits(query_BTHK, key_BSGK, bias, scale, *, scale_query: bool = False):
+  """scale · Q·Kᵀ + bias: [B, H, T, S] in the softmax dtype; GQA without repeating K."""
+  b, t, h, k = query_BTHK.shape
+  s, g = key_BSGK.shape[1:3]
+  dtype = _common.softmax_dtype(query_BTHK.dtype)
+  if scale_query:
+    query_BTHK = query_BTHK * jnp.asarray(scale, query_BTHK.dtype)
+  if g == h:
+    logits_BHTS = jnp.einsum("BTHK,BSHK->BHTS", query_BTHK, key_BSGK,
+                             preferred_element_type=dtype)
+  else:
+    q_BTGRK = query_BTHK.reshape(b, t, g, h // g, k)
+    logits_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, key_BSGK,
+                              preferred_element_type=dtype)
+    logits_BHTS = logits_BGRTS.reshape(b, h, t, s)
+  if not scale_query:
+    logits_BHTS = logits_BHTS * jnp.asarray(scale, dtype)
+  if bias is not None:
+    logits_BHTS = logits_BHTS + bias.astype(dtype)
+  return logits_BHTS
+
+
+@jax.custom_jvp
+def masked_softmax(logits, visible):
+  """Softmax over the last axis of the `visible` entries (None: all); hidden entries, entries at
+  -inf and rows with no visible finite entry get weight 0 (no NaN, no uniform row)."""
+  lowest = jnp.finfo(logits.dtype).min
+  hidden_to_lowest = logits if visible is None else jnp.where(visible, logits, lowest)
+  # Clamping the row max at `lowest` keeps exp finite: a row of -inf logits gives exp(-inf) = 0.
+  row_max = jnp.maximum(jnp.max(hidden_to_lowest, axis=-1, keepdims=True), lowest)
+  unnormalised = jnp.exp(logits - lax.stop_gradient(row_max))
+  if visible is not None:
+    unnormalised = jnp.where(visible, unnormalised, 0.0)
+  total = jnp.sum(unnormalised, axis=-1, keepdims=True)
+  return unnormalised / jnp.maximum(total, jnp.finfo(logits.dtype).tiny)  # total is 0 or >= 1
+
+
+@masked_softmax.defjvp
+def _masked_softmax_jvp(primals, tangents):
+  logits, visible = primals
+  weights = masked_softmax(logits, visible)
+  logits_dot = tangents[0]
+  return weights, weights * (logits_dot - jnp.sum(weights * logits_dot, axis=-1, keepdims=True))
+
+
+def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+  """Weights [B, H, T, S] in the softmax dtype, after dropout."""
+  visible = _common.visible_mask(mask, is_causal, query.shape[1], key.shape[1])
+  plain = visible is None and bias is None  # no -inf possible: the library softmax is exact
+  logits_BHTS = attention_logits(query, key, bias, scale, scale_query=plain)
+  if plain:
+    weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
+  else:
+    weights_BHTS = masked_softmax(logits_BHTS, visible)
+  if dropout_rate > 0.0:
+    weights_BHTS = _dropout.drop_weights(weights_BHTS, dropout_rate, dropout_rng)
+  return weights_BHTS
+
+
+def apply_weights(weights_BHTS, value_BSGV):
+  """[B, H, T, S] x [B, S, G, V] -> [B, T, H, V]: the product in the weights' head-major order,
+  then a transpose of the (small) result."""
+  b, h, t, s = weights_BHTS.shape
+  g, v = value_BSGV.shape[2:]
+  weights_BHTS = weights_BHTS.astype(value_BSGV.dtype)
+  if g == h:
+    out_BHTV = jnp.einsum("BHTS,BSHV->BHTV", weights_BHTS, value_BSGV)
+  else:
+    weights_BGRTS = weights_BHTS.reshape(b, g, h // g, t, s)
+    out_BHTV = jnp.einsum("BGRTS,BSGV->BGRTV", weights_BGRTS, value_BSGV).reshape(b, h, t, v)
+  return out_BHTV.transpose(0, 2, 1, 3)
+
+
+def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+  """[B, T, H, V] in the input dtype, as `flax_mha.reference.attention`."""
+  weights_BHTS = attention_weights(query, key, bias, mask, is_causal=is_causal, scale=scale,
+                                   dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  return apply_weights(weights_BHTS, value)

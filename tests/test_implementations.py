@@ -1,0 +1,181 @@
+"""One semantics for every implementation: each against the oracle and a float64 NumPy reference.
+
+The oracle (`flax_mha.reference`) is checked against NumPy in test_attention.py; here every other
+implementation is checked against it, values and gradients, on every combination of bias, mask,
+causality, dropout and head layout, and on the inputs where implementations used to disagree:
+rows hidden by a -inf bias, rows of finfo.min logits, float64, empty dims.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_mha
+from flax_mha import chunked
+from flax_mha import reference
+from conftest import np_attention, qkv
+
+# Block sizes (3, 4) divide none of the prime lengths: the padding is covered too.
+TUNED = {"xla": flax_mha.IMPLEMENTATIONS["xla"], "chunked": chunked.attention,
+         "chunked_small_blocks": chunked.make_attention(block_q=3, block_k=4)}
+B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
+
+
+def _inputs(seed=0, t=T, s=S, h=H, g=G, dtype=np.float32):
+  rng = np.random.default_rng(seed)
+  q, k, v = (jnp.asarray(x, dtype) for x in qkv(rng, t=t, s=s, h=h, g=g, k=K, v=V))
+  bias = jnp.asarray(rng.standard_normal((1, h, t, s)), dtype)
+  mask = jnp.asarray(rng.random((B, 1, t, s)) < 0.7)
+  return q, k, v, bias, mask
+
+
+def _call(fn, q, k, v, bias, mask, is_causal=False, dropout_rate=0.0, scale=0.37):
+  return fn(q, k, v, bias, mask, is_causal=is_causal, scale=scale, dropout_rate=dropout_rate,
+            dropout_rng=jax.random.key(7))
+
+
+# Every combination of bias, mask, causal and dropout; head layouts (GQA, MHA, MQA) in turn.
+CASES = [(*flags, [(H, G), (H, H), (H, 1)][n % 3]) for n, flags in enumerate(
+    itertools.product([False, True], [False, True], [False, True], [0.0, 0.25]))]
+
+
+@pytest.mark.parametrize("name", ["xla", "chunked_small_blocks"])
+@pytest.mark.parametrize("use_bias,use_mask,is_causal,dropout_rate,heads", CASES)
+def test_values_and_grads_match_oracle(name, use_bias, use_mask, is_causal, dropout_rate, heads):
+  q, k, v, bias, mask = _inputs(h=heads[0], g=heads[1])
+  bias, mask = (bias if use_bias else None), (mask if use_mask else None)
+  args = (q, k, v) if bias is None else (q, k, v, bias)
+
+  def loss(fn):
+    def f(q, k, v, b=None):
+      return jnp.sum(jnp.sin(_call(fn, q, k, v, b, mask, is_causal, dropout_rate)))
+    return f
+
+  out = jax.jit(lambda q, k, v, b: _call(TUNED[name], q, k, v, b, mask, is_causal,
+                                         dropout_rate))(q, k, v, bias)
+  want = _call(reference.attention, q, k, v, bias, mask, is_causal, dropout_rate)
+  chex.assert_trees_all_close(out, want, atol=2e-6, rtol=2e-6)
+  argnums = tuple(range(len(args)))
+  grads = jax.jit(jax.grad(loss(TUNED[name]), argnums=argnums))(*args)
+  want_grads = jax.grad(loss(reference.attention), argnums=argnums)(*args)
+  chex.assert_trees_all_close(grads, want_grads, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", [None, "reference", "xla", "chunked"])
+@pytest.mark.parametrize("n", [8, 600])  # None runs "xla" at 8 x 8 and "chunked" at 600 x 600
+def test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation, n):
+  rng = np.random.default_rng(n)
+  q, k, v = (jnp.asarray(x) for x in qkv(rng, t=n, s=n, h=2, g=1, k=4, v=3))
+  bias = np.where(rng.random((B, 1, n, n)) < 0.3, -np.inf, 0.0).astype(np.float32)
+  bias[0, 0, 3, :] = -np.inf  # one row sees nothing
+  bias[1, 0, :, 5:] = -np.inf  # a band of hidden keys
+  fn = functools.partial(flax_mha.dot_product_attention, bias=jnp.asarray(bias),
+                         implementation=implementation)
+  out = jax.jit(fn)(q, k, v)
+  np.testing.assert_array_equal(out[0, 3], 0.0)
+  np.testing.assert_allclose(out, np_attention(q, k, v, bias), atol=2e-5, rtol=2e-5)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2)))(q, k, v)
+  chex.assert_tree_all_finite(grads)
+  np.testing.assert_array_equal(grads[0][0, 3], 0.0)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla", "chunked"])
+def test_finite_lowest_logits_are_a_uniform_row_not_a_hidden_one(implementation):
+  """A bias row of finfo.min is finite: all logits equal, so the output is the mean of V."""
+  q, k, v, _, _ = _inputs(1)
+  bias = jnp.zeros((1, 1, T, S)).at[..., 2, :].set(jnp.finfo(jnp.float32).min)
+  out = flax_mha.dot_product_attention(q, k, v, bias, implementation=implementation)
+  mean_v = jnp.repeat(v.mean(axis=1), H // G, axis=1)  # [B, H, V]
+  np.testing.assert_allclose(out[:, 2], mean_v, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla", "chunked"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_float64_in_float64_accuracy_out(implementation, is_causal):
+  with jax.enable_x64(True):
+    q, k, v, bias, mask = _inputs(2, dtype=np.float64)
+    fn = functools.partial(flax_mha.dot_product_attention, is_causal=is_causal,
+                           implementation=implementation)
+    out = fn(q, k, v, bias, mask)
+    chex.assert_type(out, jnp.float64)
+    want = np_attention(q, k, v, bias, mask, is_causal=is_causal)
+    np.testing.assert_allclose(out, want, atol=1e-12, rtol=1e-12)
+    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a, bias, mask)))
+    grads = jax.grad(loss(fn), argnums=(0, 1, 2))(q, k, v)
+    oracle = functools.partial(fn, implementation="reference")
+    want_grads = jax.grad(loss(oracle), argnums=(0, 1, 2))(q, k, v)
+    chex.assert_type(grads, jnp.float64)
+    chex.assert_trees_all_close(grads, want_grads, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_forward_mode_equals_reverse_mode(implementation):
+  q, k, v, bias, mask = _inputs(3)
+  fn = lambda q: flax_mha.dot_product_attention(q, k, v, bias, mask, is_causal=True,
+                                                 implementation=implementation)
+  fwd, rev = jax.jacfwd(fn)(q), jax.jacrev(fn)(q)
+  np.testing.assert_allclose(fwd, rev, atol=1e-5)
+
+
+def test_chunked_forward_mode_is_a_named_error():
+  q, k, v, _, _ = _inputs(3)
+  fn = lambda q: flax_mha.dot_product_attention(q, k, v, implementation="chunked")
+  for transform in (lambda: jax.jvp(fn, (q,), (q,)), lambda: jax.jacfwd(fn)(q)):
+    with pytest.raises(TypeError, match="implementation='xla' or 'reference' for forward mode"):
+      transform()
+
+
+@pytest.mark.parametrize("implementation", [None, "reference", "xla", "chunked"])
+@pytest.mark.parametrize("t,s,k,v", [(0, 7, 5, 3), (4, 0, 5, 3), (4, 7, 0, 3), (4, 7, 5, 0)])
+def test_empty_dims(implementation, t, s, k, v):
+  """T = 0 or V = 0: an empty result; S = 0: no key to see, output 0; K = 0: logits 0,
+  uniform weights, the mean of V."""
+  rng = np.random.default_rng(4)
+  q, key, value = qkv(rng, t=t, s=s, h=2, g=1, k=k, v=v)
+  mask = np.ones((B, 1, t, s), bool)
+  fn = functools.partial(flax_mha.dot_product_attention, implementation=implementation)
+  out = jax.jit(fn)(q, key, value, mask=mask)
+  chex.assert_shape(out, (B, t, 2, v))
+  want = np_attention(q, key, value, mask=mask, scale=1.0 if k == 0 else None)  # 0 · inf
+  np.testing.assert_allclose(out, want, atol=1e-6)
+  grads = jax.grad(lambda *a: jnp.sum(fn(*a, mask=mask)), argnums=(0, 1, 2))(q, key, value)
+  chex.assert_tree_all_finite(grads)
+  weights = flax_mha.dot_product_attention_weights(q, key, mask=mask)
+  chex.assert_shape(weights, (B, 2, t, s))
+
+
+def test_a_callable_implementation_is_called_with_flat_batch():
+  calls = []
+
+  def spy(q, k, v, bias, mask, **kwargs):
+    calls.append((q.shape, None if mask is None else mask.shape, kwargs["scale"]))
+    return reference.attention(q, k, v, bias, mask, **kwargs)
+
+  rng = np.random.default_rng(5)
+  q, k, v = qkv(rng, batch=(2, 3))
+  s = k.shape[-3]
+  mask = np.ones((2, 3, 1, 1, s), bool)
+  out = flax_mha.dot_product_attention(q, k, v, mask=mask, scale=0.5, implementation=spy)
+  assert calls == [((6, *q.shape[2:]), (6, 1, 1, s), 0.5)]
+  np.testing.assert_allclose(out, np_attention(q, k, v, mask=mask, scale=0.5), atol=2e-5)
+
+
+@pytest.mark.parametrize("n, k, is_causal, picked", [
+    (128, 64, False, "xla"), (512, 64, False, "xla"), (1024, 64, False, "chunked"),
+    (256, 64, True, "xla"), (512, 64, True, "chunked"), (512, 128, True, "xla"),
+])
+def test_default_implementation_on_cpu(n, k, is_causal, picked):
+  """The plain XLA graph for small logits, chunked beyond (SMALL_LOGITS)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU rule")
+  x = jax.ShapeDtypeStruct((1, n, 2, k), jnp.float32)
+  got = flax_mha.attention.default_implementation(x, x, x, None, None, is_causal=is_causal,
+                                                  dropout_rate=0.0)
+  assert got == picked
