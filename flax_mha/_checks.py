@@ -74,13 +74,18 @@ def check_broadcast(name: str, x, target: tuple[int, ...], *, boolean: bool) -> 
         f"pass {name}.astype(bool); an additive mask (0 / -inf) belongs in `bias`")
   if not boolean and not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+  check_broadcasts_to(name, x.shape, target, "[..., H, T, S]")
+
+
+def check_broadcasts_to(name: str, shape, target, layout: str) -> None:
+  """Raise unless `shape` broadcasts to `target` without growing it."""
   try:
-    ok = np.broadcast_shapes(tuple(x.shape), target) == tuple(target)
+    ok = np.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
   except ValueError:
     ok = False
   if not ok:
     raise ValueError(
-        f"{name} must broadcast to [..., H, T, S] = {tuple(target)}, got shape {tuple(x.shape)}")
+        f"{name} must broadcast to {layout} = {tuple(target)}, got shape {tuple(shape)}")
 
 
 def check_scale(scale) -> None:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from flax_mha import _checks
 from flax_mha import _common
+from flax_mha import _options
 from flax_mha import chunked
 from flax_mha import cudnn
 from flax_mha import reference
@@ -38,7 +39,7 @@ SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
 
 
 def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
-                           dropout_rate: float) -> str:
+                           dropout_rate: float, mods=None) -> str:
   """What `implementation=None` runs, decided at trace time from static shapes and the backend.
 
   1. On a GPU, "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
@@ -48,7 +49,7 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
   Every choice computes the same function (see `flax_mha.reference`).
   """
   del bias, mask
-  if cudnn.unsupported_reason(query, key, value, dropout_rate) is None:
+  if cudnn.unsupported_reason(query, key, value, dropout_rate, mods) is None:
     return "cudnn"
   narrow_causal = is_causal and query.shape[-1] <= 64
   limit = SMALL_LOGITS_CAUSAL_NARROW if narrow_causal else SMALL_LOGITS
@@ -56,9 +57,13 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
-                          scale: float | None = None, dropout_rate: float = 0.0,
-                          dropout_rng=None, implementation: str | Callable | None = None):
-  """Scaled dot-product attention `softmax(Q·Kᵀ·scale + bias, masked)·V`.
+                          scale: float | None = None, local_window_size=None,
+                          query_seq_lengths=None, key_value_seq_lengths=None,
+                          q_segment_ids=None, kv_segment_ids=None,
+                          logit_soft_cap: float | None = None, mask_mod=None, score_mod=None,
+                          dropout_rate: float = 0.0, dropout_rng=None,
+                          implementation: str | Callable | None = None):
+  """Scaled dot-product attention `softmax(score_mods(Q·Kᵀ·scale + bias), masked)·V`.
 
   Args:
     query: [..., T, H, K] floating.
@@ -72,14 +77,31 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
       mean `mask.astype(bool)`; torch-style additive float masks (0 / -inf) belong in `bias`.
     is_causal: static; query i sees keys j <= i (top-left aligned when T != S).
     scale: static finite multiplier of the logits; default 1/sqrt(K).
+    local_window_size: static int w or (left, right): query i sees keys i - left .. i + right
+      (jax.nn's meaning; an int is (w, w)); needs T == S.
+    query_seq_lengths, key_value_seq_lengths: int [...] (the batch dims): queries at or beyond
+      their length see nothing (output 0), keys beyond theirs are hidden (jax.nn's meaning;
+      jax.nn gives padded query rows the mean of V instead of 0). Never materialised as [T, S].
+    q_segment_ids, kv_segment_ids: int [..., T] and [..., S]: a query sees only keys of its own
+      segment (packed documents); one alone serves both sides when T == S. Linear memory.
+    logit_soft_cap: static float cap > 0: scores become cap·tanh(scores / cap) before masking
+      (Gemma 2), after `bias` and `score_mod`.
+    mask_mod: `fn(b, h, q_idx, kv_idx) -> bool` over broadcastable int32 index arrays (b the
+      flattened batch, h the query head, positions top-left aligned), True = visible; ANDed
+      with everything above (FlexAttention's `mask_mod`). It may close over arrays.
+    score_mod: `fn(score, b, h, q_idx, kv_idx) -> score`, elementwise, applied to
+      `scale·Q·Kᵀ + bias` before the soft cap and masking (FlexAttention's `score_mod`). Arrays
+      it closes over get gradients (e.g. a learned relative-position table).
+      Chunked implementations skip key/query tiles that the masks above hide entirely, and
+      evaluate no mask on tiles they leave entirely visible (see `flax_mha.mods`).
     dropout_rate: static rate of dropout on the attention weights, in [0, 1).
     dropout_rng: one `jax.random.key` (or raw uint32 key), required when dropout_rate > 0. The
       keep-mask is a pure function of (rng, batch·head, t, s), so every implementation drops the
       same weights.
     implementation: None (the best available, chosen at trace time by
       `default_implementation`), a name in `IMPLEMENTATIONS`, or a callable with their
-      signature (e.g. `flax_mha.ring_implementation`, ring attention). Every implementation computes the
-      same function; forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) works with "reference" and
+      signature (e.g. `flax_mha.ring_implementation`, ring attention). Every implementation
+      computes the same function; forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) works with "reference" and
       "xla", not with "chunked", "cudnn" or ring attention (custom VJPs): None picks "chunked"
       for large T·S, so ask for "xla" explicitly when you need forward mode there.
 
@@ -88,35 +110,42 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
     the input dtype otherwise. A query row with no visible key (all masked, or every logit -inf)
     gets output 0 and finite gradients, never NaN. Empty inputs (T, S or V = 0) give zeros.
   """
-  q, k, v, bias4, mask4, scale = _prepare(
-      query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng)
+  options = dict(local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
+                 key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+                 kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap,
+                 mask_mod=mask_mod, score_mod=score_mod)
+  q, k, v, bias4, mask4, scale, mods = _prepare(
+      query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
   out_shape = (*query.shape[:-1], value.shape[-1])
   if 0 in (q.shape[0], q.shape[1], k.shape[1], v.shape[-1]):
     return jnp.zeros(out_shape, query.dtype)
-  fn = _resolve(implementation, q, k, v, bias4, mask4, is_causal, dropout_rate)
+  fn = _resolve(implementation, q, k, v, bias4, mask4, is_causal, dropout_rate, mods)
+  extra = dict(mods=mods) if mods.masks or mods.scores else {}  # plain callables need no mods
   out_BTHV = fn(q, k, v, bias4, mask4, is_causal=is_causal, scale=scale,
-                dropout_rate=float(dropout_rate), dropout_rng=dropout_rng)
+                dropout_rate=float(dropout_rate), dropout_rng=dropout_rng, **extra)
   return out_BTHV.reshape(out_shape)
 
 
 def dot_product_attention_weights(query, key, bias=None, mask=None, *, is_causal: bool = False,
                                   scale: float | None = None, dropout_rate: float = 0.0,
-                                  dropout_rng=None):
+                                  dropout_rng=None, **options):
   """Attention weights [..., H, T, S] (softmax dtype), as used by `dot_product_attention`.
 
-  Same arguments and conventions as `dot_product_attention`, without `value`; computed by the
+  Same arguments and conventions as `dot_product_attention` (`options`: local_window_size,
+  the sequence lengths, segment ids, logit_soft_cap, mask_mod, score_mod), without `value` and
+  `implementation`; computed by the
   oracle (`flax_mha.reference`). Rows with no visible key are all zero. Materialises the
   [..., H, T, S] matrix: for plots and small inputs.
   """
   value = key[..., :0]  # shape-only stand-in so the shared checks apply
-  q, k, _, bias4, mask4, scale = _prepare(
-      query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng)
+  q, k, _, bias4, mask4, scale, mods = _prepare(
+      query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
   *batch, t, h, _ = query.shape
   if 0 in (q.shape[0], t, k.shape[1]):
     return jnp.zeros((*batch, h, t, k.shape[1]), _common.softmax_dtype(query.dtype))
   weights_BHTS = reference.attention_weights(
       q, k, bias4, mask4, is_causal=is_causal, scale=scale,
-      dropout_rate=float(dropout_rate), dropout_rng=dropout_rng)
+      dropout_rate=float(dropout_rate), dropout_rng=dropout_rng, mods=mods)
   return weights_BHTS.reshape(*batch, *weights_BHTS.shape[1:])
 
 
@@ -137,13 +166,13 @@ def merge_heads(x):
   return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
-def _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate) -> Callable:
+def _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate, mods) -> Callable:
   """The implementation function that `implementation` names (or is)."""
   if callable(implementation):
     return implementation
   if implementation is None:
     implementation = default_implementation(q, k, v, bias, mask, is_causal=is_causal,
-                                            dropout_rate=dropout_rate)
+                                            dropout_rate=dropout_rate, mods=mods)
   if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be None, a callable or one of {sorted(IMPLEMENTATIONS)}, got "
@@ -151,8 +180,9 @@ def _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate) -> Ca
   return IMPLEMENTATIONS[implementation]
 
 
-def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng):
-  """Check everything, then flatten the batch dims: ([B,T,H,K], [B,S,G,K], [B,S,G,V], bias, mask)."""
+def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options):
+  """Check everything, then flatten the batch dims: ([B,T,H,K], [B,S,G,K], [B,S,G,V], bias,
+  mask, scale, mods)."""
   _checks.check_qkv(query, key, value)
   _checks.check_is_causal(is_causal)
   _checks.check_scale(scale)
@@ -168,8 +198,16 @@ def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
     scale = 1.0 / math.sqrt(k) if k else 1.0  # K = 0: every logit is 0 whatever the scale
   b = math.prod(batch)
   flat = lambda x: x.reshape(b, *x.shape[len(batch):])
+  unknown = set(options) - set(_OPTIONS)
+  if unknown:
+    raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; options are {_OPTIONS}")
+  mods = _options.build(tuple(batch), t, s, h, query.dtype, **options)
   return (flat(query), flat(key), flat(value), _flatten_batch(bias, batch),
-          _flatten_batch(mask, batch), float(scale))
+          _flatten_batch(mask, batch), float(scale), mods)
+
+
+_OPTIONS = ("local_window_size", "query_seq_lengths", "key_value_seq_lengths", "q_segment_ids",
+            "kv_segment_ids", "logit_soft_cap", "mask_mod", "score_mod")
 
 
 def _flatten_batch(x, batch):

@@ -15,8 +15,11 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 128
 
 
-def unsupported_reason(query, key, value, dropout_rate) -> str | None:
+def unsupported_reason(query, key, value, dropout_rate, mods=None) -> str | None:
   """Why cuDNN can't run this call (None when it can). Reads static facts only."""
+  if mods is not None and (mods.masks or mods.scores):
+    return ("flax_mha's cuDNN path takes mask, bias and is_causal only, not windows, lengths, "
+            "segment ids, soft-capping or mask/score functions: use implementation='chunked'")
   if jax.default_backend() != "gpu":
     return f"cuDNN needs a GPU backend, the default backend is {jax.default_backend()!r}"
   if query.dtype not in SUPPORTED_DTYPES:
@@ -29,10 +32,11 @@ def unsupported_reason(query, key, value, dropout_rate) -> str | None:
   return None
 
 
-def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
+              mods=None):
   """cuDNN flash attention: [B, T, H, V]; rows with no visible key give 0, as everywhere else."""
   del dropout_rng
-  reason = unsupported_reason(query, key, value, dropout_rate)
+  reason = unsupported_reason(query, key, value, dropout_rate, mods)
   if reason is not None:
     raise ValueError(f"implementation='cudnn' cannot run: {reason}")
   if mask is not None and is_causal:  # jax.nn's cuDNN path takes one mask kind: fold causality in

@@ -1,14 +1,16 @@
 """The oracle: attention as the formula on the page, untuned. Every other implementation is
 tested against it; speed belongs in `flax_mha.xla` (the tuned plain graph) and `flax_mha.chunked`.
 
-  weights = softmax_s(scale · Q·Kᵀ + bias, over visible s)     out = weights · V
+  scores = score_mods(scale · Q·Kᵀ + bias)
+  weights = softmax_s(scores, over visible s)       out = weights · V
 
 Inputs are already checked and normalised by `flax_mha.attention`: query [B, T, H, K], key
 [B, S, G, K], value [B, S, G, V], bias/mask of rank 4 broadcasting to [B, H, T, S] (or None).
 Query head h reads key/value head h // R (R = H / G), as in `jax.nn.dot_product_attention`.
 
-Semantics every implementation follows: a key is visible when the mask and causality allow it
-and its logit is not -inf; a query row with no visible key gets weights 0 and output 0, with
+Semantics every implementation follows: a key is visible when the mask, causality and every mask
+term of `mods` (windows, lengths, segment ids, `mask_mod`; see `flax_mha.mods`) allow it and its
+score is not -inf; a query row with no visible key gets weights 0 and output 0, with
 finite gradients. Products and the softmax run in float32 for 16-bit inputs and in the input
 dtype otherwise (float64 stays float64).
 """
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 
 from flax_mha import _common
 from flax_mha import _dropout
+from flax_mha import mods as mods_lib
 
 
 def attention_logits(query_BTHK, key_BSGK, bias, scale):
@@ -44,10 +47,11 @@ def softmax_or_zero(logits):
   return unnormalised / jnp.where(total > 0, total, 1.0)
 
 
-def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
+                      mods=None):
   """Weights [B, H, T, S] in the softmax dtype, after dropout."""
-  logits_BHTS = attention_logits(query, key, bias, scale)
-  visible = _common.visible_mask(mask, is_causal, *logits_BHTS.shape[2:])
+  mods = mods_lib.with_causal(mods, is_causal)
+  logits_BHTS, visible = mods_lib.dense(attention_logits(query, key, bias, scale), mask, mods)
   if visible is not None:
     logits_BHTS = jnp.where(visible, logits_BHTS, -jnp.inf)
   weights_BHTS = softmax_or_zero(logits_BHTS)
@@ -56,10 +60,11 @@ def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate,
   return weights_BHTS
 
 
-def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
+              mods=None):
   """`weights · V`: [B, T, H, V] in the input dtype."""
   weights_BHTS = attention_weights(query, key, bias, mask, is_causal=is_causal, scale=scale,
-                                   dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+                                   dropout_rate=dropout_rate, dropout_rng=dropout_rng, mods=mods)
   b, h, t, s = weights_BHTS.shape
   g, v = value.shape[2:]
   weights_BGRTS = weights_BHTS.reshape(b, g, h // g, t, s)

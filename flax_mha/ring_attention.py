@@ -26,13 +26,14 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from flax_mha import _checks
 from flax_mha import _common
+from flax_mha import mods as mods_lib
 from flax_mha.chunked import chunked_backward, chunked_forward
 from flax_mha.sharding import DATA_AXIS, MODEL_AXIS, SEQ_AXIS
 
 
 def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
                    axis_name: str = SEQ_AXIS, is_causal: bool = False, scale: float | None = None,
-                   batch_axis: str | None = None, head_axis: str | None = None):
+                   batch_axis: str | None = None, head_axis: str | None = None, mods=None):
   """Exact attention with the sequence split over `mesh`'s `axis_name`.
 
   Args:
@@ -50,6 +51,8 @@ def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
     batch_axis: optional mesh axis to split B over as well (data parallelism); it must divide B.
     head_axis: optional mesh axis to split H and G over as well (tensor parallelism); it must
       divide both.
+    mods: optional `flax_mha.mods.Mods` of index-only terms (windows, soft-capping, mask_mod /
+      score_mod functions that close over no arrays), seen at global positions.
 
   Returns:
     [B, T, H, V] in the query dtype, differentiable in q, k, v. On Auto axes it is laid out as
@@ -78,13 +81,33 @@ def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
   mask_spec = None if mask is None else P(
       *(axis if size > 1 else None
         for axis, size in zip((batch_axis, head_axis, axis_name), mask.shape[:3])), None)
+  _check_mods(mods, batch_axis, head_axis)
   local = functools.partial(_ring, axis_name=axis_name, n=mesh.shape[axis_name],
-                            is_causal=is_causal, scale=scale)
+                            is_causal=is_causal, scale=scale, mods=mods)
   ring = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, mask_spec),
                        out_specs=spec, check_vma=False)
   args = (_to_explicit(x, x_spec, mesh) for x, x_spec in zip(
       (query, key, value, mask), (spec, spec, spec, mask_spec)))
   return _to_explicit(ring(*args), P(*jax.typeof(query).sharding.spec[:3]), mesh)
+
+
+def _check_mods(mods, batch_axis, head_axis):
+  """Ring attention takes index-only mask and score terms (positions are global on every device);
+  arrays (segment ids, lengths, a score_mod's table) would need sharding of their own."""
+  if mods is None:
+    return
+  if jax.tree.leaves(mods):
+    kinds = sorted({type(t).__name__ for t in (*mods.masks, *mods.scores) if jax.tree.leaves(t)})
+    raise ValueError(
+        f"ring attention takes windows, soft-capping and mask_mod/score_mod functions of the "
+        f"indices only, got terms holding arrays: {kinds} (segment ids, sequence lengths or "
+        "closed-over arrays): use implementation='chunked' on one device, or a mask")
+  reads_bh = any(isinstance(t, mods_lib.MaskMod) and t.sizes != (1, 1) for t in mods.masks)
+  reads_bh |= any(isinstance(t, mods_lib.ScoreMod) for t in mods.scores)
+  if reads_bh and (batch_axis or head_axis):
+    raise ValueError(
+        "a mask_mod reading b or h, or a score_mod, sees device-local batch and head indices "
+        f"when batch_axis={batch_axis!r} or head_axis={head_axis!r} split them: pass None")
 
 
 def _check_axes(mesh, axis_name, batch_axis, head_axis):
@@ -126,7 +149,8 @@ def _to_explicit(x, spec, mesh):
   return jax.reshard(x, NamedSharding(mesh, spec))
 
 
-def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
+              mods=None):
   """Ring attention over the context mesh, as an `implementation` of `dot_product_attention`.
 
   Exported as `flax_mha.ring_implementation`:
@@ -135,7 +159,9 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
       out = flax_mha.dot_product_attention(q, k, v, implementation=flax_mha.ring_implementation)
 
   The mesh needs a SEQ_AXIS ('seq') axis; B is split over DATA_AXIS and H, G over MODEL_AXIS
-  where those axes divide them. Supports masks and causality; bias and dropout raise.
+  where those axes divide them (not when a mask_mod reads b or h or a score_mod is given: those
+  see local indices). Supports masks, causality and index-only mods; bias, dropout, segment ids
+  and sequence lengths raise.
   """
   del dropout_rng
   if bias is not None or dropout_rate:
@@ -152,9 +178,14 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
     divides = name in mesh.axis_names and all(x % mesh.shape[name] == 0 for x in sizes)
     return name if divides and mesh.shape[name] > 1 else None
 
+  reads_bh = mods is not None and (
+      any(isinstance(t, mods_lib.ScoreMod) for t in mods.scores) or
+      any(isinstance(t, mods_lib.MaskMod) and t.sizes != (1, 1) for t in mods.masks))
   return ring_attention(query, key, value, mask, mesh=mesh, is_causal=is_causal, scale=scale,
-                        batch_axis=axis(DATA_AXIS, query.shape[0]),
-                        head_axis=axis(MODEL_AXIS, query.shape[2], key.shape[2]))
+                        batch_axis=None if reads_bh else axis(DATA_AXIS, query.shape[0]),
+                        head_axis=None if reads_bh else axis(MODEL_AXIS, query.shape[2],
+                                                             key.shape[2]),
+                        mods=mods)
 
 
 def _shift(xs, axis_name: str, n: int):
@@ -176,11 +207,11 @@ def _mask_block(mask, kv_offset, s: int):
   return lax.dynamic_slice_in_dim(mask, kv_offset, s, axis=3)
 
 
-def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale):
+def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale, mods):
   """Local shards -> (out [B, T/n, H, V], global lse [B, H, T/n]) in the softmax dtype."""
   b, t, h, _ = q.shape
   acc = _common.softmax_dtype(q.dtype)
-  kernel = functools.partial(chunked_forward, scale=scale, is_causal=is_causal)
+  kernel = functools.partial(chunked_forward, scale=scale, is_causal=is_causal, mods=mods)
 
   def step(i, carry):
     out, lse, k_i, v_i = carry
@@ -198,20 +229,20 @@ def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale):
   return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ring(q, k, v, mask, axis_name, n, is_causal, scale):
-  out, _ = _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ring(q, k, v, mask, axis_name, n, is_causal, scale, mods):
+  out, _ = _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale, mods)
   return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, mask, axis_name, n, is_causal, scale):
-  out, lse = _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale)
+def _ring_fwd(q, k, v, mask, axis_name, n, is_causal, scale, mods):
+  out, lse = _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale, mods)
   return out.astype(q.dtype), (q, k, v, mask, out, lse)
 
 
-def _ring_bwd(axis_name, n, is_causal, scale, residuals, dout):
+def _ring_bwd(axis_name, n, is_causal, scale, mods, residuals, dout):
   q, k, v, mask, out, lse = residuals
-  kernel = functools.partial(chunked_backward, scale=scale, is_causal=is_causal)
+  kernel = functools.partial(chunked_backward, scale=scale, is_causal=is_causal, mods=mods)
 
   def step(i, carry):
     dq, k_i, v_i, dk_i, dv_i = carry

@@ -19,6 +19,7 @@ from jax import lax
 
 from flax_mha import _common
 from flax_mha import _dropout
+from flax_mha import mods as mods_lib
 
 
 def attention_logits(query_BTHK, key_BSGK, bias, scale, *, scale_query: bool = False):
@@ -66,11 +67,16 @@ def _masked_softmax_jvp(primals, tangents):
   return weights, weights * (logits_dot - jnp.sum(weights * logits_dot, axis=-1, keepdims=True))
 
 
-def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
+                      mods=None):
   """Weights [B, H, T, S] in the softmax dtype, after dropout."""
-  visible = _common.visible_mask(mask, is_causal, query.shape[1], key.shape[1])
-  plain = visible is None and bias is None  # no -inf possible: the library softmax is exact
-  logits_BHTS = attention_logits(query, key, bias, scale, scale_query=plain)
+  if mods is None or not (mods.masks or mods.scores):
+    visible = _common.visible_mask(mask, is_causal, query.shape[1], key.shape[1])
+    plain = visible is None and bias is None  # no -inf possible: the library softmax is exact
+    logits_BHTS = attention_logits(query, key, bias, scale, scale_query=plain)
+  else:
+    mods, plain = mods_lib.with_causal(mods, is_causal), False
+    logits_BHTS, visible = mods_lib.dense(attention_logits(query, key, bias, scale), mask, mods)
   if plain:
     weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
   else:
@@ -94,8 +100,9 @@ def apply_weights(weights_BHTS, value_BSGV):
   return out_BHTV.transpose(0, 2, 1, 3)
 
 
-def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng):
+def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
+              mods=None):
   """[B, T, H, V] in the input dtype, as `flax_mha.reference.attention`."""
   weights_BHTS = attention_weights(query, key, bias, mask, is_causal=is_causal, scale=scale,
-                                   dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+                                   dropout_rate=dropout_rate, dropout_rng=dropout_rng, mods=mods)
   return apply_weights(weights_BHTS, value)

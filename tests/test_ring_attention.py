@@ -134,3 +134,28 @@ def test_ring_callable_without_the_dispatcher(rng):
                              dropout_rng=None)
   np.testing.assert_allclose(out, np_attention(q, k, v, mask=mask, is_causal=True, scale=0.5),
                              atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(local_window_size=(3, 1)), dict(logit_soft_cap=2.0, is_causal=True),
+    dict(mask_mod=lambda b, h, q, kv: (q - kv) % 3 == 0),
+    dict(score_mod=lambda s, b, h, q, kv: s - 0.1 * jnp.abs(q - kv))],
+    ids=["window", "soft_cap", "mask_mod", "score_mod"])
+def test_ring_takes_index_only_mods(rng, kwargs):
+  q, k, v = qkv(rng, t=8, s=8)
+  want = flax_mha.dot_product_attention(q, k, v, implementation="reference", **kwargs)
+  grad = lambda impl: jax.grad(lambda q: jnp.sum(jnp.sin(flax_mha.dot_product_attention(
+      q, k, v, implementation=impl, **kwargs))))(q)
+  with jax.set_mesh(sharding.make_mesh()):
+    out = flax_mha.dot_product_attention(q, k, v, implementation=ring_implementation, **kwargs)
+    got_grad = grad(ring_implementation)
+  np.testing.assert_allclose(out, want, atol=1e-5)
+  np.testing.assert_allclose(got_grad, grad("reference"), atol=1e-5)
+
+
+def test_ring_refuses_mods_holding_arrays(rng):
+  q, k, v = qkv(rng, t=8, s=8)
+  with jax.set_mesh(sharding.make_mesh()):
+    with pytest.raises(ValueError, match=r"terms holding arrays: \['Segments'\]"):
+      flax_mha.dot_product_attention(q, k, v, q_segment_ids=jnp.zeros((2, 8), jnp.int32),
+                                     implementation=ring_implementation)
