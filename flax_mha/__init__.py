@@ -33,6 +33,7 @@ from flax_mha.masks import padding_mask
 from flax_mha.masks import segment_mask
 from flax_mha.modules import MultiHeadAttention
 from flax_mha.modules import SelfAttention
+from flax_mha.rotary import apply_rotary
 from flax_mha.transformer import Transformer
 from flax_mha.transformer import TransformerConfig
 from flax_mha.decoding import beam_search

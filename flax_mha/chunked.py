@@ -348,14 +348,19 @@ def _mods_cotangent(mods: mods_lib.Mods, dfloats):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def default_blocks(t: int, s: int, k: int, is_causal: bool) -> tuple[int, int]:
+def default_blocks(t: int, s: int, k: int, is_causal: bool,
+                   window: int | None = None) -> tuple[int, int]:
   """(block_q, block_k) for a shape: the fastest of a sweep on a 2-core CPU in float32
   (`python -m experiments.benchmark_blocks` re-runs it).
 
   Large tiles mean few loop trips; causal tiles above the diagonal are skipped, so smaller tiles
-  skip more of the causal work at short lengths.
+  skip more of the causal work at short lengths. A local window of `window` keys (left + right
+  + 1) skips tiles outside its band, and tiles of at most a quarter of it keep the band's ragged
+  edges a small part of the work (`python -m experiments.benchmark_sparsity`).
   """
-  if is_causal and max(t, s) <= 1024:
+  if window is not None and window < min(t, s):
+    block = 128 if window <= 1024 else 256 if window <= 4096 else 512
+  elif is_causal and max(t, s) <= 1024:
     block = 128 if k <= 64 else 256
   else:
     block = 512
@@ -384,7 +389,10 @@ def make_attention(block_q: int | None = None, block_k: int | None = None):
   def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
                 mods=None):
     """Chunked `softmax(QKᵀ·scale + bias, masked)·V`: [B, T, H, V], as `reference.attention`."""
-    auto_q, auto_k = default_blocks(query.shape[1], key.shape[1], query.shape[-1], is_causal)
+    windows = [t.left + t.right + 1 for t in (mods.masks if mods else ())
+               if isinstance(t, mods_lib.LocalWindow)]
+    auto_q, auto_k = default_blocks(query.shape[1], key.shape[1], query.shape[-1], is_causal,
+                                    min(windows, default=None))
     cfg = _Config(float(scale), float(dropout_rate), block_q or auto_q, block_k or auto_k)
     mods = mods_lib.with_causal(mods, is_causal)
     try:

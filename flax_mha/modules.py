@@ -1,12 +1,15 @@
 """Flax linen modules: parameters and projections only; the attention itself is the pure function.
 
 `MultiHeadAttention` keeps the parameter tree of `flax.linen.MultiHeadDotProductAttention`
-(`query`/`key`/`value` kernels [D, H, K], `out` kernel [H, V, D_out]) so checkpoints move both ways.
+(`query`/`key`/`value` kernels [D, H, K], `out` kernel [H, V, D_out], and with `normalize_qk`
+the scales [K] of `query_ln`/`key_ln`) so checkpoints move both ways.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -16,6 +19,7 @@ from jax import lax
 from flax_mha import _checks
 from flax_mha import masks as masks_lib
 from flax_mha.attention import dot_product_attention, dot_product_attention_weights
+from flax_mha.rotary import apply_rotary
 
 Initializer = Callable[..., Any]
 
@@ -41,6 +45,16 @@ class MultiHeadAttention(nn.Module):
     decode: autoregressive decoding with a KV cache in the 'cache' collection. Initialise with
       the full-length input to size the cache; each later call appends its T tokens and attends
       causally to everything cached (query t sees cached positions <= index + t).
+    normalize_qk: flax.linen's `normalize_qk` (ViT-22B, arXiv:2302.05442): LayerNorm over the
+      head dim K of the projected queries and keys (scale [K], no bias, epsilon 1e-6), params
+      `query_ln` and `key_ln`; applied before rotary and the cache.
+    logit_soft_cap: static cap > 0: logits become cap·tanh(logits / cap) (Gemma 2).
+    local_window_size: static int w or (left, right) pair of ints >= 0: query at position i sees
+      keys at positions i - left .. i + right (an int means (w, w)). Without `decode` it needs
+      T == S; with `decode` the positions are absolute cache positions (query t at index + t).
+    rotary_max_wavelength: None for no rotary embedding, else the RoPE base (e.g. 10_000.0):
+      projected queries and keys are rotated by `flax_mha.apply_rotary` at their positions
+      (see `__call__`) before the cache write, so the cache holds rotated keys. Needs an even K.
   """
   num_heads: int
   qkv_features: int | None = None
@@ -57,11 +71,16 @@ class MultiHeadAttention(nn.Module):
   bias_init: Initializer = nn.initializers.zeros_init()
   implementation: str | Callable | None = None
   decode: bool = False
+  normalize_qk: bool = False
+  logit_soft_cap: float | None = None
+  local_window_size: int | tuple[int, int] | None = None
+  rotary_max_wavelength: float | None = None
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
-               is_causal: bool = False, deterministic: bool = True, dropout_rng=None,
-               sow_weights: bool = False):
+               is_causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
+               q_positions=None, kv_positions=None, deterministic: bool = True,
+               dropout_rng=None, sow_weights: bool = False):
     """inputs_q [..., T, D_q], inputs_k [..., S, D_k] (default inputs_q), inputs_v [..., S, D_v]
     (default inputs_k; giving inputs_v without inputs_k is an error, as in flax).
 
@@ -70,6 +89,14 @@ class MultiHeadAttention(nn.Module):
     A torch-style additive float mask (0 / -inf) is not a mask: pass it as `bias`, which is added
     to the logits and broadcasts to [..., H, T, S] too.
 
+    q_segment_ids [..., T], kv_segment_ids [..., S]: ints; a query sees only keys of its own
+    segment (packed documents); one alone serves both sides when T == S. Not with `decode`.
+
+    q_positions [..., T], kv_positions [..., S]: integer positions for rotary (they need
+    `rotary_max_wavelength`), e.g. restarting per packed document. Defaults: arange(T) for the
+    queries, offset by the cache index when decoding; the keys take q_positions when they come
+    from inputs_q (inputs_k None or inputs_q itself), else arange(S) (offset likewise).
+
     Returns [..., T, out_features]. With `sow_weights`, the weights [..., H, T, S] are sown into
     'intermediates' under 'attention_weights'.
     """
@@ -77,39 +104,32 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(
           "inputs_v was given but inputs_k is None: pass inputs_k too (the keys would otherwise "
           "silently be inputs_q); for keys equal to values pass inputs_k only")
+    keys_from_q = inputs_k is None or inputs_k is inputs_q
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v
     _check_inputs(inputs_q, inputs_k, inputs_v)  # first: _head_dims reads inputs_q.shape
     h, g, k_dim, v_dim = self._head_dims(inputs_q)
+    window = self._check_call(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    query_THK, key_SGK, value_SGV = self._project(inputs_q, inputs_k, inputs_v, h, g, k_dim, v_dim)
+    if self.rotary_max_wavelength is not None:
+      query_THK, key_SGK = self._rotate(query_THK, key_SGK, q_positions, kv_positions,
+                                        keys_from_q)
     mask = _as_bool_mask(mask)
-    dense = functools.partial(
-        nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
-        precision=self.precision)
-    query_THK = dense(features=(h, k_dim), name="query")(inputs_q)
-    key_SGK = dense(features=(g, k_dim), name="key")(inputs_k)
-    value_SGV = dense(features=(g, v_dim), name="value")(inputs_v)
-
-    if self.decode:
+    if self.decode:  # the window becomes part of the cache mask, at absolute positions
       key_SGK, value_SGV, mask = self._update_cache(
-          key_SGK, value_SGV, mask, query_THK.shape[-3])
-      is_causal = False  # the cache mask above already holds causality, with the cache offset
+          key_SGK, value_SGV, mask, query_THK.shape[-3], window)
+      is_causal, window = False, None  # the cache mask above holds causality, with the offset
 
-    rng = None
-    if self.dropout_rate > 0.0 and not deterministic:
-      if dropout_rng is None and not self.has_rng("dropout"):
-        raise ValueError(
-            f"dropout_rate={self.dropout_rate} with deterministic=False needs a dropout_rng "
-            "argument or a 'dropout' rng stream (apply(..., rngs={'dropout': key})), got neither")
-      rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
+    rng = self._dropout_rng(deterministic, dropout_rng)
     rate = self.dropout_rate if rng is not None else 0.0
-    out_THV = dot_product_attention(
-        query_THK, key_SGK, value_SGV, bias, mask, is_causal=is_causal, dropout_rate=rate,
-        dropout_rng=rng, implementation=self.implementation)
+    options = dict(is_causal=is_causal, dropout_rate=rate, dropout_rng=rng,
+                   local_window_size=window, logit_soft_cap=self.logit_soft_cap,
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    out_THV = dot_product_attention(query_THK, key_SGK, value_SGV, bias, mask,
+                                    implementation=self.implementation, **options)
     if sow_weights:
-      self.sow("intermediates", "attention_weights", dot_product_attention_weights(
-          query_THK, key_SGK, bias, mask, is_causal=is_causal, dropout_rate=rate,
-          dropout_rng=rng))
+      self.sow("intermediates", "attention_weights",
+               dot_product_attention_weights(query_THK, key_SGK, bias, mask, **options))
     out_features = self.out_features or inputs_q.shape[-1]
     return nn.DenseGeneral(
         features=out_features, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype,
@@ -127,18 +147,75 @@ class MultiHeadAttention(nn.Module):
       if width % h:
         raise ValueError(f"{name}={width} must be divisible by num_heads={h}")
     _checks.check_dropout_rate(self.dropout_rate)
+    if self.rotary_max_wavelength is not None:
+      _check_wavelength(self.rotary_max_wavelength)
+      if (qkv // h) % 2:
+        raise ValueError(
+            "rotary_max_wavelength needs an even qk head dim K = qkv_features / num_heads "
+            "(the rotation pairs feature i with i + K/2), got "
+            f"K={qkv // h} (qkv_features={qkv}, num_heads={h})")
     return h, g, qkv // h, v_features // h
 
-  def _update_cache(self, key_SGK, value_SGV, mask, num_q: int):
-    """Write the new keys/values at the cache index; return the full cache and its mask."""
+  def _check_call(self, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+    """Checks between the attributes and the call's arguments; returns the window pair."""
+    if self.decode and (q_segment_ids is not None or kv_segment_ids is not None):
+      raise ValueError(
+          "q_segment_ids/kv_segment_ids are not supported with decode=True (packed decoding "
+          "is not implemented): decode one document per batch row, with a padding mask")
+    if self.rotary_max_wavelength is None:
+      for name, x in (("q_positions", q_positions), ("kv_positions", kv_positions)):
+        if x is not None:
+          raise ValueError(
+              f"{name} was given but rotary_max_wavelength is None: positions are only used "
+              "by the rotary embedding; set rotary_max_wavelength (e.g. 10_000.0)")
+    if self.local_window_size is None:
+      return None
+    return _window_pair(self.local_window_size)
+
+  def _project(self, inputs_q, inputs_k, inputs_v, h, g, k_dim, v_dim):
+    """query [..., T, H, K], key [..., S, G, K], value [..., S, G, V] (query/key normalised)."""
+    dense = functools.partial(
+        nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
+        precision=self.precision)
+    query_THK = dense(features=(h, k_dim), name="query")(inputs_q)
+    key_SGK = dense(features=(g, k_dim), name="key")(inputs_k)
+    value_SGV = dense(features=(g, v_dim), name="value")(inputs_v)
+    if self.normalize_qk:
+      # epsilon spelled out: flax's normalize_qk uses LayerNorm's default, 1e-6.
+      norm = functools.partial(nn.LayerNorm, epsilon=1e-6, use_bias=False, dtype=self.dtype,
+                               param_dtype=self.param_dtype)
+      query_THK = norm(name="query_ln")(query_THK)
+      key_SGK = norm(name="key_ln")(key_SGK)
+    return query_THK, key_SGK, value_SGV
+
+  def _rotate(self, query_THK, key_SGK, q_positions, kv_positions, keys_from_q: bool):
+    """Queries and keys rotated at their positions (defaults in `__call__`'s docstring)."""
+    start = 0  # not decoding, or the init call that sizes the cache
+    if self.decode and self.has_variable("cache", "cached_key"):
+      start = self.get_variable("cache", "cache_index")
+    if q_positions is None:
+      q_positions = start + jnp.arange(query_THK.shape[-3])
+    if kv_positions is None:
+      kv_positions = q_positions if keys_from_q else start + jnp.arange(key_SGK.shape[-3])
+    _check_positions("q_positions", q_positions, query_THK.shape[:-2], "[..., T]")
+    _check_positions("kv_positions", kv_positions, key_SGK.shape[:-2], "[..., S]")
+    rotate = functools.partial(apply_rotary, max_wavelength=self.rotary_max_wavelength)
+    return rotate(query_THK, q_positions), rotate(key_SGK, kv_positions)
+
+  def _update_cache(self, key_SGK, value_SGV, mask, num_q: int, window):
+    """Write the new keys/values at the cache index; return the full cache and its mask.
+
+    The mask ANDs `mask` with causality (query t, at absolute position index + t, sees cached
+    positions <= index + t) and, given a (left, right) `window`, the window at those positions.
+    """
     initialised = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key_SGK.shape, key_SGK.dtype)
     cached_value = self.variable(
         "cache", "cached_value", jnp.zeros, value_SGV.shape, value_SGV.dtype)
     index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialised:  # init call: sizes the cache, attends causally like a decoder would
-      return key_SGK, value_SGV, masks_lib.combine_masks(
-          mask, masks_lib.causal_mask(num_q, key_SGK.shape[-3]))
+      return key_SGK, value_SGV, _cache_mask(mask, num_q, key_SGK.shape[-3], window, 0)
     *batch, max_len, g, k = cached_key.value.shape
     new_len = key_SGK.shape[-3]
     if tuple(key_SGK.shape) != (*batch, new_len, g, k) or new_len > max_len:
@@ -153,18 +230,33 @@ class MultiHeadAttention(nn.Module):
     cached_key.value = lax.dynamic_update_slice(cached_key.value, key_SGK, start)
     cached_value.value = lax.dynamic_update_slice(cached_value.value, value_SGV, start)
     index.value = cur + new_len
-    cache_mask = masks_lib.causal_mask(new_len, max_len, offset=cur)
-    return cached_key.value, cached_value.value, masks_lib.combine_masks(mask, cache_mask)
+    return cached_key.value, cached_value.value, _cache_mask(mask, new_len, max_len, window, cur)
+
+  def _dropout_rng(self, deterministic: bool, dropout_rng):
+    """The rng for dropout on the weights, or None when dropout is off."""
+    if self.dropout_rate == 0.0 or deterministic:
+      return None
+    if dropout_rng is None and not self.has_rng("dropout"):
+      raise ValueError(
+          f"dropout_rate={self.dropout_rate} with deterministic=False needs a dropout_rng "
+          "argument or a 'dropout' rng stream (apply(..., rngs={'dropout': key})), got neither")
+    return self.make_rng("dropout") if dropout_rng is None else dropout_rng
 
 
 class SelfAttention(MultiHeadAttention):
-  """`MultiHeadAttention` of a sequence on itself: called as (inputs, *, mask, ...)."""
+  """`MultiHeadAttention` of a sequence on itself: called as (inputs, *, mask, ...).
+
+  `segment_ids` [..., L] and `positions` [..., L] serve both queries and keys (see the parent's
+  q_segment_ids and q_positions).
+  """
 
   @nn.compact
   def __call__(self, inputs, *, mask=None, bias=None, is_causal: bool = False,
-               deterministic: bool = True, dropout_rng=None, sow_weights: bool = False):
+               segment_ids=None, positions=None, deterministic: bool = True, dropout_rng=None,
+               sow_weights: bool = False):
     return super().__call__(
-        inputs, mask=mask, bias=bias, is_causal=is_causal, deterministic=deterministic,
+        inputs, mask=mask, bias=bias, is_causal=is_causal, q_segment_ids=segment_ids,
+        kv_segment_ids=segment_ids, q_positions=positions, deterministic=deterministic,
         dropout_rng=dropout_rng, sow_weights=sow_weights)
 
 
@@ -182,6 +274,45 @@ def _check_inputs(inputs_q, inputs_k, inputs_v):
     raise ValueError(
         "inputs_k [..., S, D_k] and inputs_v [..., S, D_v] must share the length S, got "
         f"{tuple(inputs_k.shape)} and {tuple(inputs_v.shape)}")
+
+
+def _check_wavelength(wavelength):
+  """rotary_max_wavelength is static: a positive finite Python number."""
+  if not isinstance(wavelength, numbers.Real) or isinstance(wavelength, bool):
+    raise TypeError(f"rotary_max_wavelength must be a Python float or None, got "
+                    f"{type(wavelength).__name__}")
+  if not (math.isfinite(wavelength) and wavelength > 0):
+    raise ValueError(f"rotary_max_wavelength must be a finite number > 0, got {wavelength}")
+
+
+def _check_positions(name: str, positions, lead: tuple, layout: str):
+  """Integer positions broadcasting to the projections' leading dims [..., T] (or [..., S])."""
+  _checks.check_array(name, positions, 1, layout, floating=False)
+  if not jnp.issubdtype(positions.dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype, got {positions.dtype}")
+  _checks.check_broadcasts_to(name, positions.shape, lead, layout)
+
+
+def _window_pair(size) -> tuple[int, int]:
+  """(left, right) from local_window_size: an int w (meaning (w, w)) or a pair of ints >= 0."""
+  pair = (size, size) if isinstance(size, numbers.Integral) else size
+  ok = (isinstance(pair, tuple) and len(pair) == 2 and
+        all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in pair))
+  if not ok:
+    raise ValueError(
+        f"local_window_size must be an int >= 0 or a (left, right) pair of them, got {size!r}")
+  return int(pair[0]), int(pair[1])
+
+
+def _cache_mask(mask, num_q: int, num_kv: int, window, offset):
+  """mask AND causal AND window [T, S], query i at absolute position i + offset, key j at j."""
+  window_TS = None
+  if window is not None:
+    q_pos = jnp.arange(num_q)[:, None] + offset
+    kv_pos = jnp.arange(num_kv)[None, :]
+    window_TS = (kv_pos >= q_pos - window[0]) & (kv_pos <= q_pos + window[1])
+  return masks_lib.combine_masks(
+      mask, masks_lib.causal_mask(num_q, num_kv, offset=offset), window_TS)
 
 
 def _as_bool_mask(mask):
