@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 WORKDIR ?= runs/dates
 
-.PHONY: run test test-slow bench venv clean
+.PHONY: run test test-slow test-min bench venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,19 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The suite at the oldest supported releases (constraints-min.txt), in its own .venv-min.
+MIN_VENV  := .venv-min
+MIN_STAMP := $(MIN_VENV)/.installed
+
+$(MIN_STAMP): pyproject.toml constraints-min.txt
+	$(PY) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/pip install -q --upgrade pip
+	$(MIN_VENV)/bin/pip install -q -c constraints-min.txt -e '.[test]'
+	touch $(MIN_STAMP)
+
+test-min: $(MIN_STAMP)
+	$(MIN_VENV)/bin/python -m pytest -q -n 2
 
 bench: $(STAMP)
 	$(BIN)/python -m experiments.benchmark_attention

@@ -18,7 +18,8 @@ def base_config(task: str, **task_kwargs) -> ml_collections.ConfigDict:
   config.model.num_encoder_layers = 2  # encoder blocks
   config.model.num_decoder_layers = 2  # decoder blocks
   config.model.d_ff = 512  # FFN width F
-  config.model.dropout_rate = 0.1  # residual and attention dropout
+  config.model.dropout_rate = 0.1  # on embeddings and every sublayer output (residual dropout)
+  config.model.attention_dropout_rate = 0.0  # on attention weights (the paper uses none)
 
   config.train = ml_collections.ConfigDict()
   config.train.steps = 1200  # optimizer steps

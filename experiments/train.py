@@ -6,14 +6,18 @@
 
 A killed run restarted with the same workdir resumes from its last checkpoint and ends with the
 metrics an uninterrupted run would have: batches are a pure function of (seed, step) and the
-dropout key of step k is fold_in(state.rng, k).
+dropout key of step k is fold_in(state.rng, k). A checkpoint that cannot be read (a save cut short,
+a truncated folder) is skipped for the one before it and moved to <workdir>/checkpoints_unreadable.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
+import numbers
 import os
+import sys
 import time
 from typing import Any
 
@@ -31,8 +35,10 @@ from ml_collections import config_flags
 
 from experiments import data, metrics, plots
 from experiments.tasks import BOS, EOS, PAD, Task, get_task
-from flax_mha import ring_implementation, sharding
+from flax_mha import sharding
 from flax_mha.decoding import greedy_decode
+# The module's function (flax_mha re-exports the name ring_attention for another function).
+from flax_mha.ring_attention import attention as ring_implementation
 from flax_mha.transformer import Transformer, TransformerConfig
 
 
@@ -43,16 +49,81 @@ class TrainState(flax.struct.PyTreeNode):
   rng: jax.Array  # raw uint32 key; step k drops out with fold_in(rng, k)
 
 
+# Config keys whose bad value would ruin a run silently or late: key -> smallest allowed int.
+_INT_KEYS = {
+    "seed": 0, "train.steps": 1, "train.batch_size": 1, "train.warmup_steps": 0,
+    "train.bucket_window": 1, "train.log_every": 1, "train.checkpoint_every": 1,
+    "eval.every": 1, "eval.num_examples": 1, "eval.batch_size": 1,
+    "mesh.data": 1, "mesh.model": 1, "mesh.seq": 1,
+}
+# key -> (the allowed range in words, the test of a finite float).
+_FLOAT_KEYS = {
+    "train.peak_lr": ("> 0", lambda x: x > 0),
+    "train.weight_decay": (">= 0", lambda x: x >= 0),
+    "train.label_smoothing": ("in [0, 1)", lambda x: 0 <= x < 1),
+    "train.grad_clip_norm": ("> 0", lambda x: x > 0),  # 0 would zero every update
+}
+
+
+def _get(config: ml_collections.ConfigDict, key: str):
+  for name in key.split("."):
+    config = config[name]
+  return config
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_int(key: str, value, lowest: int) -> None:
+  expected = "a positive int" if lowest == 1 else f"an int >= {lowest}"
+  if not _is_int(value):
+    raise TypeError(f"config.{key} must be {expected}, got {type(value).__name__} {value!r}")
+  if value < lowest:
+    raise ValueError(f"config.{key} must be {expected}, got {value}")
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raise a ValueError (TypeError for a wrong type) naming the first bad key of `config`.
+
+  Catches, before anything is built or written, the values that would otherwise train nothing
+  (steps <= 0), divide by zero mid-run (log_every, checkpoint_every, eval.every = 0) or train
+  at a meaningless learning rate. Architecture keys are checked by TransformerConfig.
+  """
+  for key, lowest in _INT_KEYS.items():
+    _check_int(key, _get(config, key), lowest)
+  for key, (expected, ok) in _FLOAT_KEYS.items():
+    value = _get(config, key)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+      raise TypeError(f"config.{key} must be a number {expected}, got {type(value).__name__}")
+    if not (math.isfinite(value) and ok(value)):
+      raise ValueError(f"config.{key} must be a finite number {expected}, got {value}")
+  buckets = config.train.length_buckets
+  if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
+    raise ValueError(
+        f"config.train.length_buckets must be a non-empty sequence of positive ints, got {buckets}")
+
+
 def model_config(config: ml_collections.ConfigDict, task: Task) -> TransformerConfig:
   return TransformerConfig(vocab_size=task.vocab.size, pad_id=PAD, bos_id=BOS, eos_id=EOS,
                            **config.model)
 
 
 def learning_rate_schedule(peak_lr: float, warmup_steps: int):
-  """The paper's schedule scaled to `peak_lr`: linear warm-up, then decay as 1/sqrt(step)."""
+  """The paper's schedule scaled to `peak_lr`: linear warm-up, then decay as 1/sqrt(step).
+
+  Step n (1-based; optax passes the count n - 1) trains at peak_lr * min(n / w, sqrt(w / n)) with
+  w = max(warmup_steps, 1): it rises linearly to peak_lr at step w, then falls as 1/sqrt(n).
+  warmup_steps=0 means no warm-up and equals warmup_steps=1: peak_lr at step 1, peak_lr / sqrt(n)
+  at step n.
+  """
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+  warmup = max(warmup_steps, 1)  # step 1 is the first: a 0-step warm-up ends there too
+
   def schedule(count):
     step = jnp.maximum(count + 1, 1).astype(jnp.float32)
-    return peak_lr * jnp.minimum(step / warmup_steps, jnp.sqrt(warmup_steps / step))
+    return peak_lr * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
   return schedule
 
 
@@ -63,18 +134,20 @@ def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransforma
                   eps=1e-9, weight_decay=train.weight_decay))
 
 
-def cross_entropy(logits_BTV, targets_BT, label_smoothing: float):
+def cross_entropy(logits_BTC, targets_BT, label_smoothing: float):
   """(sum of per-token losses, sum of correct argmaxes, number of target tokens), pad excluded.
+
+  logits_BTC: [B, T, C] with C the vocabulary size; targets_BT: [B, T] int ids.
 
   The loss is the smoothed cross-entropy minus its minimum (the smoothed labels' entropy), so a
   perfect model scores 0 as in flax's wmt example.
   """
   weights_BT = (targets_BT != PAD).astype(jnp.float32)
-  labels_BTV = optax.smooth_labels(jax.nn.one_hot(targets_BT, logits_BTV.shape[-1]),
+  labels_BTC = optax.smooth_labels(jax.nn.one_hot(targets_BT, logits_BTC.shape[-1]),
                                    label_smoothing)
-  entropy_BT = -jnp.sum(jax.scipy.special.xlogy(labels_BTV, labels_BTV), axis=-1)
-  loss_BT = optax.softmax_cross_entropy(logits_BTV, labels_BTV) - entropy_BT
-  correct_BT = jnp.argmax(logits_BTV, axis=-1) == targets_BT
+  entropy_BT = -jnp.sum(jax.scipy.special.xlogy(labels_BTC, labels_BTC), axis=-1)
+  loss_BT = optax.softmax_cross_entropy(logits_BTC, labels_BTC) - entropy_BT
+  correct_BT = jnp.argmax(logits_BTC, axis=-1) == targets_BT
   return jnp.sum(loss_BT * weights_BT), jnp.sum(correct_BT * weights_BT), jnp.sum(weights_BT)
 
 
@@ -159,6 +232,58 @@ def _checkpoint_args(state, train_seconds=None):
     return ocp.args.Composite(state=ocp.args.StandardRestore(state), meta=ocp.args.JsonRestore())
   return ocp.args.Composite(state=ocp.args.StandardSave(state),
                             meta=ocp.args.JsonSave({"train_seconds": train_seconds}))
+
+
+UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir: checkpoints a restart skipped
+
+
+def _first_line(error: Exception, limit: int = 200) -> str:
+  text = str(error).strip().split("\n")[0]
+  text = text if len(text) <= limit else text[:limit] + "..."
+  return f"{type(error).__name__}: {text}"
+
+
+def _set_aside(path: str, aside_dir: str) -> str:
+  """Move `path` into `aside_dir` under a name not yet taken; return the new path."""
+  os.makedirs(aside_dir, exist_ok=True)
+  dest = base = os.path.join(aside_dir, os.path.basename(path))
+  n = 1
+  while os.path.exists(dest):
+    dest, n = f"{base}.{n}", n + 1
+  os.rename(path, dest)
+  return dest
+
+
+def restore_newest_readable(manager, state: TrainState, aside_dir: str):
+  """(state, train_seconds) from the newest checkpoint that restores; (state, 0.0) if none exist.
+
+  A run killed while saving, or a folder emptied or truncated later, leaves a checkpoint that
+  cannot be read. Restarts skip it for the next older one and move it into `aside_dir` (kept
+  for inspection): otherwise orbax, which never saves a step at or below its newest one, would
+  keep the broken folder in place of the new save. Prints one line per skipped checkpoint.
+  Raises RuntimeError naming the checkpoint directory when checkpoints exist but none restores.
+  """
+  skipped = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    path = os.path.join(str(manager.directory), str(step))
+    try:
+      restored = manager.restore(step, args=_checkpoint_args(state))
+    except Exception as e:  # broad: orbax raises a bare Exception for corrupt array data
+      skipped.append((path, _first_line(e)))
+      continue
+    for bad_path, reason in skipped:
+      dest = _set_aside(bad_path, aside_dir)
+      print(f"skipped unreadable checkpoint {bad_path} ({reason}); moved to {dest}",
+            file=sys.stderr, flush=True)
+    if skipped:
+      manager.reload()  # forget the moved steps, so that the run saves them afresh
+    return restored.state, restored.meta["train_seconds"]
+  if skipped:
+    details = "; ".join(f"{path}: {reason}" for path, reason in skipped)
+    raise RuntimeError(
+        f"no readable checkpoint in {manager.directory} (each failed to restore; a changed model "
+        f"config also causes this): {details}. Move that directory away to train from scratch.")
+  return state, 0.0
 
 
 def init_state(config, task: Task, model, tx) -> TrainState:
@@ -246,6 +371,7 @@ def train_loop(config, task: Task, state: TrainState, train_seconds: float, step
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Train (resuming from <workdir>'s last checkpoint), evaluate, plot; return the summary."""
+  check_config(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   task = get_task(config.task.name, **config.task.kwargs)
@@ -257,10 +383,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   state, step_fn = shard_and_compile(config, state, model, tx)
   options = ocp.CheckpointManagerOptions(max_to_keep=2)
   with ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), options=options) as manager:
-    train_seconds = 0.0
-    if manager.latest_step() is not None:
-      restored = manager.restore(manager.latest_step(), args=_checkpoint_args(state))
-      state, train_seconds = restored.state, restored.meta["train_seconds"]
+    state, train_seconds = restore_newest_readable(
+        manager, state, os.path.join(workdir, UNREADABLE_DIR))
     writer = metrics.MetricWriter(workdir, resume_step=int(state.step))
     try:
       state, train_seconds, eval_metrics = train_loop(

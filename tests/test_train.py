@@ -2,17 +2,22 @@
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 from configs import algorithmic, dates, dates_long, num2words_de
 from experiments import data, metrics, train
 from tests.multidevice.run import run_check
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY_KEYS = {"task", "steps", "train_seconds", "eval_token_accuracy", "eval_exact_match",
                 "params"}
 TIMING_KEYS = {"train_seconds", "steps_per_second", "train/tokens_per_second"}
@@ -28,6 +33,13 @@ def tiny_config(steps=20):
 
 def _untimed(row):
   return {k: v for k, v in row.items() if k not in TIMING_KEYS}
+
+
+def _truncate_files(folder):
+  """Cut every file under `folder` to 0 bytes: a checkpoint whose save never completed."""
+  for root, _, files in os.walk(folder):
+    for name in files:
+      os.truncate(os.path.join(root, name), 0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,6 +111,113 @@ def test_killed_and_resumed_run_equals_uninterrupted(trained, tmp_path, monkeypa
   assert _untimed(resumed) == _untimed(uninterrupted)
   assert ([_untimed(r) for r in metrics.read_rows(str(tmp_path))]
           == [_untimed(r) for r in metrics.read_rows(uninterrupted_dir)])
+
+
+def test_resume_skips_unreadable_checkpoints(trained, tmp_path, capsys):
+  """Newest checkpoint truncated and an empty later one: resume from 10, same final metrics."""
+  uninterrupted_dir, uninterrupted = trained
+  workdir = str(tmp_path / "run")
+  shutil.copytree(uninterrupted_dir, workdir)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  _truncate_files(os.path.join(checkpoints, "20"))
+  os.makedirs(os.path.join(checkpoints, "30"))
+  capsys.readouterr()
+  resumed = train.train_and_evaluate(tiny_config(), workdir)
+  skipped = [line for line in capsys.readouterr().err.splitlines()
+             if line.startswith("skipped unreadable checkpoint")]
+  assert [line.split()[3] for line in skipped] == [os.path.join(checkpoints, "30"),
+                                                    os.path.join(checkpoints, "20")]
+  assert sorted(os.listdir(os.path.join(workdir, train.UNREADABLE_DIR))) == ["20", "30"]
+  assert _untimed(resumed) == _untimed(uninterrupted)
+  assert ([_untimed(r) for r in metrics.read_rows(workdir)]
+          == [_untimed(r) for r in metrics.read_rows(uninterrupted_dir)])
+  again = train.train_and_evaluate(tiny_config(), workdir)  # step 20 was saved afresh
+  assert "skipped unreadable" not in capsys.readouterr().err
+  assert _untimed(again) == _untimed(resumed)
+
+
+def test_no_readable_checkpoint_raises(trained, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained[0], workdir)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  for step in ("10", "20"):
+    _truncate_files(os.path.join(checkpoints, step))
+  with pytest.raises(RuntimeError, match=f"no readable checkpoint in {re.escape(checkpoints)}"):
+    train.train_and_evaluate(tiny_config(), workdir)
+  assert sorted(os.listdir(checkpoints)) == ["10", "20"]  # left for the user to inspect
+
+
+def test_learning_rate_schedule():
+  """Linear warm-up to the peak at step w, then peak * sqrt(w / step); w=0 means no warm-up."""
+  def lr(warmup, counts):  # optax passes count = step - 1
+    schedule = train.learning_rate_schedule(2.0, warmup)
+    return [float(schedule(c)) for c in counts]
+
+  np.testing.assert_allclose(lr(4, [0, 1, 3, 15]), [0.5, 1.0, 2.0, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(lr(0, [0, 3, 99]), [2.0, 1.0, 0.2], rtol=1e-6)
+  np.testing.assert_allclose(lr(1, [0, 3, 99]), [2.0, 1.0, 0.2], rtol=1e-6)
+  with pytest.raises(ValueError, match="warmup_steps must be >= 0, got -1"):
+    train.learning_rate_schedule(2.0, -1)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("train.steps", -5, "config.train.steps must be a positive int, got -5"),
+    ("train.steps", 0, "config.train.steps must be a positive int, got 0"),
+    ("train.batch_size", 0, "config.train.batch_size must be a positive int, got 0"),
+    ("train.peak_lr", 0.0, "config.train.peak_lr must be a finite number > 0, got 0.0"),
+    ("train.peak_lr", float("nan"), "config.train.peak_lr must be a finite number > 0, got nan"),
+    ("train.warmup_steps", -1, "config.train.warmup_steps must be an int >= 0, got -1"),
+    ("train.log_every", 0, "config.train.log_every must be a positive int, got 0"),
+    ("train.checkpoint_every", 0, "config.train.checkpoint_every must be a positive int, got 0"),
+    ("train.bucket_window", 0, "config.train.bucket_window must be a positive int, got 0"),
+    ("train.label_smoothing", 1.0, "config.train.label_smoothing must be a finite number in "
+                                   "[0, 1), got 1.0"),
+    ("train.grad_clip_norm", 0.0, "config.train.grad_clip_norm must be a finite number > 0"),
+    ("train.weight_decay", -0.1, "config.train.weight_decay must be a finite number >= 0"),
+    ("train.length_buckets", (), "config.train.length_buckets must be a non-empty sequence"),
+    ("eval.every", 0, "config.eval.every must be a positive int, got 0"),
+    ("eval.num_examples", 0, "config.eval.num_examples must be a positive int, got 0"),
+    ("eval.batch_size", -2, "config.eval.batch_size must be a positive int, got -2"),
+    ("seed", -1, "config.seed must be an int >= 0, got -1"),
+])
+def test_bad_config_values_raise_before_anything_runs(tmp_path, key, value, message):
+  config = tiny_config()
+  *parents, last = key.split(".")
+  node = config
+  for name in parents:
+    node = node[name]
+  node[last] = value
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match=re.escape(message)):
+    train.train_and_evaluate(config, str(workdir))
+  assert not workdir.exists()
+
+
+def test_bad_config_value_fails_from_the_command_line(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--config", "configs/dates.py:tiny",
+       "--workdir", str(tmp_path / "run"), "--config.eval.every=0"],
+      capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert result.returncode != 0
+  assert "config.eval.every must be a positive int, got 0" in result.stderr
+  assert not (tmp_path / "run").exists()
+
+
+def test_attention_dropout_rate_reaches_the_model(monkeypatch):
+  """configs/common.py defines the key, so the locked config takes it from the command line."""
+  argv = ["train", f"--config={REPO}/configs/dates.py:tiny",
+          "--config.model.attention_dropout_rate=0.1"]
+  monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides from sys.argv
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "experiment config", flag_values=flag_values,
+                                  lock_config=True)
+  flag_values(argv)
+  config = flag_values.config
+  task = train.get_task(config.task.name, **config.task.kwargs)
+  cfg = train.model_config(config, task)
+  assert (cfg.attention_dropout_rate, cfg.dropout_rate) == (0.1, 0.1)
+  default = train.model_config(dates.get_config("tiny"), task)
+  assert (default.attention_dropout_rate, default.dropout_rate) == (0.0, 0.1)  # as before
 
 
 @pytest.mark.slow
