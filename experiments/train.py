@@ -12,6 +12,7 @@ a truncated folder) is skipped for the one before it and moved to <workdir>/chec
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -33,12 +34,14 @@ import tqdm
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import data, metrics, plots
+from experiments import data, lm, metrics, plots
+from experiments.losses import cross_entropy
 from experiments.tasks import BOS, EOS, PAD, Task, get_task
 from flax_mha import sharding
 from flax_mha.decoding import greedy_decode
 # The module's function (flax_mha re-exports the name ring_attention for another function).
 from flax_mha.ring_attention import attention as ring_implementation
+from flax_mha.lm import DecoderLM
 from flax_mha.transformer import Transformer, TransformerConfig
 
 
@@ -134,30 +137,46 @@ def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransforma
                   eps=1e-9, weight_decay=train.weight_decay))
 
 
-def cross_entropy(logits_BTC, targets_BT, label_smoothing: float):
-  """(sum of per-token losses, sum of correct argmaxes, number of target tokens), pad excluded.
+def is_lm(config) -> bool:
+  """Whether the config trains the decoder-only LM (configs/lm.py) rather than the Transformer."""
+  return config.get("kind", "seq2seq") == "lm"
 
-  logits_BTC: [B, T, C] with C the vocabulary size; targets_BT: [B, T] int ids.
 
-  The loss is the smoothed cross-entropy minus its minimum (the smoothed labels' entropy), so a
-  perfect model scores 0 as in flax's wmt example.
-  """
-  weights_BT = (targets_BT != PAD).astype(jnp.float32)
-  labels_BTC = optax.smooth_labels(jax.nn.one_hot(targets_BT, logits_BTC.shape[-1]),
-                                   label_smoothing)
-  entropy_BT = -jnp.sum(jax.scipy.special.xlogy(labels_BTC, labels_BTC), axis=-1)
-  loss_BT = optax.softmax_cross_entropy(logits_BTC, labels_BTC) - entropy_BT
-  correct_BT = jnp.argmax(logits_BTC, axis=-1) == targets_BT
-  return jnp.sum(loss_BT * weights_BT), jnp.sum(correct_BT * weights_BT), jnp.sum(weights_BT)
+def make_model(config, task: Task):
+  if is_lm(config):
+    return DecoderLM(lm.model_config(config, task))
+  return Transformer(model_config(config, task))
+
+
+def model_inputs(batch) -> tuple:
+  """The model's positional inputs: (src, tgt_in), or the LM's (tokens, segment_ids, positions)."""
+  if "tokens" in batch:
+    return batch["tokens"], batch["segment_ids"], batch["positions"]
+  return batch["src"], batch["tgt_in"]
+
+
+def loss_terms(logits, batch, label_smoothing: float):
+  """cross_entropy over what the batch scores: the target tokens, or the LM's answer tokens."""
+  if "tokens" in batch:
+    return lm.loss_terms(logits, batch, label_smoothing)
+  return cross_entropy(logits, batch["tgt_out"], label_smoothing)
+
+
+def next_batch(config, task: Task, step: int):
+  """Training batch `step` (0-based) of either model: a pure function of (seed, step)."""
+  if is_lm(config):
+    return lm.train_batch(config, task, step)
+  return data.train_batch(task, config.seed, step, config.train.batch_size,
+                          config.train.bucket_window, config.train.length_buckets)
 
 
 def train_step(state: TrainState, batch, *, model, tx, label_smoothing: float):
   dropout_rng = jax.random.fold_in(state.rng, state.step)
 
   def loss_fn(params):
-    logits = model.apply({"params": params}, batch["src"], batch["tgt_in"], train=True,
+    logits = model.apply({"params": params}, *model_inputs(batch), train=True,
                          rngs={"dropout": dropout_rng})
-    loss, correct, count = cross_entropy(logits, batch["tgt_out"], label_smoothing)
+    loss, correct, count = loss_terms(logits, batch, label_smoothing)
     return loss / count, (correct, count)
 
   (loss, (correct, count)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -288,9 +307,12 @@ def restore_newest_readable(manager, state: TrainState, aside_dir: str):
 
 def init_state(config, task: Task, model, tx) -> TrainState:
   param_rng, dropout_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed), 3)
-  example = data.train_batch(task, config.seed, 0, 2, 1, config.train.length_buckets)
-  params = jax.jit(model.init)({"params": param_rng, "dropout": dropout_rng}, example["src"],
-                               example["tgt_in"])["params"]
+  if is_lm(config):
+    example = lm.init_batch(config, task)
+  else:
+    example = data.train_batch(task, config.seed, 0, 2, 1, config.train.length_buckets)
+  params = jax.jit(model.init)({"params": param_rng, "dropout": dropout_rng},
+                               *model_inputs(example))["params"]
   return TrainState(step=jnp.array(0, jnp.int32), params=params, opt_state=tx.init(params),
                     rng=train_rng)
 
@@ -312,7 +334,8 @@ def shard_and_compile(config, state: TrainState, model, tx):
                      f"multiples of mesh.seq={mesh_cfg.seq}")
   mesh = sharding.make_mesh(data=mesh_cfg.data, model=mesh_cfg.model, seq=mesh_cfg.seq)
   if mesh_cfg.seq > 1:
-    model = Transformer(model.config.replace(attention_implementation=ring_implementation))
+    model = type(model)(dataclasses.replace(model.config,
+                                            attention_implementation=ring_implementation))
   state = sharding.shard_train_state(state, mesh)
   state_shardings = sharding.shardings_for(state, mesh)
   jitted = jax.jit(functools.partial(train_step, model=model, tx=tx,
@@ -338,9 +361,8 @@ def train_loop(config, task: Task, state: TrainState, train_seconds: float, step
   eval_metrics, window_tokens, window_start = {}, 0, time.perf_counter()
   with tqdm.tqdm(total=steps, initial=int(state.step), desc=task.name, unit="step") as bar:
     for step in range(int(state.step) + 1, steps + 1):
-      batch = data.train_batch(task, config.seed, step - 1, config.train.batch_size,
-                               config.train.bucket_window, config.train.length_buckets)
-      window_tokens += int(np.sum(batch["src"] != PAD) + np.sum(batch["tgt_out"] != PAD))
+      batch = next_batch(config, task, step - 1)
+      window_tokens += int(sum(np.sum(x != PAD) for x in model_inputs(batch)[:2]))
       state, train_metrics = step_fn(state, batch)
       bar.update()
       log = step % config.train.log_every == 0 or step == steps
@@ -375,11 +397,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   task = get_task(config.task.name, **config.task.kwargs)
-  cfg = model_config(config, task)
-  model = Transformer(cfg)
+  model = make_model(config, task)
   tx = make_optimizer(config.train)
   state = init_state(config, task, model, tx)
-  evaluator = Evaluator(config, task, model, cfg)
+  if is_lm(config):
+    evaluator = lm.Evaluator(config, task, model)
+  else:
+    evaluator = Evaluator(config, task, model, model.config)
   state, step_fn = shard_and_compile(config, state, model, tx)
   options = ocp.CheckpointManagerOptions(max_to_keep=2)
   with ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), options=options) as manager:
@@ -395,8 +419,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     eval_metrics = evaluator(state.params)
 
   plots.learning_curves(metrics.read_rows(workdir), os.path.join(workdir, "learning_curves.png"))
-  plot_attention(model, state.params, task, evaluator.pairs[0][0],
-                 evaluator.decode(state.params)[0], workdir)
+  if not is_lm(config):
+    plot_attention(model, state.params, task, evaluator.pairs[0][0],
+                   evaluator.decode(state.params)[0], workdir)
   summary = {
       "task": task.name,
       "steps": int(state.step),

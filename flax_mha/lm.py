@@ -1,0 +1,109 @@
+"""A decoder-only language model in today's style, built on `flax_mha.SelfAttention`.
+
+Rotary positions, grouped-query attention, local (sliding-window) layers alternating with global
+ones as in Gemma 2 / Mistral, pre-norm blocks, tied embeddings, and packed documents: every call
+takes segment ids (a token attends only within its document) and positions that restart at each
+document. Shapes: B batch, L length, D d_model, F d_ff, C vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from flax_mha import _checks
+from flax_mha.modules import SelfAttention
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+  """Architecture only; training settings live in the experiment configs."""
+  vocab_size: int                     # C, special ids included
+  d_model: int = 128                  # residual width D
+  num_heads: int = 4                  # query heads H
+  num_kv_heads: int = 2               # key/value heads G (GQA: H / G queries share one)
+  num_layers: int = 4                 # blocks
+  d_ff: int = 512                     # MLP width F
+  local_window: int | None = 16       # keys a local layer sees before the query (None: all global)
+  global_every: int = 2               # every n-th block is global, the others local (Gemma 2: 2)
+  rotary_max_wavelength: float = 10_000.0  # RoPE base
+  logit_soft_cap: float | None = 50.0  # attention logits capped as in Gemma 2
+  normalize_qk: bool = False          # LayerNorm on queries and keys (flax.linen's normalize_qk)
+  dropout_rate: float = 0.0           # on block outputs
+  dtype: Any = jnp.float32            # computation dtype; params stay float32
+  attention_implementation: Any = None  # see flax_mha.dot_product_attention
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "d_ff", "global_every"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
+    _checks.check_heads(self.num_heads, self.num_kv_heads,
+                        names=("LMConfig.num_heads", "LMConfig.num_kv_heads"))
+    if self.d_model % self.num_heads:
+      raise ValueError(f"LMConfig.d_model={self.d_model} must be divisible by "
+                       f"num_heads={self.num_heads}")
+    if self.local_window is not None and (not isinstance(self.local_window, int) or
+                                          self.local_window < 0):
+      raise ValueError(f"LMConfig.local_window must be None or an int >= 0, got "
+                       f"{self.local_window!r}")
+    _checks.check_dropout_rate(self.dropout_rate, "LMConfig.dropout_rate")
+
+  def is_local(self, layer: int) -> bool:
+    """Layers global_every - 1, 2·global_every - 1, ... are global; the rest local."""
+    return self.local_window is not None and (layer + 1) % self.global_every != 0
+
+
+class Block(nn.Module):
+  """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
+  config: LMConfig
+  local: bool
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions, *, train: bool):
+    cfg = self.config
+    attention = SelfAttention(
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype,
+        use_bias=False, normalize_qk=cfg.normalize_qk, logit_soft_cap=cfg.logit_soft_cap,
+        rotary_max_wavelength=cfg.rotary_max_wavelength,
+        local_window_size=(cfg.local_window, 0) if self.local else None,
+        implementation=cfg.attention_implementation, name="attention")
+    drop = nn.Dropout(cfg.dropout_rate, deterministic=not train)
+    h = attention(nn.LayerNorm(dtype=cfg.dtype, name="attention_norm")(x), is_causal=True,
+                  segment_ids=segment_ids, positions=positions)
+    x = x + drop(h)
+    h = nn.LayerNorm(dtype=cfg.dtype, name="mlp_norm")(x)
+    h = nn.Dense(cfg.d_ff, dtype=cfg.dtype, name="mlp_in")(h)
+    h = nn.Dense(cfg.d_model, dtype=cfg.dtype, name="mlp_out")(nn.gelu(h))
+    return x + drop(h)
+
+
+class DecoderLM(nn.Module):
+  """`__call__(tokens [B, L], segment_ids [B, L], positions [B, L]) -> logits [B, L, C]`.
+
+  segment_ids: int, 0 for padding; tokens attend causally within their own segment.
+  positions: int, each token's position within its segment (rotary angles).
+  """
+  config: LMConfig
+
+  @nn.compact
+  def __call__(self, tokens, segment_ids, positions, *, train: bool = False):
+    cfg = self.config
+    _checks.check_tokens("tokens", tokens)
+    _checks.check_tokens("segment_ids", segment_ids)
+    _checks.check_tokens("positions", positions)
+    if not tokens.shape == segment_ids.shape == positions.shape:
+      raise ValueError("tokens, segment_ids and positions must share one shape [B, L], got "
+                       f"{tokens.shape}, {segment_ids.shape} and {positions.shape}")
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed",
+                     embedding_init=nn.initializers.normal(stddev=1.0))
+    x = embed(tokens).astype(cfg.dtype) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
+    for i in range(cfg.num_layers):
+      x = Block(cfg, local=cfg.is_local(i), name=f"block_{i}")(x, segment_ids, positions,
+                                                               train=train)
+    x = nn.LayerNorm(dtype=cfg.dtype, name="final_norm")(x)
+    logits_BLC = embed.attend(x) / jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
+    return logits_BLC.astype(jnp.float32)
