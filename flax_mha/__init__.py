@@ -21,6 +21,7 @@ count. Sizes without a letter above get their own, never a reused one.
 from flax_mha import interop
 from flax_mha import masks
 from flax_mha import mods
+from flax_mha import nnx
 from flax_mha.attention import IMPLEMENTATIONS
 from flax_mha.attention import dot_product_attention
 from flax_mha.attention import dot_product_attention_weights

@@ -1,0 +1,365 @@
+"""Flax NNX modules: the same attention as `flax_mha.modules`, as first-class `nnx.Module`s.
+
+`MultiHeadAttention` takes `flax.nnx.MultiHeadAttention`'s constructor arguments (num_heads,
+in_features, qkv_features, out_features, num_kv_heads, in_kv_features, dtype, ..., rngs) and,
+for the arguments both have, builds the same state tree: `query`/`key`/`value` LinearGeneral
+with kernel [D, H, K] (key/value [D_kv, G, K]) and bias [H, K], `out` with kernel [H, V, D_out]
+and bias [D_out]; so `nnx.update(ours, nnx.state(theirs, nnx.Param))` loads flax's weights. It
+adds what the linen module has and flax's lacks or does differently: K != V (`v_features`,
+`in_v_features`), `bias`, `implementation`, and decode steps of any length T. Dropout on the weights
+is flax_mha's (a hash of the position, never broadcast), so it matches the linen module's for the
+same key, not flax's.
+
+`linen_params_to_nnx` and `nnx_to_linen_params` move parameters between this module and
+`flax_mha.MultiHeadAttention` (whose tree equals `flax.linen.MultiHeadDotProductAttention`'s).
+
+Every parameter carries the logical axes that `flax_mha.sharding.PARAM_AXES` gives its path
+(read them with `nnx.get_partition_spec(nnx.state(module))`), the layout that
+`flax_mha.sharding.shardings_for` gives the linen tree. They are metadata only, so creating a
+module never needs a mesh (`eager_sharding=False`).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from flax_mha import _checks
+from flax_mha import masks as masks_lib
+from flax_mha import sharding
+from flax_mha.attention import IMPLEMENTATIONS
+from flax_mha.attention import dot_product_attention, dot_product_attention_weights
+from flax_mha.modules import _as_bool_mask, _check_inputs
+
+Initializer = Callable[..., Any]
+
+# The four projections, in the order of flax's state tree.
+PROJECTIONS = ("query", "key", "value", "out")
+
+# flax 0.10 (the floor in pyproject.toml) has no nnx.data, Variable.set_value or RngStream.fork.
+_data = getattr(nnx, "data", lambda x: x)
+
+
+def _set(variable, value) -> None:
+  """variable := value, in every supported flax."""
+  if hasattr(variable, "set_value"):
+    variable.set_value(value)
+  else:
+    variable.value = value
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head attention with GQA/MQA, K != V, dropout on the weights and a KV cache.
+
+  Args:
+    num_heads: query heads H.
+    in_features: width D of inputs_q.
+    qkv_features: H·K, the query/key width (default in_features).
+    out_features: output width (default in_features).
+    num_kv_heads: key/value heads G (default H); H must be a multiple of G.
+    in_kv_features: width of inputs_k (default in_features).
+    v_features: H·V, the value width before `out` (default qkv_features): V may differ from K.
+    in_v_features: width of inputs_v (default in_kv_features).
+    dtype, param_dtype, precision, use_bias, kernel_init, out_kernel_init, bias_init,
+      out_bias_init: as in `flax.nnx.MultiHeadAttention`.
+    dropout_rate: dropout on the attention weights, in [0, 1).
+    deterministic: default of the call argument (needed when dropout_rate > 0); `eval()`,
+      `train()` and `nnx.view` set it.
+    implementation: None, a name in `flax_mha.IMPLEMENTATIONS` or a callable, passed to
+      `flax_mha.dot_product_attention`.
+    decode: default of the call argument: KV-cache decoding after `init_cache`.
+    rngs: `nnx.Rngs` for the parameters; with dropout, its 'dropout' stream (or 'default', as
+      in flax) is forked and kept as the call's default, if it has one.
+  """
+
+  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+               out_features: int | None = None, num_kv_heads: int | None = None,
+               in_kv_features: int | None = None, *, v_features: int | None = None,
+               in_v_features: int | None = None, dtype: Any = None,
+               param_dtype: Any = jnp.float32, dropout_rate: float = 0.0,
+               deterministic: bool | None = None, precision: Any = None,
+               kernel_init: Initializer = nnx.initializers.lecun_normal(),
+               out_kernel_init: Initializer | None = None,
+               bias_init: Initializer = nnx.initializers.zeros_init(),
+               out_bias_init: Initializer | None = None, use_bias: bool = True,
+               implementation: str | Callable | None = None, decode: bool = False,
+               rngs: nnx.Rngs):
+    self.num_heads = num_heads
+    self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _checks.check_heads(self.num_heads, self.num_kv_heads)
+    self.in_features = _size("in_features", in_features)
+    self.in_kv_features = _size("in_kv_features", in_kv_features, in_features)
+    self.in_v_features = _size("in_v_features", in_v_features, self.in_kv_features)
+    self.qkv_features = _size("qkv_features", qkv_features, in_features)
+    self.v_features = _size("v_features", v_features, self.qkv_features)
+    self.out_features = _size("out_features", out_features, in_features)
+    for name in ("qkv_features", "v_features"):
+      if getattr(self, name) % num_heads:
+        raise ValueError(f"{name}={getattr(self, name)} must be divisible by "
+                         f"num_heads={num_heads}")
+    self.head_dim = self.qkv_features // num_heads  # K, named as flax names it
+    self.v_head_dim = self.v_features // num_heads  # V
+    _checks.check_dropout_rate(dropout_rate)
+    _check_implementation(implementation)
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
+    self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+    self.dropout_rate, self.deterministic = dropout_rate, deterministic
+    self.use_bias, self.implementation, self.decode = use_bias, implementation, decode
+
+    linear = functools.partial(
+        _linear, dtype=dtype, param_dtype=param_dtype, precision=precision,
+        use_bias=use_bias, rngs=rngs)
+    h, g, k, v = num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+    self.query = linear("query", self.in_features, (h, k), kernel_init, bias_init)
+    self.key = linear("key", self.in_kv_features, (g, k), kernel_init, bias_init)
+    self.value = linear("value", self.in_v_features, (g, v), kernel_init, bias_init)
+    self.out = linear("out", (h, v), self.out_features, out_kernel_init or kernel_init,
+                      out_bias_init or bias_init, axis=(-2, -1))
+    self.rngs = _dropout_stream(rngs) if dropout_rate > 0 else None
+    self.cached_key: nnx.Cache | None = _data(None)
+    self.cached_value: nnx.Cache | None = _data(None)
+    self.cache_index: nnx.Cache | None = _data(None)
+
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
+               is_causal: bool = False, deterministic: bool | None = None, rngs=None,
+               sow_weights: bool = False, decode: bool | None = None):
+    """inputs_q [..., T, in_features], inputs_k [..., S, in_kv_features] (default inputs_q),
+    inputs_v [..., S, in_v_features] (default inputs_k).
+
+    mask (bool, True = attend; or numeric, nonzero = attend, as in flax) and bias (added to the
+    logits) broadcast to [..., H, T, S]. `deterministic` and `decode` default to the attributes;
+    `rngs` (an `nnx.Rngs`, an `nnx.RngStream` or one key) to the stream kept at construction.
+    With `decode`, the T new tokens are appended to the cache and query t sees cached positions
+    <= index + t. Returns [..., T, out_features]; with `sow_weights`, the weights
+    [..., H, T, S] are sown as `nnx.Intermediate` 'attention_weights', as flax does (collect
+    them with `nnx.capture(module, nnx.Intermediate)`, or `nnx.pop` before flax 0.12.8).
+    """
+    if inputs_k is None and inputs_v is not None:
+      raise ValueError(
+          "inputs_v was given but inputs_k is None: pass inputs_k too (the keys would otherwise "
+          "silently be inputs_q); for keys equal to values pass inputs_k only")
+    inputs_k = inputs_q if inputs_k is None else inputs_k
+    inputs_v = inputs_k if inputs_v is None else inputs_v
+    _check_inputs(inputs_q, inputs_k, inputs_v)
+    for name, x, want in (("inputs_q", inputs_q, self.in_features),
+                          ("inputs_k", inputs_k, self.in_kv_features),
+                          ("inputs_v", inputs_v, self.in_v_features)):
+      if x.shape[-1] != want:
+        raise ValueError(f"{name} must have width {want} (the module's features), got shape "
+                         f"{tuple(x.shape)}")
+    mask = _as_bool_mask(mask)
+    query_THK = self.query(inputs_q)
+    key_SGK = self.key(inputs_k)
+    value_SGV = self.value(inputs_v)
+    if self.decode if decode is None else decode:
+      key_SGK, value_SGV, mask = self._update_cache(key_SGK, value_SGV, mask)
+      is_causal = False  # the cache mask holds causality, with the cache offset
+    rng = self._dropout_rng(deterministic, rngs)
+    rate = self.dropout_rate if rng is not None else 0.0
+    out_THV = dot_product_attention(
+        query_THK, key_SGK, value_SGV, bias, mask, is_causal=is_causal, dropout_rate=rate,
+        dropout_rng=rng, implementation=self.implementation)
+    if sow_weights:
+      self.sow(nnx.Intermediate, "attention_weights", dot_product_attention_weights(
+          query_THK, key_SGK, bias, mask, is_causal=is_causal, dropout_rate=rate,
+          dropout_rng=rng))
+    return self.out(out_THV)
+
+  def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
+    """An empty KV cache for `decode`: input_shape [..., S_max, D] of the whole sequence.
+
+    The cache holds keys [..., S_max, G, K], values [..., S_max, G, V] and the index of the
+    next position (the `nnx.Cache` variables cached_key, cached_value, cache_index, as in flax).
+    `dtype` must be the dtype the key/value projections compute in.
+    """
+    shape = tuple(input_shape)
+    if len(shape) < 2 or not all(isinstance(d, numbers.Integral) and d >= 0 for d in shape):
+      raise ValueError(f"input_shape must be [..., S_max, D] of non-negative ints, got {shape}")
+    g = self.num_kv_heads
+    self.cached_key = nnx.Cache(jnp.zeros((*shape[:-1], g, self.head_dim), dtype))
+    self.cached_value = nnx.Cache(jnp.zeros((*shape[:-1], g, self.v_head_dim), dtype))
+    self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+
+  def set_view(self, deterministic: bool | None = None, decode: bool | None = None):
+    """What `nnx.view(module, deterministic=..., decode=...)` sets."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+    if decode is not None:
+      self.decode = decode
+
+  def _update_cache(self, key_SGK, value_SGV, mask):
+    """Write the new keys/values at the cache index; return the whole cache and its mask."""
+    if self.cached_key is None:
+      raise ValueError("decode=True needs a KV cache: call init_cache(input_shape) first")
+    cache_SGK, cache_SGV = self.cached_key[...], self.cached_value[...]
+    *batch, max_len, g, _ = cache_SGK.shape
+    new_len = key_SGK.shape[-3]
+    for name, new, cache in (("keys", key_SGK, cache_SGK), ("values", value_SGV, cache_SGV)):
+      if new.shape != (*batch, new_len, *cache.shape[-2:]) or new_len > max_len:
+        raise ValueError(
+            f"decode step: {name} must be [..., T <= {max_len}, {g}, {cache.shape[-1]}] with "
+            f"batch {tuple(batch)} as in init_cache, got {tuple(new.shape)}")
+      if new.dtype != cache.dtype:
+        raise TypeError(f"decode step: {name} are {new.dtype} but init_cache made a "
+                        f"{cache.dtype} cache: pass init_cache(..., dtype={new.dtype})")
+    cur = self.cache_index[...]
+    zero = jnp.zeros((), cur.dtype)  # start indices must share one dtype (jax_enable_x64)
+    start = (zero,) * len(batch) + (cur, zero, zero)
+    cache_SGK = lax.dynamic_update_slice(cache_SGK, key_SGK, start)
+    cache_SGV = lax.dynamic_update_slice(cache_SGV, value_SGV, start)
+    _set(self.cached_key, cache_SGK)
+    _set(self.cached_value, cache_SGV)
+    _set(self.cache_index, cur + new_len)
+    cache_mask = masks_lib.causal_mask(new_len, max_len, offset=cur)
+    return cache_SGK, cache_SGV, masks_lib.combine_masks(mask, cache_mask)
+
+  def _dropout_rng(self, deterministic, rngs):
+    """The dropout key for this call, or None when no dropout applies."""
+    if self.dropout_rate == 0.0:
+      return None
+    deterministic = self.deterministic if deterministic is None else deterministic
+    if deterministic is None:
+      raise ValueError(
+          f"dropout_rate={self.dropout_rate} needs `deterministic`: pass it to the constructor "
+          "or the call, or set it with eval()/train()/nnx.view; got None for both")
+    if deterministic:
+      return None
+    rngs = self.rngs if rngs is None else rngs
+    if rngs is None:
+      raise ValueError(
+          f"dropout_rate={self.dropout_rate} with deterministic=False needs rngs at the call "
+          "(an nnx.Rngs with a 'dropout' stream, an RngStream or a key), got None; the "
+          "constructor's rngs had no 'dropout' or 'default' stream to keep")
+    if isinstance(rngs, nnx.Rngs):
+      return rngs.dropout()
+    if isinstance(rngs, nnx.RngStream):
+      return rngs()
+    if isinstance(rngs, jax.Array):
+      return rngs
+    raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or a jax.random.key, got "
+                    f"{type(rngs).__name__}")
+
+
+class SelfAttention(MultiHeadAttention):
+  """`MultiHeadAttention` of a sequence on itself: called as (inputs, *, mask, ...)."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    if self.in_kv_features != self.in_features or self.in_v_features != self.in_features:
+      raise ValueError(
+          f"SelfAttention reads one input: in_kv_features={self.in_kv_features} and "
+          f"in_v_features={self.in_v_features} must equal in_features={self.in_features}")
+
+  def __call__(self, inputs, *, mask=None, bias=None, is_causal: bool = False,
+               deterministic: bool | None = None, rngs=None, sow_weights: bool = False,
+               decode: bool | None = None):
+    return super().__call__(
+        inputs, mask=mask, bias=bias, is_causal=is_causal, deterministic=deterministic,
+        rngs=rngs, sow_weights=sow_weights, decode=decode)
+
+
+def linen_params_to_nnx(params, module: MultiHeadAttention) -> MultiHeadAttention:
+  """Load params of `flax_mha.MultiHeadAttention` into `module` in place; return `module`.
+
+  `params` is the linen variables ({'params': {...}}) or their 'params' entry; its tree must be
+  the one `nnx_to_linen_params(module)` makes (same names and shapes). Values are cast to the
+  module's parameter dtypes.
+  """
+  if not isinstance(module, MultiHeadAttention):
+    raise TypeError(f"module must be a flax_mha.nnx.MultiHeadAttention, got "
+                    f"{type(module).__name__}")
+  if isinstance(params, Mapping) and set(params) == {"params"}:
+    params = params["params"]
+  want = nnx_to_linen_params(module)["params"]
+  _check_tree(params, want)
+  for name, leaves in want.items():
+    for leaf, current in leaves.items():
+      _set(getattr(getattr(module, name), leaf), jnp.asarray(params[name][leaf], current.dtype))
+  return module
+
+
+def nnx_to_linen_params(module: MultiHeadAttention) -> dict:
+  """{'params': {'query'|'key'|'value'|'out': {'kernel', 'bias'}}} for
+  `flax_mha.MultiHeadAttention` built with the same arguments (no 'bias' without use_bias)."""
+  if not isinstance(module, MultiHeadAttention):
+    raise TypeError(f"module must be a flax_mha.nnx.MultiHeadAttention, got "
+                    f"{type(module).__name__}")
+  params = {}
+  for name in PROJECTIONS:
+    layer = getattr(module, name)
+    params[name] = {"kernel": layer.kernel[...]}
+    if module.use_bias:  # without, flax 0.10 keeps Param(None), later flax None
+      params[name]["bias"] = layer.bias[...]
+  return {"params": params}
+
+
+def _linear(name, in_features, out_features, kernel_init, bias_init, *, axis=-1, **kwargs):
+  """An `nnx.LinearGeneral` whose params carry PARAM_AXES' logical axes for `name`."""
+  out = (out_features,) if isinstance(out_features, int) else out_features
+  ins = (in_features,) if isinstance(in_features, int) else in_features
+  return nnx.LinearGeneral(
+      in_features, out_features, axis=axis,
+      kernel_init=_partitioned(kernel_init, f"{name}/kernel", len(ins) + len(out)),
+      bias_init=_partitioned(bias_init, f"{name}/bias", len(out)), **kwargs)
+
+
+def _partitioned(init: Initializer, path: str, ndim: int) -> Initializer:
+  """`init` annotated with the logical axes of `path` in `flax_mha.sharding.PARAM_AXES`."""
+  # Metadata only: eager sharding would need a mesh (and logical rules) to create a module.
+  return nnx.with_partitioning(init, sharding.logical_axes(path, ndim), eager_sharding=False)
+
+
+def _dropout_stream(rngs: nnx.Rngs):
+  """The module's own dropout stream: flax's 'dropout' (falling back to 'default'), forked.
+
+  None when `rngs` has neither: a call with deterministic=False must then bring its own rngs.
+  """
+  try:
+    stream = rngs.dropout
+  except AttributeError:
+    return None
+  return stream.fork() if hasattr(stream, "fork") else rngs  # flax 0.10: share the Rngs
+
+
+def _size(name: str, value, default=None) -> int:
+  """A positive int width (`default` when value is None)."""
+  value = default if value is None else value
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  return int(value)
+
+
+def _check_implementation(implementation) -> None:
+  if implementation is None or callable(implementation):
+    return
+  if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be None, a callable or one of "
+                     f"{sorted(IMPLEMENTATIONS)}, got {implementation!r}")
+
+
+def _check_tree(params, want) -> None:
+  """Raise unless `params` has exactly the names and shapes of `want` (two-level dicts)."""
+  if not isinstance(params, Mapping):
+    raise TypeError(f"params must be a dict of linen params, got {type(params).__name__}")
+  got_paths = {f"{n}/{l}" for n, sub in params.items()
+               for l in (sub if isinstance(sub, Mapping) else {"?": None})}
+  want_paths = {f"{n}/{l}" for n, sub in want.items() for l in sub}
+  if got_paths != want_paths:
+    raise ValueError(
+        f"params must hold {sorted(want_paths)} for this module, got {sorted(got_paths)} "
+        f"(missing {sorted(want_paths - got_paths)}, unexpected {sorted(got_paths - want_paths)})")
+  for name, sub in want.items():
+    for leaf, current in sub.items():
+      shape = tuple(np.shape(params[name][leaf]))
+      if shape != tuple(current.shape):
+        raise ValueError(f"params['{name}']['{leaf}'] must have shape {tuple(current.shape)} "
+                         f"for this module, got {shape}")

@@ -1,0 +1,550 @@
+"""flax_mha.nnx: one behavioural suite over both front ends, parity with flax.nnx, NNX transforms.
+
+The suite runs each test against the linen module (`flax_mha.MultiHeadAttention`, behind a small
+adapter) and the NNX module (`flax_mha.nnx.MultiHeadAttention`), given the same random params
+through `linen_params_to_nnx`, and checks both against a float64 NumPy forward pass.
+"""
+
+import inspect
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import flax_mha
+from conftest import DIMS, np_attention, randn, random_mask
+from flax_mha import nnx as fnnx
+
+B, T, S, H, G, K, V = (DIMS[d] for d in "BTSHGKV")
+DQ, DK, DV, DOUT = 19, 23, 29, 17  # model widths: query, key and value inputs, output
+L = 7  # decoded sequence length
+TOL = dict(atol=2e-5, rtol=2e-5)
+GQA_KW = dict(num_heads=H, num_kv_heads=G, qkv_features=H * K, v_features=H * V)
+FLAX_ARGS = inspect.signature(nnx.MultiHeadAttention.__init__).parameters  # older flax has fewer
+FLAX_HAS_IS_CAUSAL = "is_causal" in inspect.signature(nnx.MultiHeadAttention.__call__).parameters
+
+
+def _nnx_jit_works() -> bool:
+  try:
+    nnx.jit(lambda x: x)(jnp.zeros(()))
+  except TypeError:  # flax 0.10 passes jax.jit `abstracted_axes`, which jax 0.9 removed
+    return False
+  return True
+
+
+NNX_JIT_WORKS = _nnx_jit_works()
+
+
+def _f64(params):
+  return jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+
+
+def _proj(p, x, name):
+  return np.einsum("...d,dhk->...hk", x, p[name]["kernel"]) + p[name].get("bias", 0)
+
+
+def _out_proj(p, out_THV):
+  return np.einsum("...hv,hvd->...d", out_THV, p["out"]["kernel"]) + p["out"].get("bias", 0)
+
+
+def np_module(params, xq, xk, xv, *, mask=None, bias=None, is_causal=False):
+  """(output, weights [..., H, T, S]) of the module in float64 NumPy."""
+  p = _f64(params)
+  out, weights = np_attention(
+      _proj(p, xq, "query"), _proj(p, xk, "key"), _proj(p, xv, "value"), bias, mask,
+      is_causal=is_causal, return_weights=True)
+  return _out_proj(p, out), weights
+
+
+def _random_params(module):
+  """Linen-style params of `module`'s shapes, random (biases non-zero), as NumPy."""
+  rng = np.random.default_rng(1)
+  shapes = fnnx.nnx_to_linen_params(module)["params"]
+  return jax.tree.map(lambda a: randn(rng, *a.shape) * 0.3, shapes)
+
+
+def _randomize(module):
+  """Give every nnx.Param of `module` random values (flax's biases start at zero)."""
+  rng = np.random.default_rng(2)
+  state = nnx.state(module, nnx.Param)
+  nnx.update(module, jax.tree.map(lambda a: jnp.asarray(randn(rng, *a.shape) * 0.3), state))
+  return module
+
+
+def _pure(state):
+  """Nested dicts of arrays from an nnx.State (flax 0.12 deprecates State.to_pure_dict)."""
+  return nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
+
+
+def _shapes(module, *filters):
+  return jax.tree.map(np.shape, _pure(nnx.state(module, *filters)))
+
+
+def _call_sowing(module, *args, **kwargs):
+  """(output, attention weights) of `module(*args, sow_weights=True, **kwargs)`."""
+  if hasattr(nnx, "capture"):  # flax 0.12.8 deprecates sow outside nnx.capture
+    out, sown = nnx.capture(module, nnx.Intermediate)(*args, sow_weights=True, **kwargs)
+  else:
+    out, sown = module(*args, sow_weights=True, **kwargs), nnx.pop(module, nnx.Intermediate)
+  (weights,) = jax.tree.leaves(sown)
+  return out, weights
+
+
+class LinenFrontEnd:
+  """`flax_mha.MultiHeadAttention` (linen) behind the calls the suite makes."""
+
+  def __init__(self, params, **kwargs):
+    self.model = flax_mha.MultiHeadAttention(**kwargs)
+    self.variables = {"params": params}
+
+  def __call__(self, xq, xk=None, xv=None, *, dropout_key=None, sow_weights=False, **kw):
+    out, state = self.model.apply(
+        self.variables, xq, xk, xv, deterministic=dropout_key is None, dropout_rng=dropout_key,
+        sow_weights=sow_weights, mutable=["intermediates"], **kw)
+    weights = state["intermediates"]["attention_weights"][0] if sow_weights else None
+    return out, weights
+
+  def init_cache(self, shape):
+    self.decoder = self.model.clone(decode=True)
+    _, state = self.decoder.apply(self.variables, jnp.zeros(shape), mutable=["cache"])
+    self.cache = state["cache"]
+
+  def step(self, x):
+    out, state = self.decoder.apply({**self.variables, "cache": self.cache}, x,
+                                    mutable=["cache"])
+    self.cache = state["cache"]
+    return out
+
+
+class NnxFrontEnd:
+  """`flax_mha.nnx.MultiHeadAttention` behind the same calls."""
+
+  def __init__(self, module):
+    self.module = module
+
+  def __call__(self, xq, xk=None, xv=None, *, dropout_key=None, sow_weights=False, **kw):
+    kw = dict(deterministic=dropout_key is None, rngs=dropout_key, **kw)
+    if sow_weights:
+      return _call_sowing(self.module, xq, xk, xv, **kw)
+    return self.module(xq, xk, xv, **kw), None
+
+  def init_cache(self, shape):
+    self.module.init_cache(shape)
+
+  def step(self, x):
+    return self.module(x, decode=True)
+
+
+@pytest.fixture(params=["linen", "nnx"])
+def make_attention(request):
+  """make_attention(**kwargs) -> (front end, linen params): equal random params in both."""
+  def make(in_features=DQ, in_kv_features=None, in_v_features=None, **kwargs):
+    module = fnnx.MultiHeadAttention(
+        in_features=in_features, in_kv_features=in_kv_features, in_v_features=in_v_features,
+        rngs=nnx.Rngs(0), **kwargs)
+    params = _random_params(module)
+    if request.param == "linen":
+      return LinenFrontEnd(params, **kwargs), params
+    return NnxFrontEnd(fnnx.linen_params_to_nnx(params, module)), params
+  return make
+
+
+def _cross_inputs(rng, batch=(B,)):
+  return randn(rng, *batch, T, DQ), randn(rng, *batch, S, DK), randn(rng, *batch, S, DV)
+
+
+def _make_cross(make_attention, **kwargs):
+  return make_attention(in_kv_features=DK, in_v_features=DV, out_features=DOUT,
+                        **{**GQA_KW, **kwargs})
+
+
+# ---- the behavioural suite, both front ends ----
+
+
+@pytest.mark.parametrize("g", [H, G, 1])
+def test_gqa_and_k_ne_v(make_attention, rng, g):
+  attn, params = _make_cross(make_attention, num_kv_heads=g)
+  dims = chex.Dimensions(D=DQ, E=DK, P=DV, H=H, G=g, K=K, V=V, O=DOUT)
+  chex.assert_shape([params["query"]["kernel"], params["key"]["kernel"],
+                     params["value"]["kernel"], params["out"]["kernel"]],
+                    [dims["DHK"], dims["EGK"], dims["PGV"], dims["HVO"]])
+  xq, xk, xv = _cross_inputs(rng)
+  out, _ = attn(xq, xk, xv)
+  chex.assert_shape(out, (B, T, DOUT))
+  np.testing.assert_allclose(out, np_module(params, xq, xk, xv)[0], **TOL)
+
+
+@pytest.mark.parametrize("dtype", [bool, np.float32, np.int32])
+def test_masks_bool_and_numeric(make_attention, rng, dtype):
+  attn, params = _make_cross(make_attention)
+  xq, xk, xv = _cross_inputs(rng)
+  mask = random_mask(rng, B, 1, T, S)
+  mask[0, 0, 1] = False  # a query that sees nothing: output is the out bias alone
+  out, _ = attn(xq, xk, xv, mask=mask.astype(dtype))
+  want, _ = np_module(params, xq, xk, xv, mask=mask)
+  np.testing.assert_allclose(out, want, **TOL)
+  np.testing.assert_allclose(out[0, 1], params["out"]["bias"], **TOL)
+
+
+def test_bias(make_attention, rng):
+  attn, params = _make_cross(make_attention)
+  xq, xk, xv = _cross_inputs(rng)
+  bias = randn(rng, 1, H, T, S) * 2
+  out, _ = attn(xq, xk, xv, bias=bias)
+  np.testing.assert_allclose(out, np_module(params, xq, xk, xv, bias=bias)[0], **TOL)
+
+
+@pytest.mark.parametrize("batch", [(), (B,), (2, 3)])
+def test_is_causal_with_mask(make_attention, rng, batch):
+  attn, params = make_attention(**GQA_KW)
+  x = randn(rng, *batch, T, DQ)
+  mask = random_mask(rng, *batch, H, T, T)
+  out, _ = attn(x, mask=mask, is_causal=True)
+  chex.assert_shape(out, (*batch, T, DQ))
+  want, _ = np_module(params, x, x, x, mask=mask, is_causal=True)
+  np.testing.assert_allclose(out, want, **TOL)
+
+
+def test_sow_weights(make_attention, rng):
+  attn, params = _make_cross(make_attention)
+  xq, xk, xv = _cross_inputs(rng)
+  mask = random_mask(rng, B, H, T, S)
+  out, weights = attn(xq, xk, xv, mask=mask, sow_weights=True)
+  want_out, want_weights = np_module(params, xq, xk, xv, mask=mask)
+  chex.assert_shape(weights, (B, H, T, S))
+  np.testing.assert_allclose(weights, want_weights, **TOL)
+  np.testing.assert_allclose(out, want_out, **TOL)
+
+
+def test_dropout_on_weights_per_rng(make_attention, rng):
+  rate = 0.3
+  attn, params = _make_cross(make_attention, dropout_rate=rate)
+  xq, xk, xv = _cross_inputs(rng)
+  key1, key2 = jax.random.key(1), jax.random.key(2)
+  out1, dropped = attn(xq, xk, xv, dropout_key=key1, sow_weights=True)
+  np.testing.assert_array_equal(attn(xq, xk, xv, dropout_key=key1)[0], out1)
+  assert np.abs(attn(xq, xk, xv, dropout_key=key2)[0] - out1).max() > 1e-3
+  want_out, want_weights = np_module(params, xq, xk, xv)
+  np.testing.assert_allclose(attn(xq, xk, xv)[0], want_out, **TOL)  # deterministic
+  # Every weight is dropped or scaled by 1 / (1 - rate); about `rate` of them are dropped.
+  kept = np.asarray(dropped) != 0
+  np.testing.assert_allclose(np.where(kept, dropped, 0) * (1 - rate),
+                             np.where(kept, want_weights, 0), **TOL)
+  assert abs((1 - kept.mean()) - rate) < 0.1, 1 - kept.mean()
+  # ... and the output is made of exactly those weights.
+  p = _f64(params)
+  value = np.repeat(_proj(p, xv, "value"), H // G, axis=-2)
+  out_THV = np.einsum("bhts,bshv->bthv", np.asarray(dropped, np.float64), value)
+  np.testing.assert_allclose(out1, _out_proj(p, out_THV), **TOL)
+
+
+@pytest.mark.parametrize("g", [G, 1])  # G = H: test_decode_equals_flax
+def test_decode_equals_recompute(make_attention, rng, g):
+  attn, params = make_attention(**{**GQA_KW, "num_kv_heads": g})
+  x = randn(rng, B, L, DQ)
+  attn.init_cache((B, L, DQ))
+  outs = [attn.step(x[:, a:b]) for a, b in ((0, 2), (2, 3), (3, 6), (6, 7))]  # T = 2, 1, 3, 1
+  want, _ = np_module(params, x, x, x, is_causal=True)
+  np.testing.assert_allclose(np.concatenate(outs, axis=1), want, **TOL)
+
+
+def test_inputs_v_without_inputs_k(make_attention, rng):
+  attn, _ = make_attention(**GQA_KW)
+  x = randn(rng, B, T, DQ)
+  with pytest.raises(ValueError, match="inputs_v was given but inputs_k is None"):
+    attn(x, None, x)
+
+
+# ---- the two front ends against each other ----
+
+
+def test_dropout_same_key_same_output_in_both_front_ends(rng):
+  module = fnnx.MultiHeadAttention(H, DQ, H * K, num_kv_heads=G, dropout_rate=0.4,
+                                   rngs=nnx.Rngs(0))
+  params = _random_params(module)
+  fnnx.linen_params_to_nnx(params, module)
+  linen = flax_mha.MultiHeadAttention(num_heads=H, qkv_features=H * K, num_kv_heads=G,
+                                      dropout_rate=0.4)
+  x, key = randn(rng, B, T, DQ), jax.random.key(7)
+  want = linen.apply({"params": params}, x, deterministic=False, dropout_rng=key)
+  np.testing.assert_allclose(module(x, deterministic=False, rngs=key), want, **TOL)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_conversion_round_trip(rng, use_bias):
+  module = fnnx.MultiHeadAttention(H, DQ, H * K, DOUT, G, DK, v_features=H * V,
+                                   use_bias=use_bias, rngs=nnx.Rngs(0))
+  linen = flax_mha.MultiHeadAttention(num_heads=H, qkv_features=H * K, out_features=DOUT,
+                                      num_kv_heads=G, v_features=H * V, use_bias=use_bias)
+  xq, xk, _ = _cross_inputs(rng)
+  want = linen.init(jax.random.key(3), xq, xk)  # linen's own init: its tree, its shapes
+  fnnx.linen_params_to_nnx(want, module)
+  got = fnnx.nnx_to_linen_params(module)
+  chex.assert_trees_all_equal(got, want)
+  np.testing.assert_allclose(module(xq, xk), linen.apply(want, xq, xk), **TOL)
+  assert ("bias" in got["params"]["query"]) == use_bias
+
+
+def test_conversion_errors():
+  module = fnnx.MultiHeadAttention(H, DQ, H * K, rngs=nnx.Rngs(0))
+  params = _random_params(module)
+  with pytest.raises(ValueError, match=r"missing \['out/bias'\]"):
+    fnnx.linen_params_to_nnx({**params, "out": {"kernel": params["out"]["kernel"]}}, module)
+  bad = {**params, "key": {**params["key"], "kernel": params["key"]["kernel"][:, :1]}}
+  with pytest.raises(ValueError, match=r"params\['key'\]\['kernel'\] must have shape "
+                                       r"\(19, 6, 11\).*got \(19, 1, 11\)"):
+    fnnx.linen_params_to_nnx(bad, module)
+  with pytest.raises(TypeError, match="module must be a flax_mha.nnx.MultiHeadAttention"):
+    fnnx.nnx_to_linen_params(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+
+
+# ---- parity with flax.nnx.MultiHeadAttention ----
+
+FLAX_CONFIGS = [kw for kw in (
+    dict(in_features=H * K),  # every width from in_features
+    dict(qkv_features=H * K, out_features=DOUT, in_kv_features=DK),
+    dict(qkv_features=H * K, use_bias=False, dropout_rate=0.2),
+    dict(qkv_features=H * K, num_kv_heads=G),
+) if set(kw) <= set(FLAX_ARGS)]
+
+
+def _pair(**kwargs):
+  """(ours, flax's) with the same constructor args, ours loaded with flax's random params."""
+  kwargs = {"in_features": DQ, **kwargs}
+  theirs = _randomize(nnx.MultiHeadAttention(H, rngs=nnx.Rngs(1), **kwargs))
+  ours = fnnx.MultiHeadAttention(H, rngs=nnx.Rngs(0), **kwargs)
+  nnx.update(ours, nnx.state(theirs, nnx.Param))
+  return ours, theirs
+
+
+@pytest.mark.parametrize("kwargs", FLAX_CONFIGS)
+def test_state_tree_equals_flax(kwargs):
+  kwargs = {"in_features": DQ, **kwargs}
+  ours = fnnx.MultiHeadAttention(H, rngs=nnx.Rngs(0), **kwargs)
+  theirs = nnx.MultiHeadAttention(H, rngs=nnx.Rngs(0), **kwargs)
+  assert _shapes(ours) == _shapes(theirs)  # every collection: params, and rngs with dropout
+  assert set(_shapes(ours, nnx.Param)) == {"query", "key", "value", "out"}
+
+
+@pytest.mark.parametrize("kwargs", FLAX_CONFIGS)
+def test_outputs_and_grads_equal_flax(rng, kwargs):
+  ours, theirs = _pair(decode=False, deterministic=True, **kwargs)
+  xq = randn(rng, B, T, ours.in_features)
+  xk = randn(rng, B, S, ours.in_kv_features)
+  mask = random_mask(rng, B, 1, T, S).astype(np.float32)  # flax's 1/0 convention
+  np.testing.assert_allclose(ours(xq, xk, mask=mask), theirs(xq, xk, mask=mask), **TOL)
+  loss = lambda m: jnp.sum(jnp.sin(m(xq, xk, mask=mask)))
+  grads_ours = _pure(nnx.grad(loss)(ours))
+  grads_theirs = _pure(nnx.grad(loss)(theirs))
+  chex.assert_trees_all_close(grads_ours, grads_theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not FLAX_HAS_IS_CAUSAL, reason="this flax's nnx attention has no is_causal")
+def test_is_causal_equals_flax(rng):
+  ours, theirs = _pair(decode=False, qkv_features=H * K)
+  x = randn(rng, B, T, DQ)
+  np.testing.assert_allclose(ours(x, is_causal=True), theirs(x, is_causal=True), **TOL)
+
+
+def test_sow_weights_equal_flax(rng):
+  ours, theirs = _pair(decode=False, qkv_features=H * K)
+  x, mask = randn(rng, B, T, DQ), random_mask(rng, B, H, T, T)
+  out, weights = _call_sowing(ours, x, mask=mask)
+  want_out, want_weights = _call_sowing(theirs, x, mask=mask)
+  np.testing.assert_allclose(weights, want_weights, **TOL)
+  np.testing.assert_allclose(out, want_out, **TOL)
+
+
+@pytest.mark.parametrize("g", [None] + ([G] if "num_kv_heads" in FLAX_ARGS else []))
+def test_decode_equals_flax(rng, g):
+  gqa = {} if g is None else dict(num_kv_heads=g)
+  ours, theirs = _pair(decode=True, qkv_features=H * K, **gqa)
+  x = randn(rng, B, L, DQ)
+  ours.init_cache(x.shape)
+  theirs.init_cache(x.shape)
+  for t in range(L):  # flax decodes one token a call
+    np.testing.assert_allclose(ours(x[:, t:t + 1]), theirs(x[:, t:t + 1]), **TOL)
+  np.testing.assert_allclose(ours.cached_value[...], theirs.cached_value[...], **TOL)
+  assert int(ours.cache_index[...]) == int(theirs.cache_index[...]) == L
+
+
+def test_bridge_to_nnx_equals_native(rng):
+  xq, xk, xv = _cross_inputs(rng)
+  linen = flax_mha.MultiHeadAttention(out_features=DOUT, **GQA_KW)
+  bridge = nnx.bridge.ToNNX(linen, rngs=nnx.Rngs(0))
+  nnx.bridge.lazy_init(bridge, xq, xk, xv)
+  ours = _randomize(fnnx.MultiHeadAttention(
+      in_features=DQ, in_kv_features=DK, in_v_features=DV, out_features=DOUT,
+      rngs=nnx.Rngs(0), **GQA_KW))
+  assert _shapes(bridge, nnx.Param) == _shapes(ours, nnx.Param)
+  nnx.update(bridge, nnx.state(ours, nnx.Param))
+  mask, bias = random_mask(rng, B, 1, T, S), randn(rng, H, T, S)
+  np.testing.assert_allclose(bridge(xq, xk, xv, mask=mask, bias=bias),
+                             ours(xq, xk, xv, mask=mask, bias=bias), **TOL)
+
+
+# ---- NNX transforms and state handling ----
+
+
+def _module_and_params(**kwargs):
+  module = fnnx.MultiHeadAttention(in_features=DQ, rngs=nnx.Rngs(0), **{**GQA_KW, **kwargs})
+  params = _random_params(module)
+  return fnnx.linen_params_to_nnx(params, module), params
+
+
+@pytest.mark.skipif(not NNX_JIT_WORKS, reason="nnx.jit fails with this flax and jax")
+def test_nnx_jit_forward_and_decode(rng):
+  module, params = _module_and_params()
+  x = randn(rng, B, L, DQ)
+  forward = nnx.jit(lambda m, x: m(x, is_causal=True))
+  want, _ = np_module(params, x, x, x, is_causal=True)
+  np.testing.assert_allclose(forward(module, x), want, **TOL)
+  step = nnx.jit(lambda m, x: m(x, decode=True))
+  module.init_cache(x.shape)
+  outs = [step(module, x[:, t:t + 1]) for t in range(L)]  # the cache updates through nnx.jit
+  np.testing.assert_allclose(np.concatenate(outs, axis=1), want, **TOL)
+  assert int(module.cache_index[...]) == L
+
+
+def test_nnx_vmap_over_inputs(rng):
+  module, params = _module_and_params()
+  xs = randn(rng, 3, T, DQ)
+  out = nnx.vmap(lambda m, x: m(x, is_causal=True), in_axes=(None, 0))(module, xs)
+  np.testing.assert_allclose(out, np_module(params, xs, xs, xs, is_causal=True)[0], **TOL)
+
+
+def test_nnx_vmap_over_modules(rng):
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs):
+    return fnnx.MultiHeadAttention(in_features=DQ, rngs=rngs, **GQA_KW)
+
+  stacked = create(nnx.Rngs(0))
+  x = randn(rng, B, T, DQ)
+  outs = nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(stacked, x)
+  graphdef, state = nnx.split(stacked)
+  kernels = []
+  for i in range(3):
+    one = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+    params = fnnx.nnx_to_linen_params(one)["params"]
+    np.testing.assert_allclose(outs[i], np_module(params, x, x, x)[0], **TOL)
+    kernels.append(params["query"]["kernel"])
+  assert np.abs(kernels[0] - kernels[1]).max() > 1e-3  # split_rngs gave each its own init
+
+
+def test_nnx_grad_equals_linen_grad(rng):
+  module, params = _module_and_params(out_features=DOUT, v_features=H * V)
+  linen = flax_mha.MultiHeadAttention(out_features=DOUT, **GQA_KW)
+  x, mask, bias = randn(rng, B, T, DQ), random_mask(rng, B, 1, T, T), randn(rng, H, T, T)
+  loss = lambda out: jnp.sum(jnp.sin(out))
+  got = _pure(nnx.grad(lambda m: loss(m(x, mask=mask, bias=bias)))(module))
+  want = jax.grad(lambda p: loss(linen.apply({"params": p}, x, mask=mask, bias=bias)))(params)
+  chex.assert_trees_all_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_split_merge_and_jitted_functional_call(rng):
+  module, _ = _module_and_params()
+  x = randn(rng, B, L, DQ)
+  module.init_cache(x.shape)
+  module(x[:, :3], decode=True)
+  graphdef, params, cache = nnx.split(module, nnx.Param, nnx.Cache)
+  assert int(_pure(cache)["cache_index"]) == 3
+
+  @jax.jit
+  def step(params, cache, x):
+    m = nnx.merge(graphdef, params, cache)
+    out = m(x, decode=True)
+    return out, nnx.state(m, nnx.Cache)
+
+  out, cache = step(params, cache, x[:, 3:5])
+  np.testing.assert_allclose(out, module(x[:, 3:5], decode=True), **TOL)
+  chex.assert_trees_all_close(_pure(cache), _pure(nnx.state(module, nnx.Cache)))
+
+
+def test_dropout_modes_and_stored_stream(rng):
+  make = lambda seed, **kw: fnnx.MultiHeadAttention(
+      in_features=DQ, dropout_rate=0.5, rngs=nnx.Rngs(params=0, dropout=seed), **GQA_KW, **kw)
+  module = make(1)
+  x = randn(rng, B, T, DQ)
+  with pytest.raises(ValueError, match="dropout_rate=0.5 needs `deterministic`"):
+    module(x)
+  module.eval()
+  det = module(x)
+  np.testing.assert_array_equal(module(x, deterministic=True), det)
+  module.train()
+  first, second = module(x), module(x)  # the stored stream advances
+  assert np.abs(first - det).max() > 1e-3 and np.abs(second - first).max() > 1e-3
+  np.testing.assert_array_equal(make(1, deterministic=False)(x), first)  # same seed, same drop
+  assert np.abs(make(2, deterministic=False)(x) - first).max() > 1e-3
+  if hasattr(nnx, "view"):
+    np.testing.assert_array_equal(nnx.view(module, deterministic=True)(x), det)
+
+
+def test_partition_specs_are_the_linen_layout():
+  module = fnnx.MultiHeadAttention(H, DQ, H * K, num_kv_heads=G, rngs=nnx.Rngs(0))
+  specs = _pure(nnx.get_partition_spec(nnx.state(module, nnx.Param)))
+  qkv = {"kernel": P("embed", "heads", "head_dim"), "bias": P("heads", "head_dim")}
+  assert specs == {"query": qkv, "key": qkv, "value": qkv,
+                   "out": {"kernel": P("heads", "head_dim", "embed"), "bias": P(None)}}
+  # The same axes as flax_mha.sharding gives the linen tree: one layout for both front ends.
+  mesh = flax_mha.sharding.make_mesh()
+  placed = flax_mha.sharding.shardings_for(fnnx.nnx_to_linen_params(module)["params"], mesh)
+  want = jax.tree.map(lambda s: flax_mha.sharding.spec_for(s, (1,) * len(s), mesh), specs,
+                      is_leaf=lambda s: isinstance(s, P))
+  assert jax.tree.map(lambda s: s.spec, placed) == want
+
+
+# ---- bad arguments ----
+
+BAD_CONSTRUCTOR = [
+    # (kwargs over num_heads=4, in_features=12, error, match)
+    (dict(qkv_features=10), ValueError, "qkv_features=10 must be divisible by num_heads=4"),
+    (dict(v_features=6), ValueError, "v_features=6 must be divisible by num_heads=4"),
+    (dict(num_kv_heads=3), ValueError, "num_heads=4 must be a multiple of num_kv_heads=3"),
+    (dict(num_heads=0), ValueError, "num_heads must be a positive int, got 0"),
+    (dict(in_features=0), ValueError, "in_features must be a positive int, got 0"),
+    (dict(out_features=2.5), ValueError, "out_features must be a positive int, got 2.5"),
+    (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\), got 1.0"),
+    (dict(implementation="flash"), ValueError, "implementation must be .*got 'flash'"),
+    (dict(rngs=0), TypeError, "rngs must be an nnx.Rngs, got int"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,match", BAD_CONSTRUCTOR)
+def test_bad_constructor_args(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    fnnx.MultiHeadAttention(**{"num_heads": 4, "in_features": 12, "rngs": nnx.Rngs(0),
+                               **kwargs})
+
+
+def test_self_attention_refuses_other_kv_width(rng):
+  with pytest.raises(ValueError, match="in_kv_features=8 .* must equal in_features=12"):
+    fnnx.SelfAttention(4, 12, in_kv_features=8, rngs=nnx.Rngs(0))
+  module = fnnx.SelfAttention(4, 12, num_kv_heads=2, rngs=nnx.Rngs(0))
+  x = randn(rng, B, T, 12)
+  np.testing.assert_allclose(module(x, is_causal=True),
+                             fnnx.MultiHeadAttention.__call__(module, x, is_causal=True), **TOL)
+
+
+def test_bad_call_args(rng):
+  module = fnnx.MultiHeadAttention(4, 12, dropout_rate=0.1, deterministic=False,
+                                   rngs=nnx.Rngs(params=0))  # no dropout stream to keep
+  x = randn(rng, B, T, 12)
+  with pytest.raises(ValueError, match="dropout_rate=0.1 with deterministic=False needs rngs"):
+    module(x)
+  chex.assert_shape(module(x, rngs=nnx.Rngs(dropout=1)), (B, T, 12))
+  with pytest.raises(TypeError, match="rngs must be an nnx.Rngs.*got int"):
+    module(x, rngs=3)
+  with pytest.raises(ValueError, match=r"inputs_q must have width 12.*\(2, 5, 13\)"):
+    module(randn(rng, B, T, 13), deterministic=True)
+  with pytest.raises(ValueError, match="decode=True needs a KV cache: call init_cache"):
+    module(x, decode=True, deterministic=True)
+  module.init_cache((B, L, 12))
+  with pytest.raises(ValueError, match=r"keys must be .* batch \(2,\) .*got \(3, 1, 4, 3\)"):
+    module(randn(rng, 3, 1, 12), decode=True, deterministic=True)
+  with pytest.raises(ValueError, match=r"input_shape must be \[\.\.\., S_max, D\]"):
+    module.init_cache((L,))
