@@ -8,18 +8,14 @@ the scales [K] of `query_ln`/`key_ln`) so checkpoints move both ways.
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
-from jax import lax
 
 from flax_mha import _checks
-from flax_mha import masks as masks_lib
+from flax_mha import _module_common as common
 from flax_mha.attention import dot_product_attention, dot_product_attention_weights
-from flax_mha.rotary import apply_rotary
 
 Initializer = Callable[..., Any]
 
@@ -100,21 +96,18 @@ class MultiHeadAttention(nn.Module):
     Returns [..., T, out_features]. With `sow_weights`, the weights [..., H, T, S] are sown into
     'intermediates' under 'attention_weights'.
     """
-    if inputs_k is None and inputs_v is not None:
-      raise ValueError(
-          "inputs_v was given but inputs_k is None: pass inputs_k too (the keys would otherwise "
-          "silently be inputs_q); for keys equal to values pass inputs_k only")
-    keys_from_q = inputs_k is None or inputs_k is inputs_q
-    inputs_k = inputs_q if inputs_k is None else inputs_k
-    inputs_v = inputs_k if inputs_v is None else inputs_v
-    _check_inputs(inputs_q, inputs_k, inputs_v)  # first: _head_dims reads inputs_q.shape
+    # checks the inputs first: _head_dims reads inputs_q.shape
+    inputs_k, inputs_v, keys_from_q = common.resolve_inputs(inputs_q, inputs_k, inputs_v)
     h, g, k_dim, v_dim = self._head_dims(inputs_q)
-    window = self._check_call(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    common.check_call(decode=self.decode, rotary=self.rotary_max_wavelength is not None,
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                      q_positions=q_positions, kv_positions=kv_positions)
+    window = common.window_pair(self.local_window_size)
     query_THK, key_SGK, value_SGV = self._project(inputs_q, inputs_k, inputs_v, h, g, k_dim, v_dim)
     if self.rotary_max_wavelength is not None:
       query_THK, key_SGK = self._rotate(query_THK, key_SGK, q_positions, kv_positions,
                                         keys_from_q)
-    mask = _as_bool_mask(mask)
+    mask = common.as_bool_mask(mask)
     if self.decode:  # the window becomes part of the cache mask, at absolute positions
       key_SGK, value_SGV, mask = self._update_cache(
           key_SGK, value_SGV, mask, query_THK.shape[-3], window)
@@ -147,30 +140,8 @@ class MultiHeadAttention(nn.Module):
       if width % h:
         raise ValueError(f"{name}={width} must be divisible by num_heads={h}")
     _checks.check_dropout_rate(self.dropout_rate)
-    if self.rotary_max_wavelength is not None:
-      _check_wavelength(self.rotary_max_wavelength)
-      if (qkv // h) % 2:
-        raise ValueError(
-            "rotary_max_wavelength needs an even qk head dim K = qkv_features / num_heads "
-            "(the rotation pairs feature i with i + K/2), got "
-            f"K={qkv // h} (qkv_features={qkv}, num_heads={h})")
+    common.check_rotary(self.rotary_max_wavelength, qkv, h)
     return h, g, qkv // h, v_features // h
-
-  def _check_call(self, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
-    """Checks between the attributes and the call's arguments; returns the window pair."""
-    if self.decode and (q_segment_ids is not None or kv_segment_ids is not None):
-      raise ValueError(
-          "q_segment_ids/kv_segment_ids are not supported with decode=True (packed decoding "
-          "is not implemented): decode one document per batch row, with a padding mask")
-    if self.rotary_max_wavelength is None:
-      for name, x in (("q_positions", q_positions), ("kv_positions", kv_positions)):
-        if x is not None:
-          raise ValueError(
-              f"{name} was given but rotary_max_wavelength is None: positions are only used "
-              "by the rotary embedding; set rotary_max_wavelength (e.g. 10_000.0)")
-    if self.local_window_size is None:
-      return None
-    return _window_pair(self.local_window_size)
 
   def _project(self, inputs_q, inputs_k, inputs_v, h, g, k_dim, v_dim):
     """query [..., T, H, K], key [..., S, G, K], value [..., S, G, V] (query/key normalised)."""
@@ -194,14 +165,9 @@ class MultiHeadAttention(nn.Module):
     start = 0  # not decoding, or the init call that sizes the cache
     if self.decode and self.has_variable("cache", "cached_key"):
       start = self.get_variable("cache", "cache_index")
-    if q_positions is None:
-      q_positions = start + jnp.arange(query_THK.shape[-3])
-    if kv_positions is None:
-      kv_positions = q_positions if keys_from_q else start + jnp.arange(key_SGK.shape[-3])
-    _check_positions("q_positions", q_positions, query_THK.shape[:-2], "[..., T]")
-    _check_positions("kv_positions", kv_positions, key_SGK.shape[:-2], "[..., S]")
-    rotate = functools.partial(apply_rotary, max_wavelength=self.rotary_max_wavelength)
-    return rotate(query_THK, q_positions), rotate(key_SGK, kv_positions)
+    return common.rotate(query_THK, key_SGK, q_positions, kv_positions,
+                         keys_from_q=keys_from_q, start=start,
+                         max_wavelength=self.rotary_max_wavelength)
 
   def _update_cache(self, key_SGK, value_SGV, mask, num_q: int, window):
     """Write the new keys/values at the cache index; return the full cache and its mask.
@@ -215,7 +181,7 @@ class MultiHeadAttention(nn.Module):
         "cache", "cached_value", jnp.zeros, value_SGV.shape, value_SGV.dtype)
     index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialised:  # init call: sizes the cache, attends causally like a decoder would
-      return key_SGK, value_SGV, _cache_mask(mask, num_q, key_SGK.shape[-3], window, 0)
+      return key_SGK, value_SGV, common.cache_mask(mask, num_q, key_SGK.shape[-3], window, 0)
     *batch, max_len, g, k = cached_key.value.shape
     new_len = key_SGK.shape[-3]
     if tuple(key_SGK.shape) != (*batch, new_len, g, k) or new_len > max_len:
@@ -223,14 +189,11 @@ class MultiHeadAttention(nn.Module):
           f"decode step: keys must be [..., T<= {max_len}, {g}, {k}] with batch {tuple(batch)} "
           f"as at init, got {tuple(key_SGK.shape)}")
     cur = index.value
-    # Zeros in the index's dtype: under jax_enable_x64 bare 0s are int64, and
-    # dynamic_update_slice refuses start indices of mixed types.
-    zero = jnp.zeros((), cur.dtype)
-    start = (zero,) * len(batch) + (cur, zero, zero)
-    cached_key.value = lax.dynamic_update_slice(cached_key.value, key_SGK, start)
-    cached_value.value = lax.dynamic_update_slice(cached_value.value, value_SGV, start)
+    cached_key.value = common.write_cache(cached_key.value, key_SGK, cur)
+    cached_value.value = common.write_cache(cached_value.value, value_SGV, cur)
     index.value = cur + new_len
-    return cached_key.value, cached_value.value, _cache_mask(mask, new_len, max_len, window, cur)
+    return (cached_key.value, cached_value.value,
+            common.cache_mask(mask, new_len, max_len, window, cur))
 
   def _dropout_rng(self, deterministic: bool, dropout_rng):
     """The rng for dropout on the weights, or None when dropout is off."""
@@ -258,69 +221,3 @@ class SelfAttention(MultiHeadAttention):
         inputs, mask=mask, bias=bias, is_causal=is_causal, q_segment_ids=segment_ids,
         kv_segment_ids=segment_ids, q_positions=positions, deterministic=deterministic,
         dropout_rng=dropout_rng, sow_weights=sow_weights)
-
-
-def _check_inputs(inputs_q, inputs_k, inputs_v):
-  """Module-level input checks, naming the module's own arguments."""
-  for name, x, layout in (("inputs_q", inputs_q, "[..., T, D_q]"),
-                          ("inputs_k", inputs_k, "[..., S, D_k]"),
-                          ("inputs_v", inputs_v, "[..., S, D_v]")):
-    _checks.check_array(name, x, 2, layout, floating=False)
-  if inputs_k.shape[:-2] != inputs_q.shape[:-2] or inputs_v.shape[:-2] != inputs_q.shape[:-2]:
-    raise ValueError(
-        "inputs_q, inputs_k and inputs_v must share batch dims [...], got shapes "
-        f"{tuple(inputs_q.shape)}, {tuple(inputs_k.shape)} and {tuple(inputs_v.shape)}")
-  if inputs_k.shape[-2] != inputs_v.shape[-2]:
-    raise ValueError(
-        "inputs_k [..., S, D_k] and inputs_v [..., S, D_v] must share the length S, got "
-        f"{tuple(inputs_k.shape)} and {tuple(inputs_v.shape)}")
-
-
-def _check_wavelength(wavelength):
-  """rotary_max_wavelength is static: a positive finite Python number."""
-  if not isinstance(wavelength, numbers.Real) or isinstance(wavelength, bool):
-    raise TypeError(f"rotary_max_wavelength must be a Python float or None, got "
-                    f"{type(wavelength).__name__}")
-  if not (math.isfinite(wavelength) and wavelength > 0):
-    raise ValueError(f"rotary_max_wavelength must be a finite number > 0, got {wavelength}")
-
-
-def _check_positions(name: str, positions, lead: tuple, layout: str):
-  """Integer positions broadcasting to the projections' leading dims [..., T] (or [..., S])."""
-  _checks.check_array(name, positions, 1, layout, floating=False)
-  if not jnp.issubdtype(positions.dtype, jnp.integer):
-    raise TypeError(f"{name} must have an integer dtype, got {positions.dtype}")
-  _checks.check_broadcasts_to(name, positions.shape, lead, layout)
-
-
-def _window_pair(size) -> tuple[int, int]:
-  """(left, right) from local_window_size: an int w (meaning (w, w)) or a pair of ints >= 0."""
-  pair = (size, size) if isinstance(size, numbers.Integral) else size
-  ok = (isinstance(pair, tuple) and len(pair) == 2 and
-        all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in pair))
-  if not ok:
-    raise ValueError(
-        f"local_window_size must be an int >= 0 or a (left, right) pair of them, got {size!r}")
-  return int(pair[0]), int(pair[1])
-
-
-def _cache_mask(mask, num_q: int, num_kv: int, window, offset):
-  """mask AND causal AND window [T, S], query i at absolute position i + offset, key j at j."""
-  window_TS = None
-  if window is not None:
-    q_pos = jnp.arange(num_q)[:, None] + offset
-    kv_pos = jnp.arange(num_kv)[None, :]
-    window_TS = (kv_pos >= q_pos - window[0]) & (kv_pos <= q_pos + window[1])
-  return masks_lib.combine_masks(
-      mask, masks_lib.causal_mask(num_q, num_kv, offset=offset), window_TS)
-
-
-def _as_bool_mask(mask):
-  """A boolean mask; numeric masks mean what they mean in flax.linen: nonzero = attend."""
-  if mask is None or not hasattr(mask, "dtype") or mask.dtype == jnp.bool_:
-    return mask  # None, bool, or not an array: the pure function's checks name the problem
-  if not (jnp.issubdtype(mask.dtype, jnp.integer) or jnp.issubdtype(mask.dtype, jnp.floating)):
-    raise TypeError(
-        "mask must be boolean (True = attend) or integer/float (nonzero = attend, as in "
-        f"flax.linen), got dtype {mask.dtype}")
-  return mask != 0

@@ -6,7 +6,10 @@ for the arguments both have, builds the same state tree: `query`/`key`/`value` L
 with kernel [D, H, K] (key/value [D_kv, G, K]) and bias [H, K], `out` with kernel [H, V, D_out]
 and bias [D_out]; so `nnx.update(ours, nnx.state(theirs, nnx.Param))` loads flax's weights. It
 adds what the linen module has and flax's lacks or does differently: K != V (`v_features`,
-`in_v_features`), `bias`, `implementation`, and decode steps of any length T. Dropout on the weights
+`in_v_features`), `bias`, `implementation`, decode steps of any length T, `logit_soft_cap`,
+`local_window_size`, rotary embeddings, segment ids and positions. With `normalize_qk` it adds
+flax's `query_ln`/`key_ln` (`nnx.LayerNorm`, scale [K]), as `flax.nnx.MultiHeadAttention` does.
+The checks and the masks they share live in `flax_mha._module_common`. Dropout on the weights
 is flax_mha's (a hash of the position, never broadcast), so it matches the linen module's for the
 same key, not flax's.
 
@@ -30,19 +33,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from flax_mha import _checks
-from flax_mha import masks as masks_lib
+from flax_mha import _module_common as common
 from flax_mha import sharding
 from flax_mha.attention import IMPLEMENTATIONS
 from flax_mha.attention import dot_product_attention, dot_product_attention_weights
-from flax_mha.modules import _as_bool_mask, _check_inputs
 
 Initializer = Callable[..., Any]
 
 # The four projections, in the order of flax's state tree.
 PROJECTIONS = ("query", "key", "value", "out")
+# The LayerNorms of normalize_qk, named as in flax (nnx and linen).
+QK_NORMS = ("query_ln", "key_ln")
 
 # flax 0.10 (the floor in pyproject.toml) has no nnx.data, Variable.set_value or RngStream.fork.
 _data = getattr(nnx, "data", lambda x: x)
@@ -76,6 +79,14 @@ class MultiHeadAttention(nnx.Module):
     implementation: None, a name in `flax_mha.IMPLEMENTATIONS` or a callable, passed to
       `flax_mha.dot_product_attention`.
     decode: default of the call argument: KV-cache decoding after `init_cache`.
+    normalize_qk: LayerNorm over K of the projected queries and keys (scale [K], no bias,
+      epsilon 1e-6), `query_ln`/`key_ln` as in flax; applied before rotary and the cache.
+    logit_soft_cap: static cap > 0: logits become cap·tanh(logits / cap) (Gemma 2).
+    local_window_size: int w or (left, right) ints >= 0 (stored as the pair): query at position i
+      sees keys i - left .. i + right. Without decode it needs T == S; with decode the
+      positions are absolute cache positions (query t at index + t).
+    rotary_max_wavelength: None, or the RoPE base: projected queries and keys are rotated by
+      `flax_mha.apply_rotary` at their positions before the cache write. Needs an even K.
     rngs: `nnx.Rngs` for the parameters; with dropout, its 'dropout' stream (or 'default', as
       in flax) is forked and kept as the call's default, if it has one.
   """
@@ -91,7 +102,9 @@ class MultiHeadAttention(nnx.Module):
                bias_init: Initializer = nnx.initializers.zeros_init(),
                out_bias_init: Initializer | None = None, use_bias: bool = True,
                implementation: str | Callable | None = None, decode: bool = False,
-               rngs: nnx.Rngs):
+               normalize_qk: bool = False, logit_soft_cap: float | None = None,
+               local_window_size: int | tuple[int, int] | None = None,
+               rotary_max_wavelength: float | None = None, rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _checks.check_heads(self.num_heads, self.num_kv_heads)
@@ -108,12 +121,16 @@ class MultiHeadAttention(nnx.Module):
     self.head_dim = self.qkv_features // num_heads  # K, named as flax names it
     self.v_head_dim = self.v_features // num_heads  # V
     _checks.check_dropout_rate(dropout_rate)
+    common.check_rotary(rotary_max_wavelength, self.qkv_features, num_heads)
     _check_implementation(implementation)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
     self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
     self.dropout_rate, self.deterministic = dropout_rate, deterministic
     self.use_bias, self.implementation, self.decode = use_bias, implementation, decode
+    self.normalize_qk, self.logit_soft_cap = normalize_qk, logit_soft_cap
+    self.local_window_size = common.window_pair(local_window_size)
+    self.rotary_max_wavelength = rotary_max_wavelength
 
     linear = functools.partial(
         _linear, dtype=dtype, param_dtype=param_dtype, precision=precision,
@@ -122,6 +139,9 @@ class MultiHeadAttention(nnx.Module):
     self.query = linear("query", self.in_features, (h, k), kernel_init, bias_init)
     self.key = linear("key", self.in_kv_features, (g, k), kernel_init, bias_init)
     self.value = linear("value", self.in_v_features, (g, v), kernel_init, bias_init)
+    norm = functools.partial(_qk_norm, k, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.query_ln = norm("query_ln") if normalize_qk else _data(None)
+    self.key_ln = norm("key_ln") if normalize_qk else _data(None)
     self.out = linear("out", (h, v), self.out_features, out_kernel_init or kernel_init,
                       out_bias_init or bias_init, axis=(-2, -1))
     self.rngs = _dropout_stream(rngs) if dropout_rate > 0 else None
@@ -130,8 +150,9 @@ class MultiHeadAttention(nnx.Module):
     self.cache_index: nnx.Cache | None = _data(None)
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
-               is_causal: bool = False, deterministic: bool | None = None, rngs=None,
-               sow_weights: bool = False, decode: bool | None = None):
+               is_causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
+               q_positions=None, kv_positions=None, deterministic: bool | None = None,
+               rngs=None, sow_weights: bool = False, decode: bool | None = None):
     """inputs_q [..., T, in_features], inputs_k [..., S, in_kv_features] (default inputs_q),
     inputs_v [..., S, in_v_features] (default inputs_k).
 
@@ -139,39 +160,38 @@ class MultiHeadAttention(nnx.Module):
     logits) broadcast to [..., H, T, S]. `deterministic` and `decode` default to the attributes;
     `rngs` (an `nnx.Rngs`, an `nnx.RngStream` or one key) to the stream kept at construction.
     With `decode`, the T new tokens are appended to the cache and query t sees cached positions
-    <= index + t. Returns [..., T, out_features]; with `sow_weights`, the weights
+    <= index + t. q_segment_ids [..., T], kv_segment_ids [..., S] and q_positions [..., T],
+    kv_positions [..., S] mean what they mean in `flax_mha.MultiHeadAttention` (segment ids
+    not with decode; positions only with rotary, defaulting to arange, offset by the cache
+    index when decoding). Returns [..., T, out_features]; with `sow_weights`, the weights
     [..., H, T, S] are sown as `nnx.Intermediate` 'attention_weights', as flax does (collect
     them with `nnx.capture(module, nnx.Intermediate)`, or `nnx.pop` before flax 0.12.8).
     """
-    if inputs_k is None and inputs_v is not None:
-      raise ValueError(
-          "inputs_v was given but inputs_k is None: pass inputs_k too (the keys would otherwise "
-          "silently be inputs_q); for keys equal to values pass inputs_k only")
-    inputs_k = inputs_q if inputs_k is None else inputs_k
-    inputs_v = inputs_k if inputs_v is None else inputs_v
-    _check_inputs(inputs_q, inputs_k, inputs_v)
-    for name, x, want in (("inputs_q", inputs_q, self.in_features),
-                          ("inputs_k", inputs_k, self.in_kv_features),
-                          ("inputs_v", inputs_v, self.in_v_features)):
-      if x.shape[-1] != want:
-        raise ValueError(f"{name} must have width {want} (the module's features), got shape "
-                         f"{tuple(x.shape)}")
-    mask = _as_bool_mask(mask)
-    query_THK = self.query(inputs_q)
-    key_SGK = self.key(inputs_k)
-    value_SGV = self.value(inputs_v)
-    if self.decode if decode is None else decode:
-      key_SGK, value_SGV, mask = self._update_cache(key_SGK, value_SGV, mask)
-      is_causal = False  # the cache mask holds causality, with the cache offset
+    inputs_k, inputs_v, keys_from_q = common.resolve_inputs(inputs_q, inputs_k, inputs_v)
+    self._check_widths(inputs_q, inputs_k, inputs_v)
+    decode = self.decode if decode is None else decode
+    common.check_call(decode=decode, rotary=self.rotary_max_wavelength is not None,
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                      q_positions=q_positions, kv_positions=kv_positions)
+    query_THK, key_SGK, value_SGV = self._project(inputs_q, inputs_k, inputs_v)
+    if self.rotary_max_wavelength is not None:
+      query_THK, key_SGK = common.rotate(
+          query_THK, key_SGK, q_positions, kv_positions, keys_from_q=keys_from_q,
+          start=self._cache_index(decode), max_wavelength=self.rotary_max_wavelength)
+    mask, window = common.as_bool_mask(mask), self.local_window_size
+    if decode:  # the window becomes part of the cache mask, at absolute positions
+      key_SGK, value_SGV, mask = self._update_cache(key_SGK, value_SGV, mask, window)
+      is_causal, window = False, None  # the cache mask holds causality, with the cache offset
     rng = self._dropout_rng(deterministic, rngs)
     rate = self.dropout_rate if rng is not None else 0.0
-    out_THV = dot_product_attention(
-        query_THK, key_SGK, value_SGV, bias, mask, is_causal=is_causal, dropout_rate=rate,
-        dropout_rng=rng, implementation=self.implementation)
+    options = dict(is_causal=is_causal, dropout_rate=rate, dropout_rng=rng,
+                   local_window_size=window, logit_soft_cap=self.logit_soft_cap,
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    out_THV = dot_product_attention(query_THK, key_SGK, value_SGV, bias, mask,
+                                    implementation=self.implementation, **options)
     if sow_weights:
-      self.sow(nnx.Intermediate, "attention_weights", dot_product_attention_weights(
-          query_THK, key_SGK, bias, mask, is_causal=is_causal, dropout_rate=rate,
-          dropout_rng=rng))
+      self.sow(nnx.Intermediate, "attention_weights",
+               dot_product_attention_weights(query_THK, key_SGK, bias, mask, **options))
     return self.out(out_THV)
 
   def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
@@ -196,10 +216,35 @@ class MultiHeadAttention(nnx.Module):
     if decode is not None:
       self.decode = decode
 
-  def _update_cache(self, key_SGK, value_SGV, mask):
-    """Write the new keys/values at the cache index; return the whole cache and its mask."""
+  def _check_widths(self, inputs_q, inputs_k, inputs_v) -> None:
+    for name, x, want in (("inputs_q", inputs_q, self.in_features),
+                          ("inputs_k", inputs_k, self.in_kv_features),
+                          ("inputs_v", inputs_v, self.in_v_features)):
+      if x.shape[-1] != want:
+        raise ValueError(f"{name} must have width {want} (the module's features), got shape "
+                         f"{tuple(x.shape)}")
+
+  def _project(self, inputs_q, inputs_k, inputs_v):
+    """query [..., T, H, K], key [..., S, G, K], value [..., S, G, V] (query/key normalised)."""
+    query_THK, key_SGK = self.query(inputs_q), self.key(inputs_k)
+    if self.normalize_qk:
+      query_THK, key_SGK = self.query_ln(query_THK), self.key_ln(key_SGK)
+    return query_THK, key_SGK, self.value(inputs_v)
+
+  def _cache_index(self, decode: bool):
+    """The position of the next cached token when decoding (checked to exist), else 0."""
+    if not decode:
+      return 0
     if self.cached_key is None:
       raise ValueError("decode=True needs a KV cache: call init_cache(input_shape) first")
+    return self.cache_index[...]
+
+  def _update_cache(self, key_SGK, value_SGV, mask, window):
+    """Write the new keys/values at the cache index; return the whole cache and its mask.
+
+    The mask ANDs `mask` with causality at absolute positions and the (left, right) `window`.
+    """
+    cur = self._cache_index(decode=True)
     cache_SGK, cache_SGV = self.cached_key[...], self.cached_value[...]
     *batch, max_len, g, _ = cache_SGK.shape
     new_len = key_SGK.shape[-3]
@@ -211,16 +256,12 @@ class MultiHeadAttention(nnx.Module):
       if new.dtype != cache.dtype:
         raise TypeError(f"decode step: {name} are {new.dtype} but init_cache made a "
                         f"{cache.dtype} cache: pass init_cache(..., dtype={new.dtype})")
-    cur = self.cache_index[...]
-    zero = jnp.zeros((), cur.dtype)  # start indices must share one dtype (jax_enable_x64)
-    start = (zero,) * len(batch) + (cur, zero, zero)
-    cache_SGK = lax.dynamic_update_slice(cache_SGK, key_SGK, start)
-    cache_SGV = lax.dynamic_update_slice(cache_SGV, value_SGV, start)
+    cache_SGK = common.write_cache(cache_SGK, key_SGK, cur)
+    cache_SGV = common.write_cache(cache_SGV, value_SGV, cur)
     _set(self.cached_key, cache_SGK)
     _set(self.cached_value, cache_SGV)
     _set(self.cache_index, cur + new_len)
-    cache_mask = masks_lib.causal_mask(new_len, max_len, offset=cur)
-    return cache_SGK, cache_SGV, masks_lib.combine_masks(mask, cache_mask)
+    return cache_SGK, cache_SGV, common.cache_mask(mask, new_len, max_len, window, cur)
 
   def _dropout_rng(self, deterministic, rngs):
     """The dropout key for this call, or None when no dropout applies."""
@@ -250,7 +291,11 @@ class MultiHeadAttention(nnx.Module):
 
 
 class SelfAttention(MultiHeadAttention):
-  """`MultiHeadAttention` of a sequence on itself: called as (inputs, *, mask, ...)."""
+  """`MultiHeadAttention` of a sequence on itself: called as (inputs, *, mask, ...).
+
+  `segment_ids` [..., L] and `positions` [..., L] serve both queries and keys (see the parent's
+  q_segment_ids and q_positions).
+  """
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
@@ -260,10 +305,11 @@ class SelfAttention(MultiHeadAttention):
           f"in_v_features={self.in_v_features} must equal in_features={self.in_features}")
 
   def __call__(self, inputs, *, mask=None, bias=None, is_causal: bool = False,
-               deterministic: bool | None = None, rngs=None, sow_weights: bool = False,
-               decode: bool | None = None):
+               segment_ids=None, positions=None, deterministic: bool | None = None, rngs=None,
+               sow_weights: bool = False, decode: bool | None = None):
     return super().__call__(
-        inputs, mask=mask, bias=bias, is_causal=is_causal, deterministic=deterministic,
+        inputs, mask=mask, bias=bias, is_causal=is_causal, q_segment_ids=segment_ids,
+        kv_segment_ids=segment_ids, q_positions=positions, deterministic=deterministic,
         rngs=rngs, sow_weights=sow_weights, decode=decode)
 
 
@@ -289,7 +335,8 @@ def linen_params_to_nnx(params, module: MultiHeadAttention) -> MultiHeadAttentio
 
 def nnx_to_linen_params(module: MultiHeadAttention) -> dict:
   """{'params': {'query'|'key'|'value'|'out': {'kernel', 'bias'}}} for
-  `flax_mha.MultiHeadAttention` built with the same arguments (no 'bias' without use_bias)."""
+  `flax_mha.MultiHeadAttention` built with the same arguments (no 'bias' without use_bias),
+  and with normalize_qk {'query_ln'|'key_ln': {'scale'}}."""
   if not isinstance(module, MultiHeadAttention):
     raise TypeError(f"module must be a flax_mha.nnx.MultiHeadAttention, got "
                     f"{type(module).__name__}")
@@ -299,6 +346,8 @@ def nnx_to_linen_params(module: MultiHeadAttention) -> dict:
     params[name] = {"kernel": layer.kernel[...]}
     if module.use_bias:  # without, flax 0.10 keeps Param(None), later flax None
       params[name]["bias"] = layer.bias[...]
+  for name in QK_NORMS if module.normalize_qk else ():
+    params[name] = {"scale": getattr(module, name).scale[...]}
   return {"params": params}
 
 
@@ -310,6 +359,12 @@ def _linear(name, in_features, out_features, kernel_init, bias_init, *, axis=-1,
       in_features, out_features, axis=axis,
       kernel_init=_partitioned(kernel_init, f"{name}/kernel", len(ins) + len(out)),
       bias_init=_partitioned(bias_init, f"{name}/bias", len(out)), **kwargs)
+
+
+def _qk_norm(head_dim: int, name: str, **kwargs) -> nnx.LayerNorm:
+  """flax's normalize_qk LayerNorm over K: scale only, epsilon 1e-6 (its default, spelled out)."""
+  scale_init = _partitioned(nnx.initializers.ones_init(), f"{name}/scale", 1)
+  return nnx.LayerNorm(head_dim, epsilon=1e-6, use_bias=False, scale_init=scale_init, **kwargs)
 
 
 def _partitioned(init: Initializer, path: str, ndim: int) -> Initializer:

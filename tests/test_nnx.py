@@ -2,9 +2,11 @@
 
 The suite runs each test against the linen module (`flax_mha.MultiHeadAttention`, behind a small
 adapter) and the NNX module (`flax_mha.nnx.MultiHeadAttention`), given the same random params
-through `linen_params_to_nnx`, and checks both against a float64 NumPy forward pass.
+through `linen_params_to_nnx`, and checks both against a float64 NumPy forward pass (the modern
+options: rotary, windows, soft cap, normalize_qk, segment ids: test_modules_modern's reference).
 """
 
+import functools
 import inspect
 
 import chex
@@ -16,6 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import flax_mha
+import test_modules_modern as modern  # its float64 reference of the modern options
 from conftest import DIMS, np_attention, randn, random_mask
 from flax_mha import nnx as fnnx
 
@@ -24,6 +27,8 @@ DQ, DK, DV, DOUT = 19, 23, 29, 17  # model widths: query, key and value inputs, 
 L = 7  # decoded sequence length
 TOL = dict(atol=2e-5, rtol=2e-5)
 GQA_KW = dict(num_heads=H, num_kv_heads=G, qkv_features=H * K, v_features=H * V)
+KR = 2 * K  # an even qk head dim for rotary (KR/2 odd: a real pairing)
+ROPE = 10_000.0
 FLAX_ARGS = inspect.signature(nnx.MultiHeadAttention.__init__).parameters  # older flax has fewer
 FLAX_HAS_IS_CAUSAL = "is_causal" in inspect.signature(nnx.MultiHeadAttention.__call__).parameters
 
@@ -259,6 +264,103 @@ def test_inputs_v_without_inputs_k(make_attention, rng):
     attn(x, None, x)
 
 
+MODERN_CONFIGS = {
+    "rotary": dict(rotary_max_wavelength=ROPE),
+    "window": dict(local_window_size=(2, 1)),
+    "soft_cap": dict(logit_soft_cap=3.0),
+    "normalize_qk": dict(normalize_qk=True),
+    "all": dict(rotary_max_wavelength=ROPE, local_window_size=(3, 0), logit_soft_cap=2.0,
+                normalize_qk=True),
+}
+
+
+def _np_modern(params, config, x, visible, positions=None):
+  """The float64 forward of self-attention on x [B, L, DQ] under `config`."""
+  positions = np.arange(x.shape[-2]) if positions is None else positions
+  wavelength = config.get("rotary_max_wavelength")
+  return modern.np_module(
+      {"params": params}, x, x, x, visible=visible, soft_cap=config.get("logit_soft_cap"),
+      normalize_qk=config.get("normalize_qk", False),
+      rotary=None if wavelength is None else (wavelength, positions, positions))
+
+
+def _causal_visible(config, n=L):
+  visible = np.tril(np.ones((n, n), bool))
+  if "local_window_size" in config:
+    visible &= modern.np_window(n, n, config["local_window_size"])
+  return visible
+
+
+@pytest.mark.parametrize("name", list(MODERN_CONFIGS))
+def test_modern_options(make_attention, rng, name):
+  config = MODERN_CONFIGS[name]
+  attn, params = make_attention(**{**GQA_KW, "qkv_features": H * KR, **config})
+  x = randn(rng, B, L, DQ)
+  out, _ = attn(x, is_causal=True)
+  want = _np_modern(params, config, x, _causal_visible(config))
+  np.testing.assert_allclose(out, want, **TOL)
+
+
+def test_rotary_positions_and_segment_ids(make_attention, rng):
+  """Packed documents: per-row segment ids, positions restarting per document."""
+  config = dict(rotary_max_wavelength=ROPE)
+  attn, params = make_attention(**{**GQA_KW, "qkv_features": H * KR, **config})
+  x = randn(rng, B, L, DQ)
+  ids = np.array([[0] * 4 + [1] * (L - 4), [0] * 2 + [1] * (L - 2)], np.int32)  # [B, L]
+  positions = np.stack([np.r_[np.arange(4), np.arange(L - 4)],
+                        np.r_[np.arange(2), np.arange(L - 2)]]).astype(np.int32)
+  out, _ = attn(x, q_segment_ids=ids, kv_segment_ids=ids, q_positions=positions,
+                kv_positions=positions)
+  visible = (ids[:, :, None] == ids[:, None, :])[:, None]  # [B, 1, L, L]
+  np.testing.assert_allclose(out, _np_modern(params, config, x, visible, positions), **TOL)
+
+
+def test_cross_segment_ids(make_attention, rng):
+  attn, params = _make_cross(make_attention, logit_soft_cap=4.0)
+  xq, xk, xv = _cross_inputs(rng)
+  q_ids = np.array([[0, 0, 1, 1, 2], [0, 1, 1, 1, 1]], np.int32)  # [B, T]
+  kv_ids = np.array([[0, 1, 1, 2, 2, 2, 2], [0, 0, 0, 1, 1, 1, 1]], np.int32)  # [B, S]
+  out, weights = attn(xq, xk, xv, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                      sow_weights=True)
+  visible = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+  want, want_weights = modern.np_module({"params": params}, xq, xk, xv, visible=visible,
+                                        soft_cap=4.0, return_weights=True)
+  np.testing.assert_allclose(out, want, **TOL)
+  np.testing.assert_allclose(weights, want_weights, **TOL)
+
+
+@pytest.mark.parametrize("g", [G, 1])
+def test_modern_decode_equals_recompute(make_attention, rng, g):
+  """Rotary at cache_index + arange(T), the window at absolute cache positions, GQA."""
+  config = MODERN_CONFIGS["all"]
+  attn, params = make_attention(**{**GQA_KW, "num_kv_heads": g, "qkv_features": H * KR,
+                                   **config})
+  x = randn(rng, B, L, DQ)
+  full, _ = attn(x, is_causal=True)
+  attn.init_cache((B, L, DQ))
+  outs = [attn.step(x[:, a:b]) for a, b in ((0, 2), (2, 3), (3, 6), (6, 7))]  # T = 2, 1, 3, 1
+  np.testing.assert_allclose(np.concatenate(outs, axis=1), full, **TOL)
+  np.testing.assert_allclose(full, _np_modern(params, config, x, _causal_visible(config)),
+                             **TOL)
+
+
+def test_segment_ids_refused_when_decoding(make_attention, rng):
+  attn, _ = make_attention(**GQA_KW)
+  attn.init_cache((B, L, DQ))
+  ids = np.zeros((B, 1), np.int32)
+  decode = {"decode": True} if isinstance(attn, NnxFrontEnd) else {}
+  call = attn.module if isinstance(attn, NnxFrontEnd) else functools.partial(
+      attn.decoder.apply, {**attn.variables, "cache": attn.cache}, mutable=["cache"])
+  with pytest.raises(ValueError, match="segment_ids are not supported with decode=True"):
+    call(randn(rng, B, 1, DQ), q_segment_ids=ids, **decode)
+
+
+def test_positions_need_rotary(make_attention, rng):
+  attn, _ = make_attention(**GQA_KW)
+  with pytest.raises(ValueError, match="q_positions was given but rotary_max_wavelength is"):
+    attn(randn(rng, B, T, DQ), q_positions=np.arange(T))
+
+
 # ---- the two front ends against each other ----
 
 
@@ -357,6 +459,20 @@ def test_sow_weights_equal_flax(rng):
   want_out, want_weights = _call_sowing(theirs, x, mask=mask)
   np.testing.assert_allclose(weights, want_weights, **TOL)
   np.testing.assert_allclose(out, want_out, **TOL)
+
+
+@pytest.mark.skipif("normalize_qk" not in FLAX_ARGS, reason="this flax has no normalize_qk")
+def test_normalize_qk_state_and_outputs_equal_flax(rng):
+  ours, theirs = _pair(decode=False, qkv_features=H * K, normalize_qk=True)
+  assert _shapes(ours, nnx.Param) == _shapes(theirs, nnx.Param)
+  assert _shapes(ours, nnx.Param)["query_ln"] == {"scale": (K,)}
+  assert np.abs(theirs.query_ln.scale[...] - 1).max() > 1e-3  # _randomize reached the scales
+  xq, xk = randn(rng, B, T, DQ), randn(rng, B, S, DQ)
+  np.testing.assert_allclose(ours(xq, xk), theirs(xq, xk), **TOL)
+  # and the linen tree of the same weights is the linen module's
+  linen = flax_mha.MultiHeadAttention(num_heads=H, qkv_features=H * K, normalize_qk=True)
+  np.testing.assert_allclose(linen.apply(fnnx.nnx_to_linen_params(ours), xq, xk),
+                             theirs(xq, xk), **TOL)
 
 
 @pytest.mark.parametrize("g", [None] + ([G] if "num_kv_heads" in FLAX_ARGS else []))
@@ -511,6 +627,10 @@ BAD_CONSTRUCTOR = [
     (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\), got 1.0"),
     (dict(implementation="flash"), ValueError, "implementation must be .*got 'flash'"),
     (dict(rngs=0), TypeError, "rngs must be an nnx.Rngs, got int"),
+    (dict(qkv_features=12, rotary_max_wavelength=1e4, num_heads=4), ValueError,
+     r"rotary_max_wavelength needs an even qk head dim K.*K=3"),
+    (dict(local_window_size=(-1, 2)), ValueError,
+     r"local_window_size must be an int >= 0 or a \(left, right\) pair"),
 ]
 
 
