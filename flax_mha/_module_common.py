@@ -16,6 +16,7 @@ from jax import lax
 
 from flax_mha import _checks
 from flax_mha import masks as masks_lib
+from flax_mha.attention import dot_product_attention, dot_product_attention_weights
 from flax_mha.rotary import apply_rotary
 
 
@@ -151,3 +152,14 @@ def as_bool_mask(mask):
         "mask must be boolean (True = attend) or integer/float (nonzero = attend, as in "
         f"flax.linen), got dtype {mask.dtype}")
   return mask != 0
+
+
+def attend(query_THK, key_SGK, value_SGV, bias, mask, *, implementation, sow: bool, **options):
+  """(output [..., T, H, V], weights [..., H, T, S] when `sow`, else None) of both front ends'
+  attention step; `options` are dot_product_attention's keyword arguments."""
+  out_THV = dot_product_attention(query_THK, key_SGK, value_SGV, bias, mask,
+                                  implementation=implementation, **options)
+  weights = None
+  if sow:
+    weights = dot_product_attention_weights(query_THK, key_SGK, bias, mask, **options)
+  return out_THV, weights

@@ -38,7 +38,6 @@ from flax_mha import _checks
 from flax_mha import _module_common as common
 from flax_mha import sharding
 from flax_mha.attention import IMPLEMENTATIONS
-from flax_mha.attention import dot_product_attention, dot_product_attention_weights
 
 Initializer = Callable[..., Any]
 
@@ -187,11 +186,11 @@ class MultiHeadAttention(nnx.Module):
     options = dict(is_causal=is_causal, dropout_rate=rate, dropout_rng=rng,
                    local_window_size=window, logit_soft_cap=self.logit_soft_cap,
                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    out_THV = dot_product_attention(query_THK, key_SGK, value_SGV, bias, mask,
-                                    implementation=self.implementation, **options)
-    if sow_weights:
-      self.sow(nnx.Intermediate, "attention_weights",
-               dot_product_attention_weights(query_THK, key_SGK, bias, mask, **options))
+    out_THV, weights = common.attend(query_THK, key_SGK, value_SGV, bias, mask,
+                                     implementation=self.implementation, sow=sow_weights,
+                                     **options)
+    if weights is not None:
+      self.sow(nnx.Intermediate, "attention_weights", weights)
     return self.out(out_THV)
 
   def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
