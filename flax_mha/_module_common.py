@@ -154,9 +154,13 @@ def as_bool_mask(mask):
   return mask != 0
 
 
-def attend(query_THK, key_SGK, value_SGV, bias, mask, *, implementation, sow: bool, **options):
+def attend(query_THK, key_SGK, value_SGV, bias, mask, *, implementation, sow: bool,
+           dropout_rate: float, dropout_rng, **options):
   """(output [..., T, H, V], weights [..., H, T, S] when `sow`, else None) of both front ends'
-  attention step; `options` are dot_product_attention's keyword arguments."""
+  attention step; without a dropout rng (deterministic) no dropout runs. `options` are the rest
+  of dot_product_attention's keyword arguments."""
+  options.update(dropout_rate=dropout_rate if dropout_rng is not None else 0.0,
+                 dropout_rng=dropout_rng)
   out_THV = dot_product_attention(query_THK, key_SGK, value_SGV, bias, mask,
                                   implementation=implementation, **options)
   weights = None

@@ -112,14 +112,12 @@ class MultiHeadAttention(nn.Module):
           key_SGK, value_SGV, mask, query_THK.shape[-3], window)
       is_causal, window = False, None  # the cache mask above holds causality, with the offset
 
-    rng = self._dropout_rng(deterministic, dropout_rng)
-    rate = self.dropout_rate if rng is not None else 0.0
-    options = dict(is_causal=is_causal, dropout_rate=rate, dropout_rng=rng,
-                   local_window_size=window, logit_soft_cap=self.logit_soft_cap,
-                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    out_THV, weights = common.attend(query_THK, key_SGK, value_SGV, bias, mask,
-                                     implementation=self.implementation, sow=sow_weights,
-                                     **options)
+    out_THV, weights = common.attend(
+        query_THK, key_SGK, value_SGV, bias, mask, implementation=self.implementation,
+        sow=sow_weights, dropout_rate=self.dropout_rate,
+        dropout_rng=self._dropout_rng(deterministic, dropout_rng), is_causal=is_causal,
+        local_window_size=window, logit_soft_cap=self.logit_soft_cap,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     if weights is not None:
       self.sow("intermediates", "attention_weights", weights)
     out_features = self.out_features or inputs_q.shape[-1]

@@ -181,14 +181,12 @@ class MultiHeadAttention(nnx.Module):
     if decode:  # the window becomes part of the cache mask, at absolute positions
       key_SGK, value_SGV, mask = self._update_cache(key_SGK, value_SGV, mask, window)
       is_causal, window = False, None  # the cache mask holds causality, with the cache offset
-    rng = self._dropout_rng(deterministic, rngs)
-    rate = self.dropout_rate if rng is not None else 0.0
-    options = dict(is_causal=is_causal, dropout_rate=rate, dropout_rng=rng,
-                   local_window_size=window, logit_soft_cap=self.logit_soft_cap,
-                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    out_THV, weights = common.attend(query_THK, key_SGK, value_SGV, bias, mask,
-                                     implementation=self.implementation, sow=sow_weights,
-                                     **options)
+    out_THV, weights = common.attend(
+        query_THK, key_SGK, value_SGV, bias, mask, implementation=self.implementation,
+        sow=sow_weights, dropout_rate=self.dropout_rate,
+        dropout_rng=self._dropout_rng(deterministic, rngs), is_causal=is_causal,
+        local_window_size=window, logit_soft_cap=self.logit_soft_cap,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     if weights is not None:
       self.sow(nnx.Intermediate, "attention_weights", weights)
     return self.out(out_THV)
