@@ -16,3 +16,18 @@ def visible_mask(mask, is_causal: bool, num_q: int, num_kv: int):
   """The boolean [.., T, S] mask that `mask` and `is_causal` make together (None: all visible)."""
   causal = masks_lib.causal_mask(num_q, num_kv) if is_causal else None
   return masks_lib.combine_masks(mask, causal)
+
+
+def without_forward_mode(name: str, fn, *args):
+  """fn(*args) for an implementation whose backward is a custom VJP, JAX's forward-mode error
+  (raised while jax.jvp traces the call outside of jit) replaced by one naming `name`."""
+  try:
+    return fn(*args)
+  except TypeError as e:
+    if "forward-mode" not in str(e):
+      raise
+    raise TypeError(
+        f"implementation={name!r} has no forward-mode autodiff (jax.jvp, jax.jacfwd, "
+        "jax.linearize of a custom_vjp function): its backward is a custom VJP. Use "
+        "implementation='xla' or 'reference' for forward mode, or reverse mode (jax.grad, "
+        f"jax.vjp, jax.jacrev) with {name!r}.") from e

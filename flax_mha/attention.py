@@ -19,6 +19,7 @@ from flax_mha import _options
 from flax_mha import chunked
 from flax_mha import cudnn
 from flax_mha import reference
+from flax_mha import rows
 from flax_mha import xla
 
 # name -> fn(query [B,T,H,K], key [B,S,G,K], value [B,S,G,V], bias, mask, *, is_causal, scale,
@@ -27,15 +28,19 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "reference": reference.attention,  # the oracle: the formula on the page, untuned
     "xla": xla.attention,              # the same graph tuned for XLA: fastest for small T·S
     "chunked": chunked.attention,      # online softmax, linear memory, its own backward
+    "rows": rows.attention,            # query-row blocks, exact softmax: plain and causal only
     "cudnn": cudnn.attention,          # cuDNN flash attention (GPU, 16-bit inputs)
 }
 
 # Up to this many logits per (batch, head), `implementation=None` runs the plain XLA graph, and
-# the chunked loops beyond (where they are faster and memory-lean). The crossover is where the
-# two are level in `python -m experiments.benchmark_attention` on a 2-core CPU, float32,
-# forward+backward; chunked's causal tile skipping moves it down for causal K <= 64.
+# beyond, "rows" where it applies (no bias, mask, dropout or mods; at most ROWS_MAX_KEYS keys)
+# or the chunked loops (memory-lean, take everything). The crossovers are where the two are
+# level in `python -m experiments.benchmark_attention` on a 2-core CPU, float32, forward+backward;
+# chunked's causal tile skipping moves its crossover down for causal K <= 64.
+SMALL_LOGITS_ROWS = 256 * 256
 SMALL_LOGITS = 512 * 512
 SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
+ROWS_MAX_KEYS = 16384  # a "rows" tile holds >= 128 query rows x S keys: chunked's tiles beyond
 
 
 def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
@@ -43,17 +48,24 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
   """What `implementation=None` runs, decided at trace time from static shapes and the backend.
 
   1. On a GPU, "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
-  2. Otherwise "xla" for small problems (T·S up to SMALL_LOGITS, or SMALL_LOGITS_CAUSAL_NARROW
+  2. Plain and causal attention (no bias, mask, dropout or mods): "xla" up to SMALL_LOGITS_ROWS
+     logits per (batch, head), "rows" beyond (query-row blocks with an exact softmax, the
+     fastest on CPU), "chunked" past ROWS_MAX_KEYS keys.
+  3. Otherwise "xla" for small problems (T·S up to SMALL_LOGITS, or SMALL_LOGITS_CAUSAL_NARROW
      when causal with K <= 64), where one fused XLA graph has the least overhead, and "chunked"
      beyond, which is faster there and needs memory linear in S.
   Every choice computes the same function (see `flax_mha.reference`).
   """
-  del bias, mask
   if cudnn.unsupported_reason(query, key, value, dropout_rate, mods) is None:
     return "cudnn"
+  logits = query.shape[1] * key.shape[1]
+  if rows.unsupported_reason(bias, mask, dropout_rate, mods) is None:
+    if logits <= SMALL_LOGITS_ROWS:
+      return "xla"
+    return "rows" if key.shape[1] <= ROWS_MAX_KEYS else "chunked"
   narrow_causal = is_causal and query.shape[-1] <= 64
   limit = SMALL_LOGITS_CAUSAL_NARROW if narrow_causal else SMALL_LOGITS
-  return "xla" if query.shape[1] * key.shape[1] <= limit else "chunked"
+  return "xla" if logits <= limit else "chunked"
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
@@ -101,9 +113,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
     implementation: None (the best available, chosen at trace time by
       `default_implementation`), a name in `IMPLEMENTATIONS`, or a callable with their
       signature (e.g. `flax_mha.ring_implementation`, ring attention). Every implementation
-      computes the same function; forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) works with "reference" and
-      "xla", not with "chunked", "cudnn" or ring attention (custom VJPs): None picks "chunked"
-      for large T·S, so ask for "xla" explicitly when you need forward mode there.
+      computes the same function ("rows" and "cudnn" refuse, by name, the options they lack);
+      forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) works with "reference" and
+      "xla", not with "rows", "chunked", "cudnn" or ring attention (custom VJPs): None picks
+      "rows" or "chunked" for large T·S, so ask for "xla" explicitly for forward mode there.
 
   Returns:
     [..., T, H, V] in the input dtype. Products and softmax run in float32 for 16-bit inputs, in

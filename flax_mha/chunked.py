@@ -367,13 +367,6 @@ def default_blocks(t: int, s: int, k: int, is_causal: bool,
   return block, block
 
 
-FORWARD_MODE_ERROR = (
-    "implementation='chunked' has no forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize "
-    "of a custom_vjp function): its memory-lean backward is a custom VJP. Use "
-    "implementation='xla' or 'reference' for forward mode, or reverse mode (jax.grad, jax.vjp, "
-    "jax.jacrev) with 'chunked'.")
-
-
 def make_attention(block_q: int | None = None, block_k: int | None = None):
   """Chunked attention with static block sizes (None: `default_blocks` of the shape), with
   `reference.attention`'s signature.
@@ -395,12 +388,8 @@ def make_attention(block_q: int | None = None, block_k: int | None = None):
                                     min(windows, default=None))
     cfg = _Config(float(scale), float(dropout_rate), block_q or auto_q, block_k or auto_k)
     mods = mods_lib.with_causal(mods, is_causal)
-    try:
-      return _attention(query, key, value, bias, mask, dropout_rng, mods, cfg)
-    except TypeError as e:  # raised here when jax.jvp traces this call outside of jit
-      if "forward-mode" in str(e):
-        raise TypeError(FORWARD_MODE_ERROR) from e
-      raise
+    return _common.without_forward_mode("chunked", _attention, query, key, value, bias, mask,
+                                        dropout_rng, mods, cfg)
 
   return attention
 

@@ -167,15 +167,19 @@ def test_a_callable_implementation_is_called_with_flat_batch():
   np.testing.assert_allclose(out, np_attention(q, k, v, mask=mask, scale=0.5), atol=2e-5)
 
 
-@pytest.mark.parametrize("n, k, is_causal, picked", [
-    (128, 64, False, "xla"), (512, 64, False, "xla"), (1024, 64, False, "chunked"),
-    (256, 64, True, "xla"), (512, 64, True, "chunked"), (512, 128, True, "xla"),
+@pytest.mark.parametrize("n, k, is_causal, masked, picked", [
+    (256, 64, False, False, "xla"), (512, 64, False, False, "rows"),
+    (512, 64, True, False, "rows"), (32768, 64, False, False, "chunked"),
+    (512, 64, False, True, "xla"), (1024, 64, False, True, "chunked"),
+    (256, 64, True, True, "xla"), (512, 64, True, True, "chunked"), (512, 128, True, True, "xla"),
 ])
-def test_default_implementation_on_cpu(n, k, is_causal, picked):
-  """The plain XLA graph for small logits, chunked beyond (SMALL_LOGITS)."""
+def test_default_implementation_on_cpu(n, k, is_causal, masked, picked):
+  """Plain calls: xla, then rows, then chunked past ROWS_MAX_KEYS; with a mask (which rows
+  refuses): xla for small logits, chunked beyond."""
   if jax.default_backend() != "cpu":
     pytest.skip("the CPU rule")
   x = jax.ShapeDtypeStruct((1, n, 2, k), jnp.float32)
-  got = flax_mha.attention.default_implementation(x, x, x, None, None, is_causal=is_causal,
+  mask = jax.ShapeDtypeStruct((1, 1, n, n), jnp.bool_) if masked else None
+  got = flax_mha.attention.default_implementation(x, x, x, None, mask, is_causal=is_causal,
                                                   dropout_rate=0.0)
   assert got == picked

@@ -1,0 +1,128 @@
+"""The "rows" implementation (query-row blocks, exact softmax): values and gradients against the
+oracle on tile plans that exercise every path (many units, padded and causal-segmented query
+blocks, T != S, GQA), the work it skips, and the inputs it refuses by name."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_mha
+from flax_mha import mods as mods_lib
+from flax_mha import reference
+from flax_mha import rows
+from conftest import qkv
+
+SMALL_TILES = rows.make_attention(tile_forward=2**9, tile_backward=2**8)  # many trips and blocks
+
+
+def _call(fn, q, k, v, is_causal, scale=0.37):
+  return fn(q, k, v, None, None, is_causal=is_causal, scale=scale, dropout_rate=0.0,
+            dropout_rng=None)
+
+
+@pytest.mark.parametrize("fn", [rows.attention, SMALL_TILES], ids=["default_tiles", "small"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("t,s,h,g", [(7, 11, 6, 3), (11, 7, 6, 6), (37, 37, 4, 1), (40, 24, 2, 2)])
+def test_values_and_grads_match_oracle(fn, is_causal, t, s, h, g):
+  rng = np.random.default_rng(t * s)
+  q, k, v = (jnp.asarray(x) for x in qkv(rng, t=t, s=s, h=h, g=g, k=5, v=3))
+  out = jax.jit(lambda *a: _call(fn, *a, is_causal))(q, k, v)
+  chex.assert_trees_all_close(out, _call(reference.attention, q, k, v, is_causal), atol=2e-6,
+                              rtol=2e-6)
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(_call(f, *a, is_causal)))
+  grads = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
+  want = jax.grad(loss(reference.attention), argnums=(0, 1, 2))(q, k, v)
+  chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
+
+
+def test_float64_and_bfloat16():
+  rng = np.random.default_rng(1)
+  with jax.enable_x64(True):
+    q, k, v = (jnp.asarray(x, jnp.float64) for x in qkv(rng, t=20, s=20, h=2, g=1, k=4, v=4))
+    out = _call(SMALL_TILES, q, k, v, True)
+    chex.assert_type(out, jnp.float64)
+    np.testing.assert_allclose(out, _call(reference.attention, q, k, v, True), atol=1e-13)
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in qkv(rng, t=20, s=20, h=2, g=1, k=4, v=4))
+  out = _call(SMALL_TILES, q, k, v, True)
+  chex.assert_type(out, jnp.bfloat16)
+  want = _call(reference.attention, q, k, v, True)
+  np.testing.assert_allclose(out.astype(np.float32), want.astype(np.float32), atol=2e-2)
+
+
+def test_through_the_public_api_with_batch_dims_and_vmap():
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(x) for x in qkv(rng, batch=(2, 3), t=9, s=9, h=4, g=2, k=8, v=8))
+  fn = lambda *a, implementation: flax_mha.dot_product_attention(
+      *a, is_causal=True, implementation=implementation)
+  np.testing.assert_allclose(fn(q, k, v, implementation="rows"),
+                             fn(q, k, v, implementation="reference"), atol=2e-6)
+  mapped = jax.vmap(lambda *a: fn(*a, implementation="rows"))(q, k, v)
+  np.testing.assert_allclose(mapped, fn(q, k, v, implementation="reference"), atol=2e-6)
+
+
+@pytest.mark.parametrize("t,s,k,v", [(0, 7, 5, 3), (4, 0, 5, 3), (4, 7, 0, 3), (4, 7, 5, 0)])
+def test_empty_dims(t, s, k, v):
+  """As everywhere: T, S or V = 0 give zeros (S = 0: no key to see); K = 0 the mean of V."""
+  rng = np.random.default_rng(3)
+  q, key, value = (jnp.asarray(x) for x in qkv(rng, t=t, s=s, h=2, g=1, k=k, v=v))
+  fn = lambda *a, implementation: flax_mha.dot_product_attention(
+      *a, is_causal=True, implementation=implementation)
+  out = fn(q, key, value, implementation="rows")
+  np.testing.assert_allclose(out, fn(q, key, value, implementation="reference"), atol=1e-6)
+  grads = jax.grad(lambda *a: jnp.sum(fn(*a, implementation="rows")), argnums=(0, 1, 2))(
+      q, key, value)
+  chex.assert_tree_all_finite(grads)
+
+
+@pytest.mark.parametrize("t", [1024, 4096])
+def test_causal_visits_about_half_the_logits(t):
+  """The segments' static key extents cover at most 5/8 of T·S (the lower triangle and the
+  blocks' diagonal overhang), and every visible key."""
+  for tile in (rows.TILE_FORWARD, rows.TILE_BACKWARD):
+    p = rows.plan(1, t, t, 8, 8, 0.1, True, tile)
+    visited = sum((end - first) * p.bq * extent for first, end, extent in p.segments)
+    assert visited <= 0.63 * t * t
+    assert all(extent >= min(t, end * p.bq) for _, end, extent in p.segments)
+    assert p.segments[-1][1] == p.n_q and p.n_q * p.bq >= t
+
+
+def test_tiles_stay_within_budget_as_s_grows():
+  for s in (512, 8192, 65536):
+    p = rows.plan(2, s, s, 8, 2, 0.1, False, rows.TILE_FORWARD)
+    assert p.units * 4 * p.bq * s <= max(rows.TILE_FORWARD, 4 * rows.MIN_ROWS * s)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bias=jnp.zeros((1, 1, 4, 4))), "no bias or mask"),
+    (dict(mask=jnp.ones((1, 1, 4, 4), bool)), "no bias or mask"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),
+    (dict(local_window_size=2), "no windows"),
+    (dict(mask_mod=lambda b, h, q, kv: q >= kv), "mask/score functions"),
+])
+def test_refuses_what_it_does_not_take_by_name(kwargs, match):
+  x = jnp.ones((1, 4, 2, 8))
+  with pytest.raises(ValueError, match=f"implementation='rows' cannot run.*{match}"):
+    flax_mha.dot_product_attention(x, x, x, implementation="rows", **kwargs)
+
+
+def test_forward_mode_is_a_named_error():
+  x = jnp.ones((1, 4, 2, 8))
+  fn = lambda q: flax_mha.dot_product_attention(q, x, x, implementation="rows")
+  with pytest.raises(TypeError, match="implementation='xla' or 'reference' for forward mode"):
+    jax.jvp(fn, (x,), (x,))
+
+
+@pytest.mark.parametrize("tile", [0, -1, 2.5, None])
+def test_bad_tile_budget(tile):
+  with pytest.raises(ValueError, match="tile_forward must be a positive int"):
+    rows.make_attention(tile_forward=tile)
+
+
+def test_unsupported_reason_reads_mods():
+  assert rows.unsupported_reason(None, None, 0.0, mods_lib.Mods()) is None
+  assert "no windows" in rows.unsupported_reason(
+      None, None, 0.0, mods_lib.Mods(masks=(mods_lib.LocalWindow(1, 1),)))
