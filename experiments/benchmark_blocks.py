@@ -1,12 +1,15 @@
-"""Block sizes of the chunked kernel, and the crossover to the plain graph: the sweep behind
-`flax_mha.chunked.default_blocks` and `flax_mha.attention.SMALL_LOGITS`.
+"""Tile sizes of the chunked and rows kernels, and the crossover to the plain graph: the sweeps
+behind `flax_mha.chunked.default_blocks`, `flax_mha.rows`' TILE_* budgets and
+`flax_mha.attention.SMALL_LOGITS*`.
 
-  python -m experiments.benchmark_blocks [--quick]
+  python -m experiments.benchmark_blocks [--quick]          # chunked blocks (masked calls)
+  python -m experiments.benchmark_blocks --rows [--quick]   # rows tile budgets (plain calls)
 
-Forward+backward, float32, H=8, B·N = 4096, on this machine's CPU: for each (D, N, causal) the
-chunked kernel with square blocks of 128, 256 and 512 rows, the plain graph ("xla") up to
-N = 2048, timed round-robin in one process (median of 5 after 2 warm-ups). Prints one row per
-shape with the fastest block and whether the default picks it.
+Float32, H=8, B·N = 4096, on this machine's CPU: for each (D, N, causal) the chunked kernel with
+square blocks of 128, 256 and 512 rows (forward+backward), or "rows" with forward tile budgets
+of 2^18..2^21 logits (forward) and backward budgets of 2^18 and 2^20 (forward+backward), and
+the plain graph ("xla") up to N = 2048, timed round-robin in one process (median of 5 after 2
+warm-ups). Prints one row per shape with the fastest and what the default runs.
 """
 
 from __future__ import annotations
@@ -19,45 +22,66 @@ import jax.numpy as jnp
 from experiments.benchmark_attention import _median_seconds
 from flax_mha import attention as attention_lib
 from flax_mha import chunked
+from flax_mha import rows
 from flax_mha import xla
 
 BLOCKS = (128, 256, 512)
 
 
-def _fwd_bwd(fn, q, k, v, causal):
-  loss = lambda q, k, v: jnp.sum(fn(q, k, v, None, None, is_causal=causal,
-                                    scale=q.shape[-1]**-0.5, dropout_rate=0.0, dropout_rng=None))
-  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  return lambda: jax.block_until_ready(grad(q, k, v))
+def _timed(fn, q, k, v, causal, backward=True):
+  call = lambda q, k, v: fn(q, k, v, None, None, is_causal=causal, scale=q.shape[-1]**-0.5,
+                            dropout_rate=0.0, dropout_rng=None)
+  loss = lambda q, k, v: jnp.sum(call(q, k, v))
+  run = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if backward else call)
+  return lambda: jax.block_until_ready(run(q, k, v))
 
 
-def sweep(grid, runs=5, tokens=4096):
+def _chunked_peers(n, causal, d, q, k, v):
+  fns = {f"chunked {blk}": _timed(chunked.make_attention(blk, blk), q, k, v, causal)
+         for blk in BLOCKS if blk <= n}
+  mask = jax.ShapeDtypeStruct((1, 1, n, n), jnp.bool_)  # what the sweep stands for: masked calls
+  picked = attention_lib.default_implementation(q, k, v, None, mask, is_causal=causal,
+                                                dropout_rate=0.0)
+  block = chunked.default_blocks(n, n, d, causal)[0]
+  return fns, "xla" if picked == "xla" else f"chunked {block}"
+
+
+def _rows_peers(n, causal, d, q, k, v):
+  del d
+  fns = {f"rows fwd 2^{e}": _timed(rows.make_attention(tile_forward=2**e), q, k, v, causal,
+                                   backward=False) for e in (18, 19, 20, 21)}
+  fns.update({f"rows fwd+bwd 2^{e}": _timed(rows.make_attention(tile_backward=2**e), q, k, v,
+                                            causal) for e in (18, 20)})
+  picked = attention_lib.default_implementation(q, k, v, None, None, is_causal=causal,
+                                                dropout_rate=0.0)
+  return fns, picked
+
+
+def sweep(grid, peers, runs=5, tokens=4096):
   for d, n, causal in grid:
     b = max(1, tokens // n)
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (b, n, 8, d)) for key in keys)
-    fns = {f"chunked {blk}": _fwd_bwd(chunked.make_attention(blk, blk), q, k, v, causal)
-           for blk in BLOCKS if blk <= n}
+    fns, default = peers(n, causal, d, q, k, v)
     if n <= 2048:
-      fns["xla"] = _fwd_bwd(xla.attention, q, k, v, causal)
+      fns["xla"] = _timed(xla.attention, q, k, v, causal)
     ms = {name: 1e3 * t for name, t in _median_seconds(fns, runs).items()}
-    best = min(ms, key=ms.get)
-    default_block = chunked.default_blocks(n, n, d, causal)[0]
-    picked = attention_lib.default_implementation(q, k, v, None, None, is_causal=causal,
-                                                  dropout_rate=0.0)
-    default = "xla" if picked == "xla" else f"chunked {default_block}"
     cells = ", ".join(f"{name} {t:.1f}" for name, t in ms.items())
-    print(f"D={d} N={n} causal={causal}: {cells} ms | fastest {best}; default {default} "
-          f"({ms.get(default, float('nan')) / ms[best]:.2f}x the fastest)", flush=True)
+    fwd_bwd = {name: t for name, t in ms.items() if "rows fwd " not in name}
+    best = min(fwd_bwd, key=fwd_bwd.get)
+    print(f"D={d} N={n} causal={causal}: {cells} ms | fastest fwd+bwd {best}; default {default}",
+          flush=True)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="D=64, N in (256, 512, 1024)")
+  parser.add_argument("--rows", action="store_true", help="sweep rows' tiles, not chunked's")
   args = parser.parse_args()
   ns = (256, 512, 1024) if args.quick else (256, 512, 1024, 2048, 4096)
   ds = (64,) if args.quick else (64, 128)
-  sweep([(d, n, c) for d in ds for n in ns for c in (False, True)])
+  sweep([(d, n, c) for d in ds for n in ns for c in (False, True)],
+        _rows_peers if args.rows else _chunked_peers)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 # level in `python -m experiments.benchmark_attention` on a 2-core CPU, float32, forward+backward;
 # chunked's causal tile skipping moves its crossover down for causal K <= 64.
 SMALL_LOGITS_ROWS = 256 * 256
+SMALL_LOGITS_ROWS_CAUSAL = 128 * 128
 SMALL_LOGITS = 512 * 512
 SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
 ROWS_MAX_KEYS = 16384  # a "rows" tile holds >= 128 query rows x S keys: chunked's tiles beyond
@@ -49,7 +50,7 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
 
   1. On a GPU, "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
   2. Plain and causal attention (no bias, mask, dropout or mods): "xla" up to SMALL_LOGITS_ROWS
-     logits per (batch, head), "rows" beyond (query-row blocks with an exact softmax, the
+     logits per (batch, head) (SMALL_LOGITS_ROWS_CAUSAL when causal), "rows" beyond (query-row blocks with an exact softmax, the
      fastest on CPU), "chunked" past ROWS_MAX_KEYS keys.
   3. Otherwise "xla" for small problems (T·S up to SMALL_LOGITS, or SMALL_LOGITS_CAUSAL_NARROW
      when causal with K <= 64), where one fused XLA graph has the least overhead, and "chunked"
@@ -60,7 +61,7 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
     return "cudnn"
   logits = query.shape[1] * key.shape[1]
   if rows.unsupported_reason(bias, mask, dropout_rate, mods) is None:
-    if logits <= SMALL_LOGITS_ROWS:
+    if logits <= (SMALL_LOGITS_ROWS_CAUSAL if is_causal else SMALL_LOGITS_ROWS):
       return "xla"
     return "rows" if key.shape[1] <= ROWS_MAX_KEYS else "chunked"
   narrow_causal = is_causal and query.shape[-1] <= 64

@@ -33,8 +33,9 @@ from jax import lax
 from flax_mha import _common
 
 # Logits per tile (units · rows · keys), forward and backward: the fastest of a sweep on a 2-core
-# CPU in float32 (`python -m experiments.benchmark_blocks --rows` re-runs it).
+# CPU in float32 (`python -m experiments.benchmark_blocks --rows` re-runs the sweep).
 TILE_FORWARD = 2**21
+TILE_FORWARD_CAUSAL = 2**19
 TILE_BACKWARD = 2**18
 CAUSAL_BLOCKS = 4  # causal: at least this many query blocks, so that few hidden keys are visited
 MAX_SEGMENTS = 16  # causal: distinct static key extents (each one more loop in the program)
@@ -149,7 +150,7 @@ def _mask_rows(x, hidden, r: int, fill, transposed: bool):
 
 
 def _forward(q, k, v, p: _Plan):
-  """out [B, T, H, V] (input dtype) and lse [n_u, n_q, U, R·Q] (softmax dtype)."""
+  """out [B, T, H, V] and lse [n_u, n_q, U, R·Q], in the softmax dtype."""
   b, _, h, _ = q.shape
   g = k.shape[2]
   r, acc = h // g, _common.softmax_dtype(q.dtype)
@@ -167,7 +168,7 @@ def _forward(q, k, v, p: _Plan):
       l = jnp.sum(e, axis=-1, keepdims=True)
       o = jnp.einsum("UQS,USV->UQV", e.astype(v.dtype), v_u[:, :extent],
                      preferred_element_type=acc)
-      return carry, ((o / l).astype(q.dtype), (m + jnp.log(l))[..., 0])
+      return carry, (o / l, (m + jnp.log(l))[..., 0])
 
     return None, _over_blocks(p, block, None, q_u)[1]
 
@@ -176,7 +177,9 @@ def _forward(q, k, v, p: _Plan):
 
 
 def _backward(q, k, v, out, lse, dout, p: _Plan):
-  """(dq, dk, dv) in the input dtypes; lse in the layout of `_forward` for plan p."""
+  """(dq, dk, dv) in the softmax dtype, given the output `out` [B, T, H, V] and the log-sum-exp
+  `lse` (layout of `_forward` for plan p) of every key that the queries see, here or elsewhere:
+  the gradient contribution of these keys."""
   b, _, h, _ = q.shape
   g = k.shape[2]
   r, acc = h // g, _common.softmax_dtype(q.dtype)
@@ -214,42 +217,51 @@ def _backward(q, k, v, out, lse, dout, p: _Plan):
                                                 v_units))
   dq = _from_units(dqt.swapaxes(-1, -2), b, g, p.t, p.bq)
   from_kv = lambda x: x.reshape(b, g, p.s, -1).transpose(0, 2, 1, 3)
-  return dq.astype(q.dtype), from_kv(dk).astype(k.dtype), from_kv(dv).astype(v.dtype)
+  return dq, from_kv(dk), from_kv(dv)
 
 
-def _relayout_lse(lse, p: _Plan, to: _Plan, b: int, g: int):
-  """lse from `p`'s tiles to `to`'s ([n_u, n_q, U, R·Q] each)."""
-  if (p.units, p.bq) == (to.units, to.bq):
-    return lse
-  lse_BTH = _from_units(lse[..., None], b, g, p.t, p.bq)
-  return _to_units(lse_BTH, g, to.n_u, to.n_q, to.bq)[..., 0]
+def _lse_bth(lse, p: _Plan, b: int, g: int):
+  """lse [n_u, n_q, U, R·Q] of plan p -> [B, T, H]."""
+  return _from_units(lse[..., None], b, g, p.t, p.bq)[..., 0]
+
+
+def _lse_units(lse_BTH, p: _Plan, g: int):
+  """lse [B, T, H] -> [n_u, n_q, U, R·Q] of plan p."""
+  return _to_units(lse_BTH[..., None], g, p.n_u, p.n_q, p.bq)[..., 0]
+
+
+def _cast_grads(grads, q, k, v):
+  return tuple(d.astype(x.dtype) for d, x in zip(grads, (q, k, v)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _attention(q, k, v, p_fwd: _Plan, p_bwd: _Plan):
-  return _forward(q, k, v, p_fwd)[0]
+  return _forward(q, k, v, p_fwd)[0].astype(q.dtype)
 
 
 def _attention_fwd(q, k, v, p_fwd, p_bwd):
   out, lse = _forward(q, k, v, p_fwd)
+  out = out.astype(q.dtype)
   return out, (q, k, v, out, lse)
 
 
 def _attention_bwd(p_fwd, p_bwd, residuals, dout):
   q, k, v, out, lse = residuals
-  lse = _relayout_lse(lse, p_fwd, p_bwd, q.shape[0], k.shape[2])
-  return _backward(q, k, v, out, lse, dout, p_bwd)
+  if (p_fwd.units, p_fwd.bq) != (p_bwd.units, p_bwd.bq):
+    lse = _lse_units(_lse_bth(lse, p_fwd, q.shape[0], k.shape[2]), p_bwd, k.shape[2])
+  return _cast_grads(_backward(q, k, v, out, lse, dout, p_bwd), q, k, v)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def make_attention(tile_forward: int = TILE_FORWARD, tile_backward: int = TILE_BACKWARD):
-  """"rows" attention with the given tile budgets (logits per tile), with
-  `reference.attention`'s signature."""
+def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BACKWARD):
+  """"rows" attention with the given tile budgets (logits per tile; tile_forward None:
+  TILE_FORWARD, or TILE_FORWARD_CAUSAL when causal), with `reference.attention`'s signature."""
   for name, tile in (("tile_forward", tile_forward), ("tile_backward", tile_backward)):
-    if not (isinstance(tile, int) and tile > 0):
-      raise ValueError(f"{name} must be a positive int, got {tile!r}")
+    if not (isinstance(tile, int) and tile > 0) and (name, tile) != ("tile_forward", None):
+      raise ValueError(f"{name} must be a positive int{' or None' * (name == 'tile_forward')}, "
+                       f"got {tile!r}")
 
   def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
                 mods=None):
@@ -262,7 +274,8 @@ def make_attention(tile_forward: int = TILE_FORWARD, tile_backward: int = TILE_B
                        "implementation='chunked' or 'xla', which take every option")
     b, t, h, _ = query.shape
     s, g = key.shape[1:3]
-    plans = [plan(b, t, s, h, g, scale, is_causal, tile) for tile in (tile_forward, tile_backward)]
+    forward = tile_forward or (TILE_FORWARD_CAUSAL if is_causal else TILE_FORWARD)
+    plans = [plan(b, t, s, h, g, scale, is_causal, tile) for tile in (forward, tile_backward)]
     return _common.without_forward_mode("rows", _attention, query, key, value, *plans)
 
   return attention

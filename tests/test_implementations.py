@@ -169,7 +169,8 @@ def test_a_callable_implementation_is_called_with_flat_batch():
 
 @pytest.mark.parametrize("n, k, is_causal, masked, picked", [
     (256, 64, False, False, "xla"), (512, 64, False, False, "rows"),
-    (512, 64, True, False, "rows"), (32768, 64, False, False, "chunked"),
+    (128, 64, True, False, "xla"), (256, 64, True, False, "rows"),
+    (32768, 64, False, False, "chunked"),
     (512, 64, False, True, "xla"), (1024, 64, False, True, "chunked"),
     (256, 64, True, True, "xla"), (512, 64, True, True, "chunked"), (512, 128, True, True, "xla"),
 ])
