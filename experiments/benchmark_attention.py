@@ -1,6 +1,7 @@
 """Attention speed and memory: flax_mha's implementations against jax.nn, flax.linen and torch.
 
   python -m experiments.benchmark_attention [--quick]   # CPU, float32 -> docs/benchmark_cpu.*
+  python -m experiments.benchmark_attention --part memory --out docs/benchmark_cpu_memory.md
   python -m experiments.benchmark_attention --device gpu --dtype bfloat16 --json gpu.json
 
 Speed: forward and forward+backward, H=8, B·N = 4096 (B >= 1), causal and not; every peer in its
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import flax_mha
 from flax_mha import attention as attention_lib
 from flax_mha import chunked
+from flax_mha import rows as rows_lib
 from flax_mha import xla
 
 H100_BF16_TFLOPS = 989.0
@@ -173,7 +175,7 @@ def temp_bytes(fn, n, h, d=64):
 
 
 def memory(quick):
-  impls = {"chunked": chunked.attention, "xla": xla.attention}
+  impls = {"chunked": chunked.attention, "rows": rows_lib.attention, "xla": xla.attention}
   sizes = [(1024, 8), (4096, 8)] if quick else [(1024, 8), (4096, 8), (8192, 8), (32768, 8),
                                                  (131072, 1)]
   rows = []
@@ -185,6 +187,8 @@ def memory(quick):
   largest = {}
   cap = 2**18 if quick else 2**20  # compile time grows with N: stop searching there
   for name, fn in impls.items():  # doubling N at H=8 until the temp bytes pass 20 GiB
+    if name == "rows":
+      continue  # None runs rows up to attention_lib.ROWS_MAX_KEYS keys: the table shows it
     n = 1024
     while n < cap and temp_bytes(fn, n * 2, 8) <= 20 * GIB:
       n *= 2
@@ -204,7 +208,7 @@ def markdown(speed_rows, mem_rows, largest, device, dtype):
            "above 1: default is faster). Matmul peak: the faster of a 2048² float32 product "
            "in jnp and in torch, timed in the same rounds as the row.",
            ""]
-  for causal in (False, True):
+  for causal in (False, True) if speed_rows else ():
     lines += [f"## {'Causal' if causal else 'Non-causal'}", "",
               "| D | N | default | " + " | ".join(peers) + " | " +
               " | ".join(f"x {p}" for p in peers if p != "chunked") +
@@ -270,6 +274,8 @@ def main():
   parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on GPU by default")
   parser.add_argument("--tokens", type=int, default=4096,
                       help="B·N (B = max(1, tokens // N)); a GPU needs e.g. 65536 to be busy")
+  parser.add_argument("--part", choices=("all", "speed", "memory"), default="all",
+                      help="speed, memory (CPU) or both")
   parser.add_argument("--json", default=None, help="also write all rows as JSON here")
   parser.add_argument("--out", default=None, help="markdown path (default docs/benchmark_<dev>.md)")
   args = parser.parse_args()
@@ -279,13 +285,16 @@ def main():
   else:
     grid = [(d, n, c) for d in (64, 128) for n in (128, 512, 1024, 2048, 4096, 8192)
             for c in (False, True)]
-  speed_rows = speed(grid, jnp.dtype(dtype), args.device, runs=5, tokens=args.tokens)
-  mem_rows, largest = memory(args.quick) if args.device == "cpu" else ([], {})
+  speed_rows = (speed(grid, jnp.dtype(dtype), args.device, runs=5, tokens=args.tokens)
+                if args.part != "memory" else [])
+  mem_rows, largest = (memory(args.quick) if args.device == "cpu" and args.part != "speed"
+                       else ([], {}))
   out = args.out or f"docs/benchmark_{args.device}.md"
   os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
   with open(out, "w") as f:
     f.write(markdown(speed_rows, mem_rows, largest, args.device, dtype))
-  plot(speed_rows, out[:-3] + ".png", args.device)
+  if speed_rows:
+    plot(speed_rows, out[:-3] + ".png", args.device)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(speed=speed_rows, memory=mem_rows, largest_n=largest), f, indent=1)
