@@ -2,14 +2,17 @@
 behind `flax_mha.chunked.default_blocks`, `flax_mha.rows`' TILE_* budgets and
 `flax_mha.attention.SMALL_LOGITS*`.
 
-  python -m experiments.benchmark_blocks [--quick]          # chunked blocks (masked calls)
+  python -m experiments.benchmark_blocks [--quick]          # chunked blocks (dropout, mods)
   python -m experiments.benchmark_blocks --rows [--quick]   # rows tile budgets (plain calls)
+  python -m experiments.benchmark_blocks --masked [--quick] # rows vs chunked vs xla, masked
 
 Float32, H=8, B·N = 4096, on this machine's CPU: for each (D, N, causal) the chunked kernel with
 square blocks of 128, 256 and 512 rows (forward+backward), or "rows" with forward tile budgets
 of 2^18..2^21 logits (forward) and backward budgets of 2^18 and 2^20 (forward+backward), and
 the plain graph ("xla") up to N = 2048, timed round-robin in one process (median of 5 after 2
-warm-ups). Prints one row per shape with the fastest and what the default runs.
+warm-ups). Prints one row per shape with the fastest and what the default runs. --masked times
+rows, chunked and xla with a key-padding mask [B, 1, 1, S] (each example keeps at least half
+of its keys) and a bias [1, H, T, S], forward+backward: the crossovers of masked calls.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from flax_mha import xla
 BLOCKS = (128, 256, 512)
 
 
-def _timed(fn, q, k, v, causal, backward=True):
-  call = lambda q, k, v: fn(q, k, v, None, None, is_causal=causal, scale=q.shape[-1]**-0.5,
+def _timed(fn, q, k, v, causal, backward=True, bias=None, mask=None):
+  call = lambda q, k, v: fn(q, k, v, bias, mask, is_causal=causal, scale=q.shape[-1]**-0.5,
                             dropout_rate=0.0, dropout_rng=None)
   loss = lambda q, k, v: jnp.sum(call(q, k, v))
   run = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if backward else call)
@@ -39,9 +42,9 @@ def _timed(fn, q, k, v, causal, backward=True):
 def _chunked_peers(n, causal, d, q, k, v):
   fns = {f"chunked {blk}": _timed(chunked.make_attention(blk, blk), q, k, v, causal)
          for blk in BLOCKS if blk <= n}
-  mask = jax.ShapeDtypeStruct((1, 1, n, n), jnp.bool_)  # what the sweep stands for: masked calls
-  picked = attention_lib.default_implementation(q, k, v, None, mask, is_causal=causal,
-                                                dropout_rate=0.0)
+  # What the sweep stands for: calls that rows refuses (dropout, mods), here with dropout.
+  picked = attention_lib.default_implementation(q, k, v, None, None, is_causal=causal,
+                                                dropout_rate=0.1)
   block = chunked.default_blocks(n, n, d, causal)[0]
   return fns, "xla" if picked == "xla" else f"chunked {block}"
 
@@ -57,13 +60,27 @@ def _rows_peers(n, causal, d, q, k, v):
   return fns, picked
 
 
+def _masked_peers(n, causal, d, q, k, v):
+  b, _, h, _ = q.shape
+  lengths = jax.random.randint(jax.random.key(1), (b, 1, 1, 1), n // 2, n + 1)
+  mask = jnp.arange(n)[None, None, None, :] < lengths
+  bias = jax.random.normal(jax.random.key(2), (1, h, n, n))
+  fns = {name: _timed(fn, q, k, v, causal, bias=bias, mask=mask)
+         for name, fn in (("rows", rows.attention), ("chunked", chunked.attention))}
+  if n <= 2048:
+    fns["xla"] = _timed(xla.attention, q, k, v, causal, bias=bias, mask=mask)
+  del d
+  return fns, attention_lib.default_implementation(q, k, v, bias, mask, is_causal=causal,
+                                                   dropout_rate=0.0)
+
+
 def sweep(grid, peers, runs=5, tokens=4096):
   for d, n, causal in grid:
     b = max(1, tokens // n)
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (b, n, 8, d)) for key in keys)
     fns, default = peers(n, causal, d, q, k, v)
-    if n <= 2048:
+    if n <= 2048 and "xla" not in fns:
       fns["xla"] = _timed(xla.attention, q, k, v, causal)
     ms = {name: 1e3 * t for name, t in _median_seconds(fns, runs).items()}
     cells = ", ".join(f"{name} {t:.1f}" for name, t in ms.items())
@@ -76,12 +93,14 @@ def sweep(grid, peers, runs=5, tokens=4096):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="D=64, N in (256, 512, 1024)")
-  parser.add_argument("--rows", action="store_true", help="sweep rows' tiles, not chunked's")
+  group = parser.add_mutually_exclusive_group()
+  group.add_argument("--rows", action="store_true", help="sweep rows' tiles, not chunked's")
+  group.add_argument("--masked", action="store_true", help="rows/chunked/xla with mask and bias")
   args = parser.parse_args()
   ns = (256, 512, 1024) if args.quick else (256, 512, 1024, 2048, 4096)
   ds = (64,) if args.quick else (64, 128)
   sweep([(d, n, c) for d in ds for n in ns for c in (False, True)],
-        _rows_peers if args.rows else _chunked_peers)
+        _rows_peers if args.rows else _masked_peers if args.masked else _chunked_peers)
 
 
 if __name__ == "__main__":

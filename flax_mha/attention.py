@@ -33,8 +33,9 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 }
 
 # Up to this many logits per (batch, head), `implementation=None` runs the plain XLA graph, and
-# beyond, "rows" where it applies (no bias, mask, dropout or mods; at most ROWS_MAX_KEYS keys)
-# or the chunked loops (memory-lean, take everything). The crossovers are where the two are
+# beyond, "rows" where it applies (no dropout or mods; at most ROWS_MAX_KEYS keys) or the
+# chunked loops (memory-lean, take everything). `python -m experiments.benchmark_blocks --masked`
+# times the three with a mask and a bias. The crossovers are where the two are
 # level in `python -m experiments.benchmark_attention` on a 2-core CPU, float32, forward+backward;
 # chunked's causal tile skipping moves its crossover down for causal K <= 64.
 SMALL_LOGITS_ROWS = 256 * 256
@@ -49,18 +50,21 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
   """What `implementation=None` runs, decided at trace time from static shapes and the backend.
 
   1. On a GPU, "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
-  2. Plain and causal attention (no bias, mask, dropout or mods): "xla" up to SMALL_LOGITS_ROWS
-     logits per (batch, head) (SMALL_LOGITS_ROWS_CAUSAL when causal), "rows" beyond (query-row blocks with an exact softmax, the
-     fastest on CPU), "chunked" past ROWS_MAX_KEYS keys.
-  3. Otherwise "xla" for small problems (T·S up to SMALL_LOGITS, or SMALL_LOGITS_CAUSAL_NARROW
+  2. Without dropout and mods (a bias, a mask and is_causal are fine): "xla" up to
+     SMALL_LOGITS_ROWS logits per (batch, head) (SMALL_LOGITS_ROWS_CAUSAL when causal), "rows"
+     beyond (query-row blocks with an exact softmax, the fastest on CPU), "chunked" past
+     ROWS_MAX_KEYS keys. A dense mask that hides most of [T, S] (documents, bands) is faster
+     as segment ids or a window, which chunked skips tile by tile.
+  3. With dropout or mods: "xla" for small problems (T·S up to SMALL_LOGITS, or SMALL_LOGITS_CAUSAL_NARROW
      when causal with K <= 64), where one fused XLA graph has the least overhead, and "chunked"
      beyond, which is faster there and needs memory linear in S.
   Every choice computes the same function (see `flax_mha.reference`).
   """
+  del bias, mask  # every implementation takes them
   if cudnn.unsupported_reason(query, key, value, dropout_rate, mods) is None:
     return "cudnn"
   logits = query.shape[1] * key.shape[1]
-  if rows.unsupported_reason(bias, mask, dropout_rate, mods) is None:
+  if rows.unsupported_reason(dropout_rate, mods) is None:
     if logits <= (SMALL_LOGITS_ROWS_CAUSAL if is_causal else SMALL_LOGITS_ROWS):
       return "xla"
     return "rows" if key.shape[1] <= ROWS_MAX_KEYS else "chunked"

@@ -17,8 +17,10 @@ Causal attention visits, per query block, only the keys up to the block's last r
 blocks are grouped into at most MAX_SEGMENTS segments with a static key extent each (one block
 per segment for up to MAX_SEGMENTS blocks), so causal costs about half of non-causal.
 
-Takes query, key, value, `is_causal` and `scale`; a bias, a mask, dropout or the mask/score
-options are refused by name (use "chunked" or "xla", which take everything).
+Takes query, key, value, a bias and a mask (rank 4, broadcasting to [B, H, T, S], with their
+1s kept: a trip reads its [batch, heads, rows, keys] part), `is_causal` and `scale`; a query
+row that sees no key gives 0, as everywhere. Dropout and the mask/score options are refused by
+name (use "chunked" or "xla", which take everything).
 """
 
 from __future__ import annotations
@@ -56,20 +58,21 @@ class _Plan:
   segments: tuple[tuple[int, int, int], ...]  # (first block, end block, key extent)
 
 
-def unsupported_reason(bias, mask, dropout_rate, mods) -> str | None:
+def unsupported_reason(dropout_rate, mods) -> str | None:
   """Why "rows" can't run this call (None when it can)."""
-  if bias is not None or mask is not None:
-    return "it takes no bias or mask (is_causal only)"
   if dropout_rate > 0.0:
     return "it has no dropout"
   if mods is not None and (mods.masks or mods.scores):
     return ("it takes no windows, lengths, segment ids, soft-capping or mask/score functions "
-            "(is_causal only)")
+            "(bias, mask and is_causal only)")
   return None
 
 
-def _largest_divisor(n: int, at_most: int) -> int:
-  return max(d for d in range(1, max(1, min(n, at_most)) + 1) if n % d == 0)
+def _units(b: int, g: int, at_most: int) -> int:
+  """The most (batch, key head) units per trip, at most `at_most`, that divide B·G and cover
+  either whole batch elements (a multiple of G) or part of one (a divisor of G)."""
+  return max(d for d in range(1, max(1, min(b * g, at_most)) + 1)
+             if (b * g) % d == 0 and (d % g == 0 or g % d == 0))
 
 
 def plan(b, t, s, h, g, scale, is_causal, tile) -> _Plan:
@@ -80,7 +83,7 @@ def plan(b, t, s, h, g, scale, is_causal, tile) -> _Plan:
     bq = max(MIN_ROWS, min(bq, -(-t // CAUSAL_BLOCKS)))
   bq = -(-t // -(-t // bq))  # even blocks: n_q blocks of at most bq rows, the padding < n_q
   n_q = -(-t // bq)
-  units = _largest_divisor(b * g, max(1, tile // (r * bq * s)))
+  units = _units(b, g, tile // (r * bq * s))
   if is_causal:
     n_seg = min(n_q, MAX_SEGMENTS)
     ends = [round((i + 1) * n_q / n_seg) for i in range(n_seg)]
@@ -149,75 +152,154 @@ def _mask_rows(x, hidden, r: int, fill, transposed: bool):
   return jnp.where(hidden[None], fill, x.reshape(u, r, a // r, c)).reshape(x.shape)
 
 
-def _forward(q, k, v, p: _Plan):
-  """out [B, T, H, V] and lse [n_u, n_q, U, R·Q], in the softmax dtype."""
+def _dense_index(shape, p: _Plan, g: int, r: int, trip, block, extent: int):
+  """(starts, sizes) of what trip `trip` and query block `block` read of a rank-4
+  [B|1, H|1, T_pad|1, S|1] mask/bias (its broadcast dims stay 1)."""
+  whole = p.units % g == 0  # the trip's units are units // g whole batch elements
+  first = trip * p.units
+  full = [n > 1 for n in shape]
+  starts = (first // g, 0 if whole else (first % g) * r, block * p.bq, 0)
+  sizes = (p.units // g if whole else 1, (g if whole else p.units) * r, p.bq, extent)
+  starts = tuple(jnp.asarray(x if f else 0, jnp.int32) for x, f in zip(starts, full))
+  return starts, tuple(n if f else 1 for n, f in zip(sizes, full))
+
+
+def _view(p: _Plan, g: int, r: int, shape, transposed: bool):
+  """The 5-d view [b, G', R, Q, E] (or [b, G', E, R, Q]) of a tile [U, R·Q, E] ([U, E, R·Q])."""
+  nb = p.units // g if p.units % g == 0 else 1
+  u, a, c = shape
+  return (nb, u // nb, a, r, c // r) if transposed else (nb, u // nb, r, a // r, c)
+
+
+def _dense_tile(x, p: _Plan, g: int, r: int, trip, block, extent: int, transposed: bool):
+  """A mask/bias's part for a tile, broadcastable against `_view` (None stays None)."""
+  if x is None:
+    return None
+  starts, sizes = _dense_index(x.shape, p, g, r, trip, block, extent)
+  t = lax.dynamic_slice(x, starts, sizes)
+  heads = (sizes[1] // r, r) if sizes[1] > 1 else (1, 1)
+  t = t.reshape(sizes[0], *heads, sizes[2], sizes[3])
+  return t.transpose(0, 1, 4, 2, 3) if transposed else t
+
+
+def _scores(s, dense, p: _Plan, g: int, r: int, trip, block, extent: int, transposed: bool):
+  """s + bias, with -inf where the mask or causality hides an entry (s's shape)."""
+  hidden = _hidden(p, block, extent, transposed)
+  bias, mask = (_dense_tile(x, p, g, r, trip, block, extent, transposed) for x in dense)
+  if bias is None and mask is None:
+    return _mask_rows(s, hidden, r, -jnp.inf, transposed)
+  s5 = s.reshape(_view(p, g, r, s.shape, transposed))
+  if bias is not None:
+    s5 = s5 + bias.astype(s.dtype)
+  if mask is not None:
+    s5 = jnp.where(mask, s5, -jnp.inf)
+  if hidden is not None:
+    s5 = jnp.where(hidden, -jnp.inf, s5)
+  return s5.reshape(s.shape)
+
+
+def _add_dbias(dbias, dst, p: _Plan, g: int, r: int, trip, block, extent: int):
+  """dbias [B|1, H|1, T_pad|1, S|1] += this tile's dS (transposed [U, E, R·Q]), summed over the
+  bias's broadcast dims."""
+  d = dst.reshape(_view(p, g, r, dst.shape, True)).transpose(0, 1, 3, 4, 2)  # [b, G', R, Q, E]
+  for axes, n in (((0,), dbias.shape[0]), ((1, 2), dbias.shape[1]), ((3,), dbias.shape[2]),
+                  ((4,), dbias.shape[3])):
+    if n == 1:
+      d = d.sum(axis=axes, keepdims=True)
+  d = d.reshape(d.shape[0], d.shape[1] * d.shape[2], *d.shape[3:])
+  starts, sizes = _dense_index(dbias.shape, p, g, r, trip, block, extent)
+  return lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, sizes) + d, starts)
+
+
+def _pad_rows(x, p: _Plan, fill):
+  """A rank-4 mask/bias with a full T dim padded to n_q·bq rows (None stays None)."""
+  if x is None or x.shape[2] == 1:
+    return x
+  return jnp.pad(x, ((0, 0), (0, 0), (0, p.n_q * p.bq - x.shape[2]), (0, 0)),
+                 constant_values=fill)
+
+
+def _forward(q, k, v, dense, p: _Plan):
+  """out [B, T, H, V] and lse [n_u, n_q, U, R·Q], in the softmax dtype (lse -inf: a row that
+  sees no key, its out 0); dense = (bias, mask), each None or rank 4."""
   b, _, h, _ = q.shape
   g = k.shape[2]
   r, acc = h // g, _common.softmax_dtype(q.dtype)
+  dense = (_pad_rows(dense[0], p, 0.0), _pad_rows(dense[1], p, True))
+  empty_rows = dense != (None, None)  # without them, every row sees a key (key 0 if causal)
   q_units = _to_units(q * jnp.asarray(p.scale, q.dtype), g, p.n_u, p.n_q, p.bq)
   k_units, v_units = _kv_units(k, p.n_u), _kv_units(v, p.n_u)
 
   def unit_step(_, xs):
-    q_u, k_u, v_u = xs
+    trip, q_u, k_u, v_u = xs
 
     def block(i, extent, carry, q_i):
       s = jnp.einsum("UQK,USK->UQS", q_i, k_u[:, :extent], preferred_element_type=acc)
-      s = _mask_rows(s, _hidden(p, i, extent, False), r, -jnp.inf, False)
-      m = jnp.max(s, axis=-1, keepdims=True)  # finite: every causal row sees key 0
+      s = _scores(s, dense, p, g, r, trip, i, extent, False)
+      m = jnp.max(s, axis=-1, keepdims=True)
+      if empty_rows:  # subtracting 0 keeps a row of -inf at exp = 0 rather than NaN
+        m = jnp.where(m == -jnp.inf, 0.0, m)
       e = jnp.exp(s - m)
       l = jnp.sum(e, axis=-1, keepdims=True)
       o = jnp.einsum("UQS,USV->UQV", e.astype(v.dtype), v_u[:, :extent],
                      preferred_element_type=acc)
-      return carry, (o / l, (m + jnp.log(l))[..., 0])
+      o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0) if empty_rows else o / l
+      return carry, (o, (m + jnp.log(l))[..., 0])
 
     return None, _over_blocks(p, block, None, q_u)[1]
 
-  _, (out, lse) = lax.scan(unit_step, None, (q_units, k_units, v_units))
+  _, (out, lse) = lax.scan(unit_step, None, (jnp.arange(p.n_u), q_units, k_units, v_units))
   return _from_units(out, b, g, p.t, p.bq), lse
 
 
-def _backward(q, k, v, out, lse, dout, p: _Plan):
-  """(dq, dk, dv) in the softmax dtype, given the output `out` [B, T, H, V] and the log-sum-exp
-  `lse` (layout of `_forward` for plan p) of every key that the queries see, here or elsewhere:
-  the gradient contribution of these keys."""
+def _backward(q, k, v, out, lse, dout, dense, p: _Plan):
+  """(dq, dk, dv, dbias) in the softmax dtype (dbias None without a bias), given the output
+  `out` [B, T, H, V] and its log-sum-exp `lse` (layout of `_forward` for plan p)."""
   b, _, h, _ = q.shape
   g = k.shape[2]
   r, acc = h // g, _common.softmax_dtype(q.dtype)
   delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)  # [B, T, H]
+  bias, mask = _pad_rows(dense[0], p, 0.0), _pad_rows(dense[1], p, True)
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no visible key: every p is 0
   q_units = _to_units(q * jnp.asarray(p.scale, q.dtype), g, p.n_u, p.n_q, p.bq)
   do_units = _to_units(dout, g, p.n_u, p.n_q, p.bq)
   delta_units = _to_units(delta[..., None], g, p.n_u, p.n_q, p.bq)[..., 0]
   k_units, v_units = _kv_units(k, p.n_u), _kv_units(v, p.n_u)
   mm = functools.partial(jnp.einsum, preferred_element_type=acc)
 
-  def unit_step(_, xs):
-    q_u, do_u, lse_u, delta_u, k_u, v_u = xs
+  def unit_step(dbias, xs):
+    trip, q_u, do_u, lse_u, delta_u, k_u, v_u = xs
     kt_u = k_u.swapaxes(-1, -2)
 
     def block(i, extent, carry, x):
-      dk, dv = carry
+      dk, dv, dbias = carry
       q_i, do_i, lse_i, delta_i = x
-      st = mm("USK,UQK->USQ", k_u[:, :extent], q_i)
+      st = _scores(mm("USK,UQK->USQ", k_u[:, :extent], q_i), (bias, mask), p, g, r, trip, i,
+                   extent, True)
       pt = jnp.exp(st - lse_i[:, None])
-      pt = _mask_rows(pt, _hidden(p, i, extent, True), r, 0.0, True)
       dpt = mm("USV,UQV->USQ", v_u[:, :extent], do_i)
       dst = pt * (dpt - delta_i[:, None])
       dv_i = mm("USQ,UQV->USV", pt.astype(v.dtype), do_i)
       dk_i = mm("USQ,UQK->USK", dst.astype(q.dtype), q_i)
       dqt = mm("UKS,USQ->UKQ", kt_u[..., :extent], dst.astype(k.dtype)) * p.scale
+      if dbias is not None:
+        dbias = _add_dbias(dbias, dst, p, g, r, trip, i, extent)
       if extent == p.s:
-        return (dk + dk_i, dv + dv_i), dqt
-      return (dk.at[:, :extent].add(dk_i), dv.at[:, :extent].add(dv_i)), dqt
+        return (dk + dk_i, dv + dv_i, dbias), dqt
+      return (dk.at[:, :extent].add(dk_i), dv.at[:, :extent].add(dv_i), dbias), dqt
 
-    zeros = (jnp.zeros(k_u.shape, acc), jnp.zeros(v_u.shape, acc))
-    (dk, dv), dqt = _over_blocks(p, block, zeros, (q_u, do_u, lse_u, delta_u))
-    return None, (dqt, dk, dv)
+    zeros = (jnp.zeros(k_u.shape, acc), jnp.zeros(v_u.shape, acc), dbias)
+    (dk, dv, dbias), dqt = _over_blocks(p, block, zeros, (q_u, do_u, lse_u, delta_u))
+    return dbias, (dqt, dk, dv)
 
-  _, (dqt, dk, dv) = lax.scan(unit_step, None, (q_units, do_units, lse, delta_units, k_units,
-                                                v_units))
+  dbias0 = None if bias is None else jnp.zeros(bias.shape, acc)
+  dbias, (dqt, dk, dv) = lax.scan(unit_step, dbias0, (jnp.arange(p.n_u), q_units, do_units, lse,
+                                                      delta_units, k_units, v_units))
   dq = _from_units(dqt.swapaxes(-1, -2), b, g, p.t, p.bq)
   from_kv = lambda x: x.reshape(b, g, p.s, -1).transpose(0, 2, 1, 3)
-  return dq, from_kv(dk), from_kv(dv)
+  if dbias is not None:
+    dbias = dbias[:, :, :dense[0].shape[2]]
+  return dq, from_kv(dk), from_kv(dv), dbias
 
 
 def _lse_bth(lse, p: _Plan, b: int, g: int):
@@ -230,26 +312,24 @@ def _lse_units(lse_BTH, p: _Plan, g: int):
   return _to_units(lse_BTH[..., None], g, p.n_u, p.n_q, p.bq)[..., 0]
 
 
-def _cast_grads(grads, q, k, v):
-  return tuple(d.astype(x.dtype) for d, x in zip(grads, (q, k, v)))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, bias, mask, p_fwd: _Plan, p_bwd: _Plan):
+  return _forward(q, k, v, (bias, mask), p_fwd)[0].astype(q.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q, k, v, p_fwd: _Plan, p_bwd: _Plan):
-  return _forward(q, k, v, p_fwd)[0].astype(q.dtype)
-
-
-def _attention_fwd(q, k, v, p_fwd, p_bwd):
-  out, lse = _forward(q, k, v, p_fwd)
+def _attention_fwd(q, k, v, bias, mask, p_fwd, p_bwd):
+  out, lse = _forward(q, k, v, (bias, mask), p_fwd)
   out = out.astype(q.dtype)
-  return out, (q, k, v, out, lse)
+  return out, (q, k, v, bias, mask, out, lse)
 
 
 def _attention_bwd(p_fwd, p_bwd, residuals, dout):
-  q, k, v, out, lse = residuals
+  q, k, v, bias, mask, out, lse = residuals
   if (p_fwd.units, p_fwd.bq) != (p_bwd.units, p_bwd.bq):
     lse = _lse_units(_lse_bth(lse, p_fwd, q.shape[0], k.shape[2]), p_bwd, k.shape[2])
-  return _cast_grads(_backward(q, k, v, out, lse, dout, p_bwd), q, k, v)
+  dq, dk, dv, dbias = _backward(q, k, v, out, lse, dout, (bias, mask), p_bwd)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          None if bias is None else dbias.astype(bias.dtype), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -265,10 +345,10 @@ def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BA
 
   def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
                 mods=None):
-    """softmax(Q·Kᵀ·scale, causal)·V in query-row blocks: [B, T, H, V], as
-    `reference.attention`; a bias, mask, dropout or mods raise a ValueError."""
+    """softmax(Q·Kᵀ·scale + bias, masked)·V in query-row blocks: [B, T, H, V], as
+    `reference.attention`; dropout or mods raise a ValueError."""
     del dropout_rng
-    reason = unsupported_reason(bias, mask, dropout_rate, mods)
+    reason = unsupported_reason(dropout_rate, mods)
     if reason is not None:
       raise ValueError(f"implementation='rows' cannot run this call: {reason}. Use "
                        "implementation='chunked' or 'xla', which take every option")
@@ -276,7 +356,8 @@ def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BA
     s, g = key.shape[1:3]
     forward = tile_forward or (TILE_FORWARD_CAUSAL if is_causal else TILE_FORWARD)
     plans = [plan(b, t, s, h, g, scale, is_causal, tile) for tile in (forward, tile_backward)]
-    return _common.without_forward_mode("rows", _attention, query, key, value, *plans)
+    return _common.without_forward_mode("rows", _attention, query, key, value, bias, mask,
+                                        *plans)
 
   return attention
 

@@ -99,14 +99,14 @@ def test_matches_jax_nn(rng, g, is_causal):
   np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n", [8, 640])  # None picks "xla" at 8 x 8, "chunked" at 640 x 640
+@pytest.mark.parametrize("n", [8, 640])  # None picks "xla" at 8 x 8, "rows" at 640 x 640
 def test_default_implementation_equals_numpy_at_both_regimes(n):
   rng = np.random.default_rng(n)
   q, k, v = qkv(rng, t=n, s=n, h=2, g=1, k=4, v=3)
   bias, mask = randn(rng, B, 1, n, n), random_mask(rng, B, 2, n, n, p=0.9)
   picked = flax_mha.attention.default_implementation(
       q, k, v, bias, mask, is_causal=True, dropout_rate=0.0)
-  assert picked == ("xla" if n == 8 else "chunked")
+  assert picked == ("xla" if n == 8 else "rows")
   out = jax.jit(functools.partial(flax_mha.dot_product_attention, is_causal=True))(
       q, k, v, bias, mask)
   np.testing.assert_allclose(out, np_attention(q, k, v, bias, mask, is_causal=True), **TOL)

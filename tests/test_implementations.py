@@ -20,11 +20,13 @@ import pytest
 import flax_mha
 from flax_mha import chunked
 from flax_mha import reference
+from flax_mha import rows
 from conftest import np_attention, qkv
 
 # Block sizes (3, 4) divide none of the prime lengths: the padding is covered too.
 TUNED = {"xla": flax_mha.IMPLEMENTATIONS["xla"], "chunked": chunked.attention,
-         "chunked_small_blocks": chunked.make_attention(block_q=3, block_k=4)}
+         "chunked_small_blocks": chunked.make_attention(block_q=3, block_k=4),
+         "rows": rows.attention, "rows_one_unit": rows.make_attention(2**5, 2**5)}
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
 
 
@@ -46,8 +48,9 @@ CASES = [(*flags, [(H, G), (H, H), (H, 1)][n % 3]) for n, flags in enumerate(
     itertools.product([False, True], [False, True], [False, True], [0.0, 0.25]))]
 
 
-@pytest.mark.parametrize("name", ["xla", "chunked_small_blocks"])
-@pytest.mark.parametrize("use_bias,use_mask,is_causal,dropout_rate,heads", CASES)
+@pytest.mark.parametrize("name,use_bias,use_mask,is_causal,dropout_rate,heads", [
+    (name, *case) for name in ("xla", "chunked_small_blocks", "rows", "rows_one_unit")
+    for case in CASES if not (name.startswith("rows") and case[3])])  # rows: no dropout
 def test_values_and_grads_match_oracle(name, use_bias, use_mask, is_causal, dropout_rate, heads):
   q, k, v, bias, mask = _inputs(h=heads[0], g=heads[1])
   bias, mask = (bias if use_bias else None), (mask if use_mask else None)
@@ -68,8 +71,8 @@ def test_values_and_grads_match_oracle(name, use_bias, use_mask, is_causal, drop
   chex.assert_trees_all_close(grads, want_grads, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", [None, "reference", "xla", "chunked"])
-@pytest.mark.parametrize("n", [8, 600])  # None runs "xla" at 8 x 8 and "chunked" at 600 x 600
+@pytest.mark.parametrize("implementation", [None, "reference", "xla", "chunked", "rows"])
+@pytest.mark.parametrize("n", [8, 600])  # None runs "xla" at 8 x 8 and "rows" at 600 x 600
 def test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation, n):
   rng = np.random.default_rng(n)
   q, k, v = (jnp.asarray(x) for x in qkv(rng, t=n, s=n, h=2, g=1, k=4, v=3))
@@ -86,7 +89,7 @@ def test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation
   np.testing.assert_array_equal(grads[0][0, 3], 0.0)
 
 
-@pytest.mark.parametrize("implementation", ["reference", "xla", "chunked"])
+@pytest.mark.parametrize("implementation", ["reference", "xla", "chunked", "rows"])
 def test_finite_lowest_logits_are_a_uniform_row_not_a_hidden_one(implementation):
   """A bias row of finfo.min is finite: all logits equal, so the output is the mean of V."""
   q, k, v, _, _ = _inputs(1)
@@ -96,7 +99,7 @@ def test_finite_lowest_logits_are_a_uniform_row_not_a_hidden_one(implementation)
   np.testing.assert_allclose(out[:, 2], mean_v, atol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", ["reference", "xla", "chunked"])
+@pytest.mark.parametrize("implementation", ["reference", "xla", "chunked", "rows"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_float64_in_float64_accuracy_out(implementation, is_causal):
   with jax.enable_x64(True):
@@ -132,7 +135,7 @@ def test_chunked_forward_mode_is_a_named_error():
       transform()
 
 
-@pytest.mark.parametrize("implementation", [None, "reference", "xla", "chunked"])
+@pytest.mark.parametrize("implementation", [None, "reference", "xla", "chunked", "rows"])
 @pytest.mark.parametrize("t,s,k,v", [(0, 7, 5, 3), (4, 0, 5, 3), (4, 7, 0, 3), (4, 7, 5, 0)])
 def test_empty_dims(implementation, t, s, k, v):
   """T = 0 or V = 0: an empty result; S = 0: no key to see, output 0; K = 0: logits 0,
@@ -167,20 +170,21 @@ def test_a_callable_implementation_is_called_with_flat_batch():
   np.testing.assert_allclose(out, np_attention(q, k, v, mask=mask, scale=0.5), atol=2e-5)
 
 
-@pytest.mark.parametrize("n, k, is_causal, masked, picked", [
-    (256, 64, False, False, "xla"), (512, 64, False, False, "rows"),
-    (128, 64, True, False, "xla"), (256, 64, True, False, "rows"),
-    (32768, 64, False, False, "chunked"),
-    (512, 64, False, True, "xla"), (1024, 64, False, True, "chunked"),
-    (256, 64, True, True, "xla"), (512, 64, True, True, "chunked"), (512, 128, True, True, "xla"),
+@pytest.mark.parametrize("n, k, is_causal, dropout_rate, picked", [
+    (256, 64, False, 0.0, "xla"), (512, 64, False, 0.0, "rows"),
+    (128, 64, True, 0.0, "xla"), (256, 64, True, 0.0, "rows"),
+    (32768, 64, False, 0.0, "chunked"),
+    (512, 64, False, 0.1, "xla"), (1024, 64, False, 0.1, "chunked"),
+    (256, 64, True, 0.1, "xla"), (512, 64, True, 0.1, "chunked"), (512, 128, True, 0.1, "xla"),
 ])
-def test_default_implementation_on_cpu(n, k, is_causal, masked, picked):
-  """Plain calls: xla, then rows, then chunked past ROWS_MAX_KEYS; with a mask (which rows
-  refuses): xla for small logits, chunked beyond."""
+def test_default_implementation_on_cpu(n, k, is_causal, dropout_rate, picked):
+  """Without dropout or mods (mask and bias or not): xla, then rows, then chunked past
+  ROWS_MAX_KEYS; with dropout (which rows refuses): xla for small logits, chunked beyond."""
   if jax.default_backend() != "cpu":
     pytest.skip("the CPU rule")
   x = jax.ShapeDtypeStruct((1, n, 2, k), jnp.float32)
-  mask = jax.ShapeDtypeStruct((1, 1, n, n), jnp.bool_) if masked else None
-  got = flax_mha.attention.default_implementation(x, x, x, None, mask, is_causal=is_causal,
-                                                  dropout_rate=0.0)
-  assert got == picked
+  mask = jax.ShapeDtypeStruct((1, 1, n, n), jnp.bool_)
+  for m in (None, mask):
+    got = flax_mha.attention.default_implementation(x, x, x, None, m, is_causal=is_causal,
+                                                    dropout_rate=dropout_rate)
+    assert got == picked

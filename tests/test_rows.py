@@ -1,6 +1,7 @@
 """The "rows" implementation (query-row blocks, exact softmax): values and gradients against the
 oracle on tile plans that exercise every path (many units, padded and causal-segmented query
-blocks, T != S, GQA), the work it skips, and the inputs it refuses by name."""
+blocks, T != S, GQA, every broadcast layout of a mask and a bias, rows that see nothing), the
+work it skips, and the inputs it refuses by name (more in test_implementations.py)."""
 
 from __future__ import annotations
 
@@ -97,8 +98,6 @@ def test_tiles_stay_within_budget_as_s_grows():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(bias=jnp.zeros((1, 1, 4, 4))), "no bias or mask"),
-    (dict(mask=jnp.ones((1, 1, 4, 4), bool)), "no bias or mask"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),
     (dict(local_window_size=2), "no windows"),
     (dict(mask_mod=lambda b, h, q, kv: q >= kv), "mask/score functions"),
@@ -125,6 +124,55 @@ def test_bad_tile_budget(tile):
 
 
 def test_unsupported_reason_reads_mods():
-  assert rows.unsupported_reason(None, None, 0.0, mods_lib.Mods()) is None
+  assert rows.unsupported_reason(0.0, mods_lib.Mods()) is None
   assert "no windows" in rows.unsupported_reason(
-      None, None, 0.0, mods_lib.Mods(masks=(mods_lib.LocalWindow(1, 1),)))
+      0.0, mods_lib.Mods(masks=(mods_lib.LocalWindow(1, 1),)))
+
+
+@pytest.mark.parametrize("tiles", [(None, rows.TILE_BACKWARD), (2**9, 2**9), (2**6, 2**6)],
+                         ids=["default", "units_part_of_a_batch", "one_unit"])
+@pytest.mark.parametrize("bias_shape, mask_shape", [
+    ((1, 8, 9, 13), (2, 1, 9, 13)), ((2, 1, 1, 13), (1, 8, 1, 13)), ((2, 8, 9, 1), (2, 8, 9, 13)),
+    (None, (2, 1, 1, 13)), ((1, 1, 9, 13), None)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_bias_and_mask_of_every_broadcast_shape(tiles, bias_shape, mask_shape, is_causal):
+  """Trips that cover whole batch elements, part of one (G=4: 2 or 1 key heads per trip) or a
+  single unit read the right part of every mask/bias layout; dbias sums the broadcast dims."""
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(x) for x in qkv(rng, t=9, s=13, h=8, g=4, k=4, v=3))
+  bias = None if bias_shape is None else jnp.asarray(rng.standard_normal(bias_shape), jnp.float32)
+  mask = None if mask_shape is None else jnp.asarray(rng.random(mask_shape) < 0.6)
+  fn = rows.make_attention(*tiles)
+  call = lambda f, q, k, v, b: f(q, k, v, b, mask, is_causal=is_causal, scale=0.4,
+                                 dropout_rate=0.0, dropout_rng=None)
+  out = jax.jit(lambda *a: call(fn, *a))(q, k, v, bias)
+  chex.assert_trees_all_close(out, call(reference.attention, q, k, v, bias), atol=2e-6)
+  args = (q, k, v) if bias is None else (q, k, v, bias)
+  argnums = tuple(range(len(args)))
+
+  def loss(f):
+    def value(q, k, v, b=None):
+      return jnp.sum(jnp.sin(call(f, q, k, v, b)))
+    return value
+
+  grads = jax.jit(jax.grad(loss(fn), argnums=argnums))(*args)
+  want = jax.grad(loss(reference.attention), argnums=argnums)(*args)
+  chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_that_see_nothing_give_zero_and_finite_grads():
+  rng = np.random.default_rng(8)
+  q, k, v = (jnp.asarray(x) for x in qkv(rng, t=300, s=300, h=2, g=1, k=4, v=3))
+  mask = np.ones((2, 1, 300, 300), bool)
+  mask[0, 0, 7] = False  # one query row sees no key
+  bias = np.zeros((2, 1, 300, 300), np.float32)
+  bias[1, 0, 11] = -np.inf  # one row's logits are all -inf
+  call = lambda f, *a: f(*a, jnp.asarray(bias), jnp.asarray(mask), is_causal=True, scale=0.5,
+                         dropout_rate=0.0, dropout_rng=None)
+  out = call(SMALL_TILES, q, k, v)
+  np.testing.assert_array_equal(out[0, 7], 0.0)
+  np.testing.assert_array_equal(out[1, 11], 0.0)
+  np.testing.assert_allclose(out, call(reference.attention, q, k, v), atol=2e-6)
+  grads = jax.grad(lambda *a: jnp.sum(call(SMALL_TILES, *a) ** 2), argnums=(0, 1, 2))(q, k, v)
+  chex.assert_tree_all_finite(grads)
+  np.testing.assert_array_equal(grads[0][0, 7], 0.0)
