@@ -13,6 +13,8 @@ experiments:
   F FFN width          C vocabulary size           W beam width
   L a length where query and key length are the same thing (tokens [B, L])
   Q, P                 rows of a query tile and columns of a key tile (flax_mha.chunked)
+  U, E                 (batch, key head) units per trip and the keys a tile reaches
+                       (flax_mha.rows)
 
 `jax.nn.dot_product_attention` and gemma call the heads N and the head dim H; here H is the head
 count. Sizes without a letter above get their own, never a reused one.
