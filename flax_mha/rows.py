@@ -1,4 +1,4 @@
-"""Query-row blocks with an exact softmax: the fast CPU path for plain and causal attention.
+"""Query-row blocks with an exact softmax: the fast CPU path (bias, mask and causality; no dropout).
 
 One block of query rows at a time sees all the keys it may attend to at once: [rows, S] logits
 per key head, one max, one exp, one sum, no running-max rescaling and one large matmul each way.
