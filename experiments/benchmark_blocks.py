@@ -61,6 +61,7 @@ def _rows_peers(n, causal, d, q, k, v):
 
 
 def _masked_peers(n, causal, d, q, k, v):
+  del d
   b, _, h, _ = q.shape
   lengths = jax.random.randint(jax.random.key(1), (b, 1, 1, 1), n // 2, n + 1)
   mask = jnp.arange(n)[None, None, None, :] < lengths
@@ -69,7 +70,6 @@ def _masked_peers(n, causal, d, q, k, v):
          for name, fn in (("rows", rows.attention), ("chunked", chunked.attention))}
   if n <= 2048:
     fns["xla"] = _timed(xla.attention, q, k, v, causal, bias=bias, mask=mask)
-  del d
   return fns, attention_lib.default_implementation(q, k, v, bias, mask, is_causal=causal,
                                                    dropout_rate=0.0)
 

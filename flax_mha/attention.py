@@ -28,16 +28,16 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "reference": reference.attention,  # the oracle: the formula on the page, untuned
     "xla": xla.attention,              # the same graph tuned for XLA: fastest for small T·S
     "chunked": chunked.attention,      # online softmax, linear memory, its own backward
-    "rows": rows.attention,            # query-row blocks, exact softmax: plain and causal only
+    "rows": rows.attention,            # query-row blocks, exact softmax: no dropout or mods
     "cudnn": cudnn.attention,          # cuDNN flash attention (GPU, 16-bit inputs)
 }
 
 # Up to this many logits per (batch, head), `implementation=None` runs the plain XLA graph, and
 # beyond, "rows" where it applies (no dropout or mods; at most ROWS_MAX_KEYS keys) or the
-# chunked loops (memory-lean, take everything). `python -m experiments.benchmark_blocks --masked`
-# times the three with a mask and a bias. The crossovers are where the two are
-# level in `python -m experiments.benchmark_attention` on a 2-core CPU, float32, forward+backward;
-# chunked's causal tile skipping moves its crossover down for causal K <= 64.
+# chunked loops (memory-lean, take everything). Each crossover is where the two are level on a
+# 2-core CPU, float32, forward+backward: `python -m experiments.benchmark_attention` (plain),
+# `python -m experiments.benchmark_blocks --masked` (mask and bias) and `benchmark_blocks` (with
+# dropout: chunked's causal tile skipping moves its crossover down for causal K <= 64).
 SMALL_LOGITS_ROWS = 256 * 256
 SMALL_LOGITS_ROWS_CAUSAL = 128 * 128
 SMALL_LOGITS = 512 * 512
@@ -55,9 +55,9 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
      beyond (query-row blocks with an exact softmax, the fastest on CPU), "chunked" past
      ROWS_MAX_KEYS keys. A dense mask that hides most of [T, S] (documents, bands) is faster
      as segment ids or a window, which chunked skips tile by tile.
-  3. With dropout or mods: "xla" for small problems (T·S up to SMALL_LOGITS, or SMALL_LOGITS_CAUSAL_NARROW
-     when causal with K <= 64), where one fused XLA graph has the least overhead, and "chunked"
-     beyond, which is faster there and needs memory linear in S.
+  3. With dropout or mods: "xla" for small problems (T·S up to SMALL_LOGITS, or
+     SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64), where one fused XLA graph has the
+     least overhead, and "chunked" beyond, which is faster there and needs memory linear in S.
   Every choice computes the same function (see `flax_mha.reference`).
   """
   del bias, mask  # every implementation takes them

@@ -142,16 +142,6 @@ def _over_blocks(p: _Plan, body, carry, xs):
   return carry, jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
 
-def _mask_rows(x, hidden, r: int, fill, transposed: bool):
-  """x [U, R·Q, E] (or [U, E, R·Q]) with hidden entries set to fill."""
-  if hidden is None:
-    return x
-  u, a, c = x.shape
-  if transposed:
-    return jnp.where(hidden[None], fill, x.reshape(u, a, r, c // r)).reshape(x.shape)
-  return jnp.where(hidden[None], fill, x.reshape(u, r, a // r, c)).reshape(x.shape)
-
-
 def _dense_index(shape, p: _Plan, g: int, r: int, trip, block, extent: int):
   """(starts, sizes) of what trip `trip` and query block `block` read of a rank-4
   [B|1, H|1, T_pad|1, S|1] mask/bias (its broadcast dims stay 1)."""
@@ -186,8 +176,8 @@ def _scores(s, dense, p: _Plan, g: int, r: int, trip, block, extent: int, transp
   """s + bias, with -inf where the mask or causality hides an entry (s's shape)."""
   hidden = _hidden(p, block, extent, transposed)
   bias, mask = (_dense_tile(x, p, g, r, trip, block, extent, transposed) for x in dense)
-  if bias is None and mask is None:
-    return _mask_rows(s, hidden, r, -jnp.inf, transposed)
+  if bias is None and mask is None and hidden is None:
+    return s
   s5 = s.reshape(_view(p, g, r, s.shape, transposed))
   if bias is not None:
     s5 = s5 + bias.astype(s.dtype)
@@ -226,7 +216,7 @@ def _forward(q, k, v, dense, p: _Plan):
   g = k.shape[2]
   r, acc = h // g, _common.softmax_dtype(q.dtype)
   dense = (_pad_rows(dense[0], p, 0.0), _pad_rows(dense[1], p, True))
-  empty_rows = dense != (None, None)  # without them, every row sees a key (key 0 if causal)
+  empty_rows = any(x is not None for x in dense)  # else every row sees a key (0 if causal)
   q_units = _to_units(q * jnp.asarray(p.scale, q.dtype), g, p.n_u, p.n_q, p.bq)
   k_units, v_units = _kv_units(k, p.n_u), _kv_units(v, p.n_u)
 
