@@ -98,6 +98,28 @@ def check_scale(scale) -> None:
     raise ValueError(f"scale must be finite, got {scale}")
 
 
+def check_soft_cap(cap, name: str = "logit_soft_cap") -> None:
+  """None (off) or a static finite Python number > 0."""
+  if cap is None:
+    return
+  if not isinstance(cap, numbers.Real) or isinstance(cap, bool):
+    raise TypeError(f"{name} must be a Python float > 0, got {type(cap).__name__}")
+  if not (math.isfinite(cap) and cap > 0):
+    raise ValueError(f"{name} must be a finite number > 0, got {cap}")
+
+
+def check_token_ids(name: str, tokens, vocab_size: int) -> None:
+  """Host-side check that every id of `tokens` (NumPy or a concrete jax array) is in
+  [0, vocab_size): inside `jit` an out-of-range id is not an error but an embedding of NaN
+  (flax's nn.Embed) or, when negative, of another row. Names the first bad id and where it is."""
+  ids = np.asarray(tokens)
+  bad = (ids < 0) | (ids >= vocab_size)
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"{name} holds token id {int(ids[where])} at position {where}, outside "
+                     f"the vocabulary [0, {vocab_size})")
+
+
 def check_is_causal(is_causal) -> None:
   """is_causal is static: a Python bool."""
   if not isinstance(is_causal, (bool, np.bool_)):

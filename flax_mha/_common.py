@@ -12,6 +12,15 @@ def softmax_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
+def row_lse(row_max, total):
+  """log Σ exp of a row from its max and its normaliser Σ exp(score - max); a row that saw no key
+  (total 0) gets the finite stand-in finfo.min (exp(finfo.min - x) = 0, logaddexp with it is a
+  no-op), so statistics stay finite for `jax.debug_infs` and merging needs no special case."""
+  seen = total > 0
+  return jnp.where(seen, row_max + jnp.log(jnp.where(seen, total, 1.0)),
+                   jnp.finfo(total.dtype).min)
+
+
 def visible_mask(mask, is_causal: bool, num_q: int, num_kv: int):
   """The boolean [.., T, S] mask that `mask` and `is_causal` make together (None: all visible)."""
   causal = masks_lib.causal_mask(num_q, num_kv) if is_causal else None

@@ -136,9 +136,10 @@ def cache_mask(mask, num_q: int, num_kv: int, window, offset):
   """mask AND causal AND window [T, S], query i at absolute position i + offset, key j at j."""
   window_TS = None
   if window is not None:
+    left, right = (min(w, num_kv) for w in window)  # wider than the cache: no limit (no overflow)
     q_pos = jnp.arange(num_q)[:, None] + offset
     kv_pos = jnp.arange(num_kv)[None, :]
-    window_TS = (kv_pos >= q_pos - window[0]) & (kv_pos <= q_pos + window[1])
+    window_TS = (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
   return masks_lib.combine_masks(
       mask, masks_lib.causal_mask(num_q, num_kv, offset=offset), window_TS)
 

@@ -3,13 +3,12 @@ each checked at the boundary with an error that names the argument."""
 
 from __future__ import annotations
 
-import functools
+import inspect
 import math
 import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flax_mha import _checks
 from flax_mha import mods as mods_lib
@@ -31,7 +30,7 @@ def build(batch: tuple, t: int, s: int, h: int, dtype, *, local_window_size=None
   if q_segment_ids is not None or kv_segment_ids is not None:
     masks.append(_segments(q_segment_ids, kv_segment_ids, batch, t, s))
   if mask_mod is not None:
-    masks.append(_mask_mod(mask_mod, batch, h, t, s))
+    masks.append(_mask_mod(mask_mod, batch, h))
   if score_mod is not None:
     scores.append(_score_mod(score_mod, dtype))
   if logit_soft_cap is not None:
@@ -51,7 +50,8 @@ def _window(size, t: int, s: int) -> mods_lib.LocalWindow:
         f"local_window_size needs T == S (query i and key i at the same position), got T={t}, "
         f"S={s}: for other alignments (e.g. a KV cache) write the window as a mask_mod over "
         "absolute positions")
-  return mods_lib.LocalWindow(int(pair[0]), int(pair[1]))
+  # A side wider than the sequence sees all of it: clamped, so int32 positions never overflow.
+  return mods_lib.LocalWindow(min(int(pair[0]), s), min(int(pair[1]), s))
 
 
 def _int_array(name: str, x, shape: tuple, layout: str):
@@ -83,61 +83,60 @@ def _segments(q_ids, kv_ids, batch: tuple, t: int, s: int) -> mods_lib.Segments:
       _int_array("kv_segment_ids", kv_ids, (*batch, s), "[..., S]").reshape(b, s))
 
 
-def _index_specs(batch: tuple, h: int, t: int, s: int):
-  b = math.prod(batch)
-  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  return spec(b, 1, 1, 1), spec(1, h, 1, 1), spec(1, 1, t, 1), spec(1, 1, 1, s)
-
-
-def _mask_mod(fn, batch: tuple, h: int, t: int, s: int) -> mods_lib.MaskMod:
+def _user_function(name: str, fn, signature: str, examples):
+  """Check `fn` is a callable of len(examples) arguments that maps the scalar `examples` to a
+  scalar; return (its output's aval, converted fn, consts, positions of the arguments it reads)
+  (see `flax_mha.mods.closure_convert`)."""
   if not callable(fn):
-    raise TypeError(f"mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool, got "
-                    f"{type(fn).__name__}")
-  out = jax.eval_shape(fn, *_index_specs(batch, h, t, s))
-  if not hasattr(out, "dtype") or out.dtype != jnp.bool_:
-    raise TypeError("mask_mod must return a boolean array (True = attend), got "
-                    f"{getattr(out, 'dtype', type(out).__name__)}")
-  b = math.prod(batch)
+    raise TypeError(f"{name} must be a callable {signature}, got {type(fn).__name__}")
   try:
-    shape = np.broadcast_shapes(out.shape, (b, h, t, s))
-  except ValueError:
-    shape = None
-  if shape != (b, h, t, s) or len(out.shape) > 4:
-    raise ValueError(f"mask_mod must broadcast over its index arguments to [B, H, T, S] = "
-                     f"{(b, h, t, s)} (elementwise), got an output of shape {out.shape}")
-  dims = (1,) * (4 - len(out.shape)) + tuple(out.shape)
-  return mods_lib.MaskMod(fn, sizes=(b if dims[0] > 1 else 1, h if dims[1] > 1 else 1))
+    inspect.signature(fn).bind(*examples)
+  except TypeError:
+    raise TypeError(f"{name} must take {len(examples)} positional arguments {signature}, got a "
+                    f"callable with signature {inspect.signature(fn)}") from None
+  except ValueError:  # no signature to read (a builtin): the call below says what is wrong
+    pass
+  try:
+    out = jax.eval_shape(fn, *examples)
+    converted, consts, reads = mods_lib.closure_convert(fn, *examples)
+  except Exception as e:  # the user's code raised: say whose code and how it was called
+    kind = TypeError if isinstance(e, TypeError) else ValueError
+    raise kind(f"{name} failed when called with scalar arguments {signature} (it must be "
+                  f"elementwise, as in FlexAttention): {e}") from e
+  if not hasattr(out, "dtype") or not hasattr(out, "shape"):
+    raise TypeError(f"{name} must return an array, got {type(out).__name__}")
+  if out.shape:
+    raise ValueError(
+        f"{name} must be elementwise: called with scalar arguments {signature} it must return "
+        f"a scalar, got shape {out.shape}. A function that ignores its indices and returns a "
+        "closed-over [T, S] array is not a mod: pass that array as `mask` (or `bias`), or index "
+        "it inside the function (m[q_idx, kv_idx])")
+  return out, converted, consts, reads
+
+
+def _mask_mod(fn, batch: tuple, h: int) -> mods_lib.MaskMod:
+  index = jnp.zeros((), jnp.int32)
+  out, converted, consts, reads = _user_function(
+      "mask_mod", fn, "(b, h, q_idx, kv_idx) -> bool", (index,) * 4)
+  if out.dtype != jnp.bool_:
+    raise TypeError(f"mask_mod must return a boolean array (True = attend), got {out.dtype}")
+  sizes = (math.prod(batch) if 0 in reads else 1, h if 1 in reads else 1)
+  return mods_lib.MaskMod(converted, sizes, consts)
 
 
 def _score_mod(fn, dtype) -> mods_lib.ScoreMod:
-  """The user's function; when it closes over float arrays, traced once on scalars with those
-  arrays hoisted out as explicit (differentiable) consts and applied elementwise."""
-  if not callable(fn):
-    raise TypeError("score_mod must be a callable (score, b, h, q_idx, kv_idx) -> score, got "
-                    f"{type(fn).__name__}")
-  dtype = jnp.promote_types(dtype, jnp.float32)
+  """The user's function, traced once on scalars in the softmax dtype; the arrays it closes over
+  become explicit consts (the floating ones differentiable)."""
   index = jnp.zeros((), jnp.int32)
-  converted, consts = jax.closure_convert(fn, jnp.zeros((), dtype), index, index, index, index)
-  out = jax.eval_shape(converted, jax.ShapeDtypeStruct((), dtype), *(index,) * 4, *consts)
-  if not hasattr(out, "dtype") or not jnp.issubdtype(out.dtype, jnp.floating) or out.shape:
-    raise TypeError("score_mod must map a scalar score to a floating scalar (elementwise), got "
-                    f"{getattr(out, 'dtype', type(out).__name__)} of shape "
-                    f"{getattr(out, 'shape', None)}")
-  if not consts:  # nothing to differentiate: the function itself, broadcasting like mask_mod
-    return mods_lib.ScoreMod(fn)
-  return mods_lib.ScoreMod(functools.partial(_elementwise, converted, dtype), tuple(consts))
-
-
-def _elementwise(converted, dtype, s, b, h, q, kv, *consts):
-  """converted (traced on scalars) over the broadcast of s and the index arrays."""
-  def one(s, b, h, q, kv):
-    return converted(s.astype(dtype), b, h, q, kv, *consts).astype(s.dtype)
-  return jnp.vectorize(one)(s, *(jnp.asarray(x, jnp.int32) for x in (b, h, q, kv)))
+  score = jnp.zeros((), jnp.promote_types(dtype, jnp.float32))
+  out, converted, consts, _ = _user_function(
+      "score_mod", fn, "(score, b, h, q_idx, kv_idx) -> score", (score, *(index,) * 4))
+  if not jnp.issubdtype(out.dtype, jnp.floating):
+    raise TypeError(f"score_mod must map a scalar score to a floating scalar (elementwise), "
+                    f"got {out.dtype}")
+  return mods_lib.ScoreMod(converted, consts)
 
 
 def _soft_cap(cap) -> mods_lib.SoftCap:
-  if not isinstance(cap, numbers.Real) or isinstance(cap, bool):
-    raise TypeError(f"logit_soft_cap must be a Python float > 0, got {type(cap).__name__}")
-  if not (math.isfinite(cap) and cap > 0):
-    raise ValueError(f"logit_soft_cap must be a finite number > 0, got {cap}")
+  _checks.check_soft_cap(cap)
   return mods_lib.SoftCap(float(cap))

@@ -88,14 +88,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
       key/value head h // (H // G); K/V are never materialised H times).
     value: [..., S, G, V]; V may differ from K.
     bias: optional additive bias, floating, broadcastable to [..., H, T, S]. A logit at -inf
-      hides its key, exactly like a False in `mask`.
+      hides its key, exactly like a False in `mask`, whatever `logit_soft_cap` or `score_mod`
+      would make of it (a soft cap never turns -inf into -cap).
     mask: optional boolean mask, True = attend, broadcastable to [..., H, T, S]. Numeric masks
       are refused rather than guessed at: flax's float 1/0 masks (`flax.linen.make_causal_mask`)
       mean `mask.astype(bool)`; torch-style additive float masks (0 / -inf) belong in `bias`.
     is_causal: static; query i sees keys j <= i (top-left aligned when T != S).
     scale: static finite multiplier of the logits; default 1/sqrt(K).
     local_window_size: static int w or (left, right): query i sees keys i - left .. i + right
-      (jax.nn's meaning; an int is (w, w)); needs T == S.
+      (jax.nn's meaning; an int is (w, w)); needs T == S. A side wider than the sequence is no
+      limit on that side.
     query_seq_lengths, key_value_seq_lengths: int [...] (the batch dims): queries at or beyond
       their length see nothing (output 0), keys beyond theirs are hidden (jax.nn's meaning;
       jax.nn gives padded query rows the mean of V instead of 0). Never materialised as [T, S].
@@ -103,12 +105,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
       segment (packed documents); one alone serves both sides when T == S. Linear memory.
     logit_soft_cap: static float cap > 0: scores become cap·tanh(scores / cap) before masking
       (Gemma 2), after `bias` and `score_mod`.
-    mask_mod: `fn(b, h, q_idx, kv_idx) -> bool` over broadcastable int32 index arrays (b the
-      flattened batch, h the query head, positions top-left aligned), True = visible; ANDed
-      with everything above (FlexAttention's `mask_mod`). It may close over arrays.
-    score_mod: `fn(score, b, h, q_idx, kv_idx) -> score`, elementwise, applied to
-      `scale·Q·Kᵀ + bias` before the soft cap and masking (FlexAttention's `score_mod`). Arrays
-      it closes over get gradients (e.g. a learned relative-position table).
+    mask_mod: `fn(b, h, q_idx, kv_idx) -> bool`, True = visible, ANDed with everything above
+      (FlexAttention's `mask_mod`): traced once on int32 scalars (b the flattened batch, h the
+      query head, positions top-left aligned) and applied elementwise, so it must return a
+      scalar there; a function that ignores its indices and returns a dense [T, S] array is
+      refused (pass the array as `mask`). It may close over arrays, traced ones included
+      (ids computed inside a scanned or rematerialised layer).
+    score_mod: `fn(score, b, h, q_idx, kv_idx) -> score`, elementwise (traced on scalars like
+      `mask_mod`), applied to `scale·Q·Kᵀ + bias` before the soft cap and masking
+      (FlexAttention's `score_mod`); returning -inf hides the key. Floating arrays it closes
+      over get gradients (e.g. a learned relative-position table).
       Chunked implementations skip key/query tiles that the masks above hide entirely, and
       evaluate no mask on tiles they leave entirely visible (see `flax_mha.mods`).
     dropout_rate: static rate of dropout on the attention weights, in [0, 1).
@@ -186,16 +192,24 @@ def merge_heads(x):
 
 def _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate, mods) -> Callable:
   """The implementation function that `implementation` names (or is)."""
+  check_implementation(implementation)
   if callable(implementation):
     return implementation
   if implementation is None:
     implementation = default_implementation(q, k, v, bias, mask, is_causal=is_causal,
                                             dropout_rate=dropout_rate, mods=mods)
+  return IMPLEMENTATIONS[implementation]
+
+
+def check_implementation(implementation) -> None:
+  """None, a callable, or a name in IMPLEMENTATIONS; the error says how to ask for ring."""
+  if implementation is None or callable(implementation):
+    return
   if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be None, a callable or one of {sorted(IMPLEMENTATIONS)}, got "
-        f"{implementation!r}")
-  return IMPLEMENTATIONS[implementation]
+        f"{implementation!r} (ring attention, sequence-parallel over a device mesh, is the "
+        "callable flax_mha.ring_implementation)")
 
 
 def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options):

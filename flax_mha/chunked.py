@@ -137,7 +137,7 @@ def _apply_dropout(p, ctx: _TileCtx, idx):
 
 
 def _forward(q, k, v, bias, mask, rng, mods, cfg: _Config, q_offset=0, kv_offset=0):
-  """out [B, T, H, V] and lse [B, H, T] in the softmax dtype (lse -inf: no key visible)."""
+  """out [B, T, H, V] and lse [B, H, T] in the softmax dtype (lse finfo.min: no key visible)."""
   ctx = _context(q, k, bias, mask, rng, mods, cfg, q_offset, kv_offset)
   tl, g, acc = ctx.tl, ctx.groups, _common.softmax_dtype(q.dtype)
   q_blocks = _tiling.blocks(q, tl.n_q, tl.bq, g)  # [n_q, B, G, R, Q, K]
@@ -172,7 +172,7 @@ def _forward(q, k, v, bias, mask, rng, mods, cfg: _Config, q_offset=0, kv_offset
     carry = _tiling.loop(rows.full_idx, rows.full_count, i, k_step(False), carry)
     m, l, o = _tiling.loop(rows.partial_idx, rows.partial_count, i, k_step(True), carry)
     out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    return None, (out, m + jnp.log(l))
+    return None, (out, _common.row_lse(m, l))
 
   _, (out, lse) = lax.scan(q_step, None, (jnp.arange(tl.n_q), q_blocks))
   lse_BHT = _tiling.unblock(lse[..., None], tl.t)[..., 0].transpose(0, 2, 1)

@@ -15,15 +15,22 @@ and FlexAttention-style user functions are each a term of one of two kinds:
 Index arguments are int32 arrays that broadcast against each other: b indexes the flattened
 batch, h the query head, q_idx and kv_idx absolute positions (top-left aligned). Functions must
 be elementwise over them, as in `torch.nn.attention.flex_attention`. Terms are pytrees: arrays
-are leaves, functions and sizes static.
+are leaves, functions and sizes static. A user's function is traced once on scalars
+(`closure_convert`): the arrays it closes over become leaves too, so they travel as data through
+custom VJPs, `lax.scan`, `jax.checkpoint` and `vmap`.
+
+A score at -inf (from a -inf bias) stays hidden whatever the score terms do with it: `Mods.score`
+hands them 0 there and puts -inf back, so a soft cap cannot turn it into -cap.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
@@ -153,19 +160,55 @@ def _tile_min_max(ids_BL, block: int):
   return tiles.min(axis=-1, keepdims=True), tiles.max(axis=-1, keepdims=True)
 
 
+def closure_convert(fn, *examples):
+  """(converted, consts, reads): `fn` traced once on the scalar `examples`, as
+  `converted(*args, *consts)` applied elementwise over broadcasting args, the arrays it closes
+  over made explicit `consts` (leaves, not hidden state: traced ones survive scan, remat and
+  custom VJPs), and `reads`, the positions of the arguments its result depends on."""
+  # Traced outside any mesh context and with jnp's inner jits inlined: a jaxpr (and a nested
+  # jit's parameters) remember the context mesh of their trace, and this one is evaluated
+  # wherever the caller runs, inside shard_map too.
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), jax.disable_jit():
+    closed = jax.make_jaxpr(fn)(*examples)
+  jaxpr = closed.jaxpr
+  converted = functools.partial(_elementwise, jaxpr, tuple(v.aval.dtype for v in jaxpr.invars))
+  return converted, tuple(closed.consts), _reads(jaxpr)
+
+
+def _elementwise(jaxpr, dtypes, *args):
+  """The scalar `jaxpr` over the broadcast of its inputs (the first len(dtypes) args; the rest
+  are its consts)."""
+  inputs, consts = args[:len(dtypes)], args[len(dtypes):]
+  one = lambda *xs: jax.core.eval_jaxpr(jaxpr, consts, *xs)[0]
+  return jnp.vectorize(one)(*(jnp.asarray(x, d) for x, d in zip(inputs, dtypes)))
+
+
+def _reads(jaxpr) -> frozenset:
+  """Positions of the inputs that the (first) output of `jaxpr` depends on."""
+  deps = {v: {i} for i, v in enumerate(jaxpr.invars)}
+  for eqn in jaxpr.eqns:
+    used = set().union(*(deps.get(v, set()) for v in eqn.invars
+                         if not isinstance(v, jex.Literal)))
+    deps.update((v, used) for v in eqn.outvars)
+  out = jaxpr.outvars[0]
+  return frozenset(() if isinstance(out, jex.Literal) else deps.get(out, ()))
+
+
 @_pytree
 @dataclasses.dataclass(frozen=True)
 class MaskMod:
-  """A user's `mask_mod(b, h, q_idx, kv_idx) -> bool` (it may close over arrays).
+  """A user's `mask_mod(b, h, q_idx, kv_idx) -> bool`, as `fn(b, h, q, kv, *consts)`.
 
-  `sizes` = (B, H) where the function reads b / h, 1 where it ignores them: the extent over
-  which its tile map is evaluated.
+  `consts` are the arrays it closes over (see `closure_convert`); `sizes` = (B, H) where the
+  function reads b / h, 1 where it ignores them: the extent over which its tile map is
+  evaluated.
   """
-  fn: Callable = _static()  # fn(b, h, q, kv)
+  fn: Callable = _static()  # fn(b, h, q, kv, *consts)
   sizes: tuple = _static(default=(1, 1))
+  consts: tuple = ()
 
   def visible(self, b, h, q, kv):
-    return self.fn(b, h, q, kv)
+    return self.fn(b, h, q, kv, *self.consts)
 
   def tile_map(self, tl: Tiles):
     """The function on every real (q, kv), one row of tiles at a time, reduced per tile: at
@@ -210,14 +253,14 @@ class SoftCap:
 @_pytree
 @dataclasses.dataclass(frozen=True)
 class ScoreMod:
-  """A user's `score_mod(score, b, h, q_idx, kv_idx) -> score`; its closed-over float arrays are
-  hoisted into `consts` (`jax.closure_convert`), so they get gradients (e.g. a learned
-  relative-position table)."""
+  """A user's `score_mod(score, b, h, q_idx, kv_idx) -> score`, as `fn(s, b, h, q, kv,
+  *consts)`; the arrays it closes over are `consts` (see `closure_convert`), so the floating
+  ones get gradients (e.g. a learned relative-position table)."""
   fn: Callable = _static()  # fn(s, b, h, q, kv, *consts)
   consts: tuple = ()
 
   def score(self, s, b, h, q, kv):
-    return self.fn(s, b, h, q, kv, *self.consts)
+    return self.fn(s, b, h, q, kv, *self.consts).astype(s.dtype)
 
 
 @_pytree
@@ -237,9 +280,14 @@ class Mods:
     return out
 
   def score(self, s, b, h, q, kv):
+    """The score terms applied in order; entries at -inf stay at -inf (hidden)."""
+    if not self.scores:
+      return s
+    hidden = s == -jnp.inf
+    out = jnp.where(hidden, 0.0, s).astype(s.dtype)  # a finite stand-in: no NaN in any term
     for term in self.scores:
-      s = term.score(s, b, h, q, kv)
-    return s
+      out = term.score(out, b, h, q, kv)
+    return jnp.where(hidden, -jnp.inf, out)
 
   def tile_map(self, tl: Tiles):
     """(maybe, full) [n_q, n_k] of all mask terms together (NumPy when all are static)."""

@@ -38,11 +38,16 @@ def attention_logits(query_BTHK, key_BSGK, bias, scale):
   return logits_BHTS
 
 
-def softmax_or_zero(logits):
-  """Softmax over the last axis; entries at -inf get 0, and a row with no finite entry is all 0."""
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
-  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  unnormalised = jnp.exp(logits - row_max)
+def softmax_over_visible(scores, visible):
+  """Softmax over the last axis of the `visible` entries (None: all) that are not -inf; the rest
+  get 0, and a row with no such entry is all 0. Finite scores make no inf or NaN on the way
+  (hidden entries are replaced, never shifted), so it passes `jax.debug_infs`."""
+  finite = scores > -jnp.inf
+  visible = finite if visible is None else visible & finite
+  lowest = jnp.finfo(scores.dtype).min
+  row_max = jnp.max(jnp.where(visible, scores, lowest), axis=-1, keepdims=True)
+  row_max = jax.lax.stop_gradient(row_max)
+  unnormalised = jnp.where(visible, jnp.exp(jnp.where(visible, scores, row_max) - row_max), 0.0)
   total = jnp.sum(unnormalised, axis=-1, keepdims=True)
   return unnormalised / jnp.where(total > 0, total, 1.0)
 
@@ -51,10 +56,8 @@ def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate,
                       mods=None):
   """Weights [B, H, T, S] in the softmax dtype, after dropout."""
   mods = mods_lib.with_causal(mods, is_causal)
-  logits_BHTS, visible = mods_lib.dense(attention_logits(query, key, bias, scale), mask, mods)
-  if visible is not None:
-    logits_BHTS = jnp.where(visible, logits_BHTS, -jnp.inf)
-  weights_BHTS = softmax_or_zero(logits_BHTS)
+  scores_BHTS, visible = mods_lib.dense(attention_logits(query, key, bias, scale), mask, mods)
+  weights_BHTS = softmax_over_visible(scores_BHTS, visible)
   if dropout_rate > 0.0:
     weights_BHTS = _dropout.drop_weights(weights_BHTS, dropout_rate, dropout_rng)
   return weights_BHTS

@@ -224,7 +224,8 @@ def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale, mods):
     out = weight(lse) * out + weight(lse_i) * out_i
     return (out, lse_new, *_shift((k_i, v_i), axis_name, n))
 
-  init = (jnp.zeros((b, t, h, v.shape[-1]), acc), jnp.full((b, h, t), -jnp.inf, acc), k, v)
+  no_key = jnp.finfo(acc).min  # the lse of a row that has seen no key (see _common.row_lse)
+  init = (jnp.zeros((b, t, h, v.shape[-1]), acc), jnp.full((b, h, t), no_key, acc), k, v)
   out, lse, _, _ = lax.fori_loop(0, n, step, init)
   return out, lse
 

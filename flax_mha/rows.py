@@ -210,8 +210,8 @@ def _pad_rows(x, p: _Plan, fill):
 
 
 def _forward(q, k, v, dense, p: _Plan):
-  """out [B, T, H, V] and lse [n_u, n_q, U, R·Q], in the softmax dtype (lse -inf: a row that
-  sees no key, its out 0); dense = (bias, mask), each None or rank 4."""
+  """out [B, T, H, V] and lse [n_u, n_q, U, R·Q], in the softmax dtype (lse finfo.min: a row
+  that sees no key, its out 0); dense = (bias, mask), each None or rank 4."""
   b, _, h, _ = q.shape
   g = k.shape[2]
   r, acc = h // g, _common.softmax_dtype(q.dtype)
@@ -234,7 +234,7 @@ def _forward(q, k, v, dense, p: _Plan):
       o = jnp.einsum("UQS,USV->UQV", e.astype(v.dtype), v_u[:, :extent],
                      preferred_element_type=acc)
       o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0) if empty_rows else o / l
-      return carry, (o, (m + jnp.log(l))[..., 0])
+      return carry, (o, _common.row_lse(m, l)[..., 0])
 
     return None, _over_blocks(p, block, None, q_u)[1]
 

@@ -52,7 +52,7 @@ def masked_softmax(logits, visible):
   hidden_to_lowest = logits if visible is None else jnp.where(visible, logits, lowest)
   # Clamping the row max at `lowest` keeps exp finite: a row of -inf logits gives exp(-inf) = 0.
   row_max = jnp.maximum(jnp.max(hidden_to_lowest, axis=-1, keepdims=True), lowest)
-  unnormalised = jnp.exp(logits - lax.stop_gradient(row_max))
+  unnormalised = jnp.exp(hidden_to_lowest - lax.stop_gradient(row_max))  # hidden: exp(-big) = 0
   if visible is not None:
     unnormalised = jnp.where(visible, unnormalised, 0.0)
   total = jnp.sum(unnormalised, axis=-1, keepdims=True)
