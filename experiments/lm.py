@@ -16,6 +16,7 @@ import numpy as np
 from experiments import lm_data
 from experiments.losses import cross_entropy
 from experiments.tasks import Task
+from flax_mha._checks import check_token_ids
 from flax_mha.lm import DecoderLM, LMConfig
 
 
@@ -87,6 +88,7 @@ class Evaluator:
       chunk = self.pairs[i:i + self.batch_size]
       chunk = chunk + [chunk[-1]] * (self.batch_size - len(chunk))  # one shape: one compilation
       prompts, lengths = lm_data.prompts(self.task, chunk, self.length)
+      check_token_ids("prompts", prompts, self.task.vocab.size)
       tokens = np.asarray(generate(self.model, params, prompts, lengths, self.max_new))
       out += [self.task.vocab.decode(row[n:]) for row, n in zip(tokens, lengths)]
     return out[:len(self.pairs)]

@@ -38,6 +38,7 @@ from experiments import data, lm, metrics, plots
 from experiments.losses import cross_entropy
 from experiments.tasks import BOS, EOS, PAD, Task, get_task
 from flax_mha import sharding
+from flax_mha._checks import check_token_ids
 from flax_mha.decoding import greedy_decode
 # The module's function (flax_mha re-exports the name ring_attention for another function).
 from flax_mha.ring_attention import attention as ring_implementation
@@ -101,6 +102,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
       raise TypeError(f"config.{key} must be a number {expected}, got {type(value).__name__}")
     if not (math.isfinite(value) and ok(value)):
       raise ValueError(f"config.{key} must be a finite number {expected}, got {value}")
+  if is_lm(config) and config.mesh.seq > 1:
+    raise ValueError(
+        f"config.mesh.seq={config.mesh.seq}: the LM's packed documents (segment ids) cannot be "
+        "split over a sequence mesh yet (ring attention takes no segment ids); use mesh.seq=1 "
+        "and mesh.data / mesh.model")
   buckets = config.train.length_buckets
   if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
     raise ValueError(
@@ -163,11 +169,23 @@ def loss_terms(logits, batch, label_smoothing: float):
 
 
 def next_batch(config, task: Task, step: int):
-  """Training batch `step` (0-based) of either model: a pure function of (seed, step)."""
+  """Training batch `step` (0-based) of either model: a pure function of (seed, step), its
+  token ids checked against the vocabulary (inside jit a bad id would be a silent NaN)."""
   if is_lm(config):
-    return lm.train_batch(config, task, step)
-  return data.train_batch(task, config.seed, step, config.train.batch_size,
-                          config.train.bucket_window, config.train.length_buckets)
+    batch = lm.train_batch(config, task, step)
+  else:
+    batch = data.train_batch(task, config.seed, step, config.train.batch_size,
+                             config.train.bucket_window, config.train.length_buckets)
+  for name in ("src", "tgt_in", "tgt_out", "tokens", "targets"):
+    if name in batch:
+      check_token_ids(f"batch {step} {name}", batch[name], task.vocab.size)
+  return batch
+
+
+def num_tokens(batch) -> int:
+  """Real (non-pad) input tokens of a batch: src + tgt_in, or the LM's tokens."""
+  names = ("tokens",) if "tokens" in batch else ("src", "tgt_in")
+  return int(sum(np.sum(batch[name] != PAD) for name in names))
 
 
 def train_step(state: TrainState, batch, *, model, tx, label_smoothing: float):
@@ -362,7 +380,7 @@ def train_loop(config, task: Task, state: TrainState, train_seconds: float, step
   with tqdm.tqdm(total=steps, initial=int(state.step), desc=task.name, unit="step") as bar:
     for step in range(int(state.step) + 1, steps + 1):
       batch = next_batch(config, task, step - 1)
-      window_tokens += int(sum(np.sum(x != PAD) for x in model_inputs(batch)[:2]))
+      window_tokens += num_tokens(batch)
       state, train_metrics = step_fn(state, batch)
       bar.update()
       log = step % config.train.log_every == 0 or step == steps

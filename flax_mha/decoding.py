@@ -50,6 +50,8 @@ def _check(config, src, max_len) -> TransformerConfig:
     raise TypeError(
         f"config must be a TransformerConfig or Transformer, got {type(config).__name__}")
   _checks.check_tokens("src", src)
+  if not isinstance(src, jax.core.Tracer):  # under jit the ids are traced: the caller's job
+    _checks.check_token_ids("src", src, config.vocab_size)
   if not isinstance(max_len, int) or not 0 < max_len <= config.max_len:
     raise ValueError(f"max_len must be an int in [1, config.max_len={config.max_len}], "
                      f"got {max_len!r}")

@@ -86,6 +86,12 @@ class DecoderLM(nn.Module):
 
   segment_ids: int, 0 for padding; tokens attend causally within their own segment.
   positions: int, each token's position within its segment (rotary angles).
+
+  Token ids must lie in [0, vocab_size); they are not checked inside `jit` (values are traced).
+  An id >= vocab_size embeds as NaN (flax's `nn.Embed`), and attention's weights-times-values
+  product (0 · NaN = NaN) then spreads it to every logit of its row, other documents included;
+  a negative id silently reads row vocab_size + id. Check ids on the host with
+  `flax_mha._checks.check_token_ids` (the experiment runner and generation do).
   """
   config: LMConfig
 

@@ -137,6 +137,7 @@ class MultiHeadAttention(nn.Module):
       if width % h:
         raise ValueError(f"{name}={width} must be divisible by num_heads={h}")
     _checks.check_dropout_rate(self.dropout_rate)
+    _checks.check_soft_cap(self.logit_soft_cap)
     common.check_rotary(self.rotary_max_wavelength, qkv, h)
     return h, g, qkv // h, v_features // h
 

@@ -37,7 +37,7 @@ from flax import nnx
 from flax_mha import _checks
 from flax_mha import _module_common as common
 from flax_mha import sharding
-from flax_mha.attention import IMPLEMENTATIONS
+from flax_mha.attention import check_implementation
 
 Initializer = Callable[..., Any]
 
@@ -121,7 +121,8 @@ class MultiHeadAttention(nnx.Module):
     self.v_head_dim = self.v_features // num_heads  # V
     _checks.check_dropout_rate(dropout_rate)
     common.check_rotary(rotary_max_wavelength, self.qkv_features, num_heads)
-    _check_implementation(implementation)
+    check_implementation(implementation)
+    _checks.check_soft_cap(logit_soft_cap)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
     self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
@@ -388,14 +389,6 @@ def _size(name: str, value, default=None) -> int:
   if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
     raise ValueError(f"{name} must be a positive int, got {value!r}")
   return int(value)
-
-
-def _check_implementation(implementation) -> None:
-  if implementation is None or callable(implementation):
-    return
-  if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be None, a callable or one of "
-                     f"{sorted(IMPLEMENTATIONS)}, got {implementation!r}")
 
 
 def _check_tree(params, want) -> None:

@@ -36,9 +36,9 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"(query|key|value)/kernel$", ("embed", "heads", "head_dim")),  # column-parallel
     (r"(query|key|value)/bias$", ("heads", "head_dim")),
     (r"out/kernel$", ("heads", "head_dim", "embed")),                  # row-parallel
-    (r"Dense_0/kernel$", ("embed", "mlp")),                            # column-parallel
-    (r"Dense_0/bias$", ("mlp",)),
-    (r"Dense_1/kernel$", ("mlp", "embed")),                            # row-parallel
+    (r"(Dense_0|mlp_in)/kernel$", ("embed", "mlp")),                   # column-parallel
+    (r"(Dense_0|mlp_in)/bias$", ("mlp",)),
+    (r"(Dense_1|mlp_out)/kernel$", ("mlp", "embed")),                  # row-parallel
     (r"(^|/)embedding$", ("vocab", "embed")),
     (r"pos_embedding$", ("length", "embed")),
     (r"logits/kernel$", ("embed", "vocab")),

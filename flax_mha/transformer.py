@@ -202,7 +202,13 @@ class Stack(nn.Module):
 
 
 class Transformer(nn.Module):
-  """Encoder-decoder Transformer: `__call__(src [B, S], tgt_in [B, T]) -> logits [B, T, C]`."""
+  """Encoder-decoder Transformer: `__call__(src [B, S], tgt_in [B, T]) -> logits [B, T, C]`.
+
+  Token ids must lie in [0, vocab_size); inside `jit` they are not checked: an id >= vocab_size
+  embeds as NaN (flax's `nn.Embed`) and poisons every position that attends to it, a negative
+  id reads row vocab_size + id. `flax_mha.decoding` and the experiment runner check ids on the
+  host (`flax_mha._checks.check_token_ids`).
+  """
   config: TransformerConfig
 
   def setup(self):

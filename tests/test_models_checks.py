@@ -1,0 +1,119 @@
+"""Token ids, runner accounting and argument checks of the models and the runner (issue 17).
+
+An out-of-vocabulary id inside `jit` is a NaN embedding that spreads to other documents: the
+runner and generation check ids on the host and name the bad one. The LM's tokens/s counts real
+tokens once; its MLP kernels have a sharding rule; a sequence mesh is refused before anything
+runs; the NNX constructor checks the soft cap; the implementation error says how to ask for ring.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_mha
+from configs import dates as dates_config
+from configs import lm as lm_config
+from experiments import lm, lm_data, train
+from experiments.tasks import PAD, get_task
+from flax_mha import sharding
+from flax_mha.decoding import beam_search, greedy_decode
+from flax_mha.lm import DecoderLM, LMConfig
+from flax_mha.transformer import Transformer, TransformerConfig
+
+TASK = get_task("reverse", heldout_percent=10, min_len=1, max_len=9)
+
+
+def _packed(length=32):
+  docs = [lm_data.document(TASK, "abc", "cba"), lm_data.document(TASK, "de", "ed")]
+  return lm_data.pack(docs, batch_size=1, length=length)
+
+
+def test_out_of_vocabulary_token_poisons_other_documents_inside_jit():
+  """Why the host check exists: documented behaviour of the model under jit."""
+  model = DecoderLM(LMConfig(vocab_size=TASK.vocab.size, d_model=16, num_heads=2,
+                             num_kv_heads=1, num_layers=1, d_ff=16))
+  batch = _packed()
+  params = model.init(jax.random.key(0), batch["tokens"], batch["segment_ids"],
+                      batch["positions"])
+  tokens = batch["tokens"].copy()
+  tokens[0, 9] = TASK.vocab.size  # in the second document
+  logits = model.apply(params, tokens, batch["segment_ids"], batch["positions"])
+  assert bool(jnp.isnan(logits[0, 0]).all())  # the first document is poisoned too
+
+
+@pytest.mark.parametrize("past_end", [True, False])
+def test_runner_refuses_out_of_vocabulary_ids_naming_them(monkeypatch, past_end):
+  config = dates_config.get_config("tiny")
+  task = get_task(config.task.name, **config.task.kwargs)
+  bad = task.vocab.size if past_end else -1
+  real = train.data.train_batch
+
+  def poisoned(*args, **kwargs):
+    batch = real(*args, **kwargs)
+    batch["src"][1, 2] = bad
+    return batch
+
+  monkeypatch.setattr(train.data, "train_batch", poisoned)
+  with pytest.raises(ValueError, match=re.escape(
+      f"batch 3 src holds token id {bad} at position (1, 2), outside the vocabulary "
+      f"[0, {task.vocab.size})")):
+    train.next_batch(config, task, 3)
+
+
+def test_generation_refuses_out_of_vocabulary_prompts():
+  cfg = TransformerConfig(vocab_size=11, d_model=16, num_heads=2, num_encoder_layers=1,
+                          num_decoder_layers=1, d_ff=16, max_len=12)
+  src = jnp.array([[3, 4, 11, 0]])
+  params = Transformer(cfg).init(jax.random.key(0), src, src)["params"]
+  for search in (greedy_decode, beam_search):
+    with pytest.raises(ValueError, match=re.escape(
+        "src holds token id 11 at position (0, 2), outside the vocabulary [0, 11)")):
+      search(cfg, params, src, max_len=4)
+
+
+def test_lm_tokens_per_second_counts_each_real_token_once():
+  batch = _packed()
+  assert train.num_tokens(batch) == int(np.sum(batch["tokens"] != PAD)) == 14
+  seq2seq = {"src": np.array([[5, 6, 0]]), "tgt_in": np.array([[1, 7, 0]]),
+             "tgt_out": np.array([[7, 2, 0]])}
+  assert train.num_tokens(seq2seq) == 4
+
+
+def test_lm_mlp_kernels_have_a_sharding_rule():
+  model = DecoderLM(LMConfig(vocab_size=11, d_model=16, num_heads=2, num_kv_heads=1,
+                             num_layers=2, d_ff=16))
+  x = jnp.zeros((1, 8), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, x, x))["params"]
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  kernels = {sharding._path_str(p): leaf.ndim for p, leaf in flat  # pylint: disable=protected-access
+             if sharding._path_str(p).endswith("kernel")}  # pylint: disable=protected-access
+  assert any("mlp_in" in p for p in kernels)
+  for path, ndim in kernels.items():
+    assert "mlp" in sharding.logical_axes(path, ndim) or "heads" in sharding.logical_axes(
+        path, ndim), path
+
+
+def test_lm_on_a_sequence_mesh_is_refused_before_anything_runs(tmp_path):
+  config = lm_config.get_config("tiny")
+  config.mesh.seq = 2
+  with pytest.raises(ValueError, match=r"config.mesh.seq=2: the LM's packed documents"):
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("cap,error", [(-1.0, ValueError), (0.0, ValueError), ("3", TypeError)])
+def test_nnx_checks_the_soft_cap_at_construction(cap, error):
+  with pytest.raises(error, match="logit_soft_cap must be"):
+    flax_mha.nnx.MultiHeadAttention(2, 8, logit_soft_cap=cap, rngs=nnx.Rngs(0))
+
+
+def test_unknown_implementation_error_says_how_to_ask_for_ring():
+  x = jnp.zeros((1, 4, 2, 8))
+  with pytest.raises(ValueError, match=r"flax_mha.ring_implementation"):
+    flax_mha.dot_product_attention(x, x, x, implementation="ring")
