@@ -18,7 +18,7 @@ def get_config(arg: str | None = None):
   if arg not in (None, "tiny"):
     raise ValueError(f"config arg must be 'tiny' or absent, got {arg!r}")
   config = common.base_config("dates", heldout_percent=10)
-  config.kind = "lm"  # experiments.train trains flax_mha.lm.DecoderLM
+  config.kind = "lm"  # experiments.train trains flax_mha.models.lm.DecoderLM
   config.model = ml_collections.ConfigDict(dict(
       d_model=128,  # residual width D
       num_heads=4,  # query heads H

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 
 import flax_mha
 from flax_mha import attention as attention_lib
-from flax_mha import chunked
-from flax_mha import rows as rows_lib
-from flax_mha import xla
+from flax_mha.kernels import chunked
+from flax_mha.kernels import rows as rows_lib
+from flax_mha.kernels import xla
 
 H100_BF16_TFLOPS = 989.0
 GIB = 2**30

@@ -1,5 +1,5 @@
 """Tile sizes of the chunked and rows kernels, and the crossover to the plain graph: the sweeps
-behind `flax_mha.chunked.default_blocks`, `flax_mha.rows`' TILE_* budgets and
+behind `flax_mha.kernels.chunked.default_blocks`, `flax_mha.kernels.rows`' TILE_* budgets and
 `flax_mha.attention.SMALL_LOGITS*`.
 
   python -m experiments.benchmark_blocks [--quick]          # chunked blocks (dropout, mods)
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 
 from experiments.benchmark_attention import _median_seconds
 from flax_mha import attention as attention_lib
-from flax_mha import chunked
-from flax_mha import rows
-from flax_mha import xla
+from flax_mha.kernels import chunked
+from flax_mha.kernels import rows
+from flax_mha.kernels import xla
 
 BLOCKS = (128, 256, 512)
 

@@ -6,7 +6,7 @@
 The model: token embedding -> 2 x (pre-LN causal self-attention + pre-LN MLP, residual) ->
 logits; D=128, H=4 heads, T=64, batch 32, vocabulary 256, adam; one jitted step (split/merge
 around `jax.jit`, state donated). The variants differ in the attention module only:
-  nnx    flax_mha.nnx.SelfAttention
+  nnx    flax_mha.nn.nnx.SelfAttention
   bridge flax_mha.SelfAttention (linen) through nnx.bridge.ToNNX
   flax   flax.nnx.MultiHeadAttention
 All start from the same parameters (their trees are equal), so their first losses must agree:
@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 
 import flax_mha
-from flax_mha import nnx as flax_mha_nnx
+from flax_mha.nn import nnx as flax_mha_nnx
 
 D, H, T, BATCH, VOCAB, LAYERS = 128, 4, 64, 32, 256, 2  # VOCAB: C in the dimension key
 

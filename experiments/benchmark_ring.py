@@ -20,8 +20,9 @@ import jax  # noqa: E402  (after XLA_FLAGS: the device count is read once, at im
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from flax_mha import chunked, reference, sharding  # noqa: E402
-from flax_mha.ring_attention import ring_attention  # noqa: E402
+from flax_mha import sharding  # noqa: E402
+from flax_mha.kernels import chunked, reference  # noqa: E402
+from flax_mha.kernels.ring import ring_attention  # noqa: E402
 
 B, H, K = 1, 8, 64
 MIB = 2**20

@@ -3,7 +3,7 @@
   python -m experiments.benchmark_training --config configs/dates.py
   python -m experiments.benchmark_training --config configs/dates.py:tiny --windows 3
 
-Both models are the same `flax_mha.transformer.Transformer`, once with the default
+Both models are the same `flax_mha.models.transformer.Transformer`, once with the default
 `flax_mha.MultiHeadAttention` and once with `flax.linen.MultiHeadDotProductAttention` swapped in
 (`TransformerConfig.attention_cls`). They train on the same batches with the same jitted step,
 in one process; timed windows alternate between the two so load on the machine hits both alike.

@@ -1,7 +1,7 @@
 """The decoder-only language model's side of the runner: batches, loss, generation, evaluation.
 
 `experiments.train` trains either model with the same loop, checkpoints and metrics; this module
-holds what differs for `flax_mha.lm.DecoderLM` (packed documents with segment ids, an answer
+holds what differs for `flax_mha.models.lm.DecoderLM` (packed documents with segment ids, an answer
 generated after the prompt `source BOS`).
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 from experiments import lm_data
 from experiments.losses import cross_entropy
 from experiments.tasks import Task
-from flax_mha._checks import check_token_ids
-from flax_mha.lm import DecoderLM, LMConfig
+from flax_mha.checks import check_token_ids
+from flax_mha.models.lm import DecoderLM, LMConfig
 
 
 def model_config(config, task: Task) -> LMConfig:

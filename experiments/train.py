@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
-import numbers
 import os
 import sys
 import time
@@ -37,13 +35,15 @@ from ml_collections import config_flags
 from experiments import data, lm, metrics, plots
 from experiments.losses import cross_entropy
 from experiments.tasks import BOS, EOS, PAD, Task, get_task
+from flax_mha import checks
 from flax_mha import sharding
-from flax_mha._checks import check_token_ids
-from flax_mha.decoding import greedy_decode
+from flax_mha.models.decoding import greedy_decode
 # The module's function (flax_mha re-exports the name ring_attention for another function).
-from flax_mha.ring_attention import attention as ring_implementation
-from flax_mha.lm import DecoderLM
-from flax_mha.transformer import Transformer, TransformerConfig
+from flax_mha.kernels.ring import attention as ring_implementation
+from flax_mha.models import lm as lm_model
+from flax_mha.models import transformer
+from flax_mha.models.lm import DecoderLM
+from flax_mha.models.transformer import Transformer, TransformerConfig
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -60,12 +60,12 @@ _INT_KEYS = {
     "eval.every": 1, "eval.num_examples": 1, "eval.batch_size": 1,
     "mesh.data": 1, "mesh.model": 1, "mesh.seq": 1,
 }
-# key -> (the allowed range in words, the test of a finite float).
+# key -> the bounds of a finite float (flax_mha.checks.check_real's keywords).
 _FLOAT_KEYS = {
-    "train.peak_lr": ("> 0", lambda x: x > 0),
-    "train.weight_decay": (">= 0", lambda x: x >= 0),
-    "train.label_smoothing": ("in [0, 1)", lambda x: 0 <= x < 1),
-    "train.grad_clip_norm": ("> 0", lambda x: x > 0),  # 0 would zero every update
+    "train.peak_lr": dict(above=0),
+    "train.weight_decay": dict(lowest=0),
+    "train.label_smoothing": dict(lowest=0, below=1),
+    "train.grad_clip_norm": dict(above=0),  # 0 would zero every update
 }
 
 
@@ -75,42 +75,26 @@ def _get(config: ml_collections.ConfigDict, key: str):
   return config
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_int(key: str, value, lowest: int) -> None:
-  expected = "a positive int" if lowest == 1 else f"an int >= {lowest}"
-  if not _is_int(value):
-    raise TypeError(f"config.{key} must be {expected}, got {type(value).__name__} {value!r}")
-  if value < lowest:
-    raise ValueError(f"config.{key} must be {expected}, got {value}")
-
-
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Raise a ValueError (TypeError for a wrong type) naming the first bad key of `config`.
 
   Catches, before anything is built or written, the values that would otherwise train nothing
   (steps <= 0), divide by zero mid-run (log_every, checkpoint_every, eval.every = 0) or train
-  at a meaningless learning rate. Architecture keys are checked by TransformerConfig.
+  at a meaningless learning rate. Architecture keys are checked by the model's config.
   """
   for key, lowest in _INT_KEYS.items():
-    _check_int(key, _get(config, key), lowest)
-  for key, (expected, ok) in _FLOAT_KEYS.items():
-    value = _get(config, key)
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-      raise TypeError(f"config.{key} must be a number {expected}, got {type(value).__name__}")
-    if not (math.isfinite(value) and ok(value)):
-      raise ValueError(f"config.{key} must be a finite number {expected}, got {value}")
+    checks.check_int(f"config.{key}", _get(config, key), lowest)
+  for key, bounds in _FLOAT_KEYS.items():
+    checks.check_real(f"config.{key}", _get(config, key), **bounds)
+  buckets = config.train.length_buckets
+  if not buckets or not all(isinstance(b, int) and b >= 1 for b in buckets):
+    raise ValueError(
+        f"config.train.length_buckets must be a non-empty sequence of positive ints, got {buckets}")
   if is_lm(config) and config.mesh.seq > 1:
     raise ValueError(
         f"config.mesh.seq={config.mesh.seq}: the LM's packed documents (segment ids) cannot be "
         "split over a sequence mesh yet (ring attention takes no segment ids); use mesh.seq=1 "
         "and mesh.data / mesh.model")
-  buckets = config.train.length_buckets
-  if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
-    raise ValueError(
-        f"config.train.length_buckets must be a non-empty sequence of positive ints, got {buckets}")
 
 
 def model_config(config: ml_collections.ConfigDict, task: Task) -> TransformerConfig:
@@ -154,6 +138,11 @@ def make_model(config, task: Task):
   return Transformer(model_config(config, task))
 
 
+def model_param_axes(config):
+  """The logical axes the model declares for its parameters (flax_mha.sharding)."""
+  return lm_model.PARAM_AXES if is_lm(config) else transformer.PARAM_AXES
+
+
 def model_inputs(batch) -> tuple:
   """The model's positional inputs: (src, tgt_in), or the LM's (tokens, segment_ids, positions)."""
   if "tokens" in batch:
@@ -178,7 +167,7 @@ def next_batch(config, task: Task, step: int):
                              config.train.bucket_window, config.train.length_buckets)
   for name in ("src", "tgt_in", "tgt_out", "tokens", "targets"):
     if name in batch:
-      check_token_ids(f"batch {step} {name}", batch[name], task.vocab.size)
+      checks.check_token_ids(f"batch {step} {name}", batch[name], task.vocab.size)
   return batch
 
 
@@ -354,8 +343,9 @@ def shard_and_compile(config, state: TrainState, model, tx):
   if mesh_cfg.seq > 1:
     model = type(model)(dataclasses.replace(model.config,
                                             attention_implementation=ring_implementation))
-  state = sharding.shard_train_state(state, mesh)
-  state_shardings = sharding.shardings_for(state, mesh)
+  param_axes = model_param_axes(config) + ((r"(^|/)rng$", (None,)),)  # the state's raw key
+  state = sharding.shard_params(state, mesh, param_axes)
+  state_shardings = sharding.shardings_for(state, mesh, param_axes)
   jitted = jax.jit(functools.partial(train_step, model=model, tx=tx,
                                      label_smoothing=config.train.label_smoothing),
                    in_shardings=(state_shardings, sharding.batch_sharding(mesh, ndim=2)),

@@ -1,7 +1,18 @@
 """flax_mha: multi-head attention for JAX.
 
-Pure functions (`dot_product_attention`, masks, head splitting) -> Flax linen modules
-(`MultiHeadAttention`, `SelfAttention`) -> the Transformer. See README.md.
+The package is layered, each folder importing only from the ones above it:
+
+  flax_mha/            the public pure API (no flax): `attention` (dot_product_attention,
+                       dispatch, checks of its arguments), `masks`, `mods` (mask and score
+                       terms), `rotary`, `checks` (the argument checks every layer shares),
+                       `interop` (torch weights), `sharding` (meshes and placement)
+  flax_mha/kernels/    the implementations behind `implementation=`: reference (the oracle),
+                       xla, rows, chunked, cudnn, ring (sequence-parallel), with their helpers
+  flax_mha/nn/         the front ends: `linen` (MultiHeadAttention, SelfAttention) and `nnx`
+  flax_mha/models/     the Transformer, the decoder-only LM and decoding
+
+`import flax_mha` loads no flax: the front ends and models (`flax_mha.MultiHeadAttention`,
+`flax_mha.nnx`, `flax_mha.Transformer`, ...) load on first access.
 
 The dimension key, used in docstrings ("query: [B, T, H, K]"), einsum strings
 ('BTHK,BSHK->BHTS') and name suffixes (`logits_BHTS`) throughout the package, tests and
@@ -12,38 +23,65 @@ experiments:
   R = H / G            K query/key head dim        V value head dim
   F FFN width          C vocabulary size           W beam width
   L a length where query and key length are the same thing (tokens [B, L])
-  Q, P                 rows of a query tile and columns of a key tile (flax_mha.chunked)
+  Q, P                 rows of a query tile and columns of a key tile (flax_mha.kernels.chunked)
   U, E                 (batch, key head) units per trip and the keys a tile reaches
-                       (flax_mha.rows)
+                       (flax_mha.kernels.rows)
 
 `jax.nn.dot_product_attention` and gemma call the heads N and the head dim H; here H is the head
 count. Sizes without a letter above get their own, never a reused one.
 """
 
+import importlib
+
+from flax_mha import checks
 from flax_mha import interop
 from flax_mha import masks
 from flax_mha import mods
-from flax_mha import nnx
+from flax_mha import rotary
+from flax_mha import sharding
 from flax_mha.attention import IMPLEMENTATIONS
 from flax_mha.attention import dot_product_attention
 from flax_mha.attention import dot_product_attention_weights
 from flax_mha.attention import merge_heads
 from flax_mha.attention import split_heads
+from flax_mha.kernels.ring import attention as ring_implementation
+from flax_mha.kernels.ring import ring_attention
 from flax_mha.masks import causal_mask
 from flax_mha.masks import combine_masks
 from flax_mha.masks import make_attention_mask
 from flax_mha.masks import padding_mask
 from flax_mha.masks import segment_mask
-from flax_mha.modules import MultiHeadAttention
-from flax_mha.modules import SelfAttention
 from flax_mha.rotary import apply_rotary
-from flax_mha.transformer import Transformer
-from flax_mha.transformer import TransformerConfig
-from flax_mha.decoding import beam_search
-from flax_mha.decoding import greedy_decode
-from flax_mha import sharding
-from flax_mha.ring_attention import attention as ring_implementation
-from flax_mha.ring_attention import ring_attention
 
 __version__ = "0.1.0"
 
+# Public names that need flax, loaded on first access: name -> (module, attribute or None for
+# the module itself).
+_LAZY = {
+    "nn": ("flax_mha.nn", None),
+    "models": ("flax_mha.models", None),
+    "nnx": ("flax_mha.nn.nnx", None),
+    "linen": ("flax_mha.nn.linen", None),
+    "MultiHeadAttention": ("flax_mha.nn.linen", "MultiHeadAttention"),
+    "SelfAttention": ("flax_mha.nn.linen", "SelfAttention"),
+    "Transformer": ("flax_mha.models.transformer", "Transformer"),
+    "TransformerConfig": ("flax_mha.models.transformer", "TransformerConfig"),
+    "DecoderLM": ("flax_mha.models.lm", "DecoderLM"),
+    "LMConfig": ("flax_mha.models.lm", "LMConfig"),
+    "beam_search": ("flax_mha.models.decoding", "beam_search"),
+    "greedy_decode": ("flax_mha.models.decoding", "greedy_decode"),
+}
+
+
+def __getattr__(name):
+  if name not in _LAZY:
+    raise AttributeError(f"module 'flax_mha' has no attribute {name!r}")
+  module_name, attribute = _LAZY[name]
+  module = importlib.import_module(module_name)
+  value = module if attribute is None else getattr(module, attribute)
+  globals()[name] = value  # later accesses skip this function
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY))

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 
-from flax_mha import _checks
+from flax_mha import checks
 from flax_mha import mods as mods_lib
 
 
@@ -38,20 +37,20 @@ def build(batch: tuple, t: int, s: int, h: int, dtype, *, local_window_size=None
   return mods_lib.Mods(tuple(masks), tuple(scores))
 
 
+# The options' names, written once: the keyword-only parameters of `build`.
+OPTIONS = tuple(name for name, p in inspect.signature(build).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
 def _window(size, t: int, s: int) -> mods_lib.LocalWindow:
-  pair = (size, size) if isinstance(size, numbers.Integral) else size
-  ok = (isinstance(pair, tuple) and len(pair) == 2 and
-        all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in pair))
-  if not ok:
-    raise ValueError("local_window_size must be an int >= 0 or a (left, right) pair of them, "
-                     f"got {size!r}")
+  left, right = checks.check_window("local_window_size", size)
   if t != s:
     raise ValueError(
         f"local_window_size needs T == S (query i and key i at the same position), got T={t}, "
         f"S={s}: for other alignments (e.g. a KV cache) write the window as a mask_mod over "
         "absolute positions")
   # A side wider than the sequence sees all of it: clamped, so int32 positions never overflow.
-  return mods_lib.LocalWindow(min(int(pair[0]), s), min(int(pair[1]), s))
+  return mods_lib.LocalWindow(min(left, s), min(right, s))
 
 
 def _int_array(name: str, x, shape: tuple, layout: str):
@@ -60,7 +59,7 @@ def _int_array(name: str, x, shape: tuple, layout: str):
     raise TypeError(f"{name} must be an integer array {layout}, got {type(x).__name__}")
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
-  _checks.check_broadcasts_to(name, x.shape, shape, layout)
+  checks.check_broadcasts_to(name, x.shape, shape, layout)
   return jnp.broadcast_to(jnp.asarray(x), shape)
 
 
@@ -138,5 +137,4 @@ def _score_mod(fn, dtype) -> mods_lib.ScoreMod:
 
 
 def _soft_cap(cap) -> mods_lib.SoftCap:
-  _checks.check_soft_cap(cap)
-  return mods_lib.SoftCap(float(cap))
+  return mods_lib.SoftCap(checks.check_positive_real("logit_soft_cap", cap))

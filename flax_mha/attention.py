@@ -13,14 +13,14 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from flax_mha import _checks
-from flax_mha import _common
+from flax_mha import checks
+from flax_mha.kernels import _shared
 from flax_mha import _options
-from flax_mha import chunked
-from flax_mha import cudnn
-from flax_mha import reference
-from flax_mha import rows
-from flax_mha import xla
+from flax_mha.kernels import chunked
+from flax_mha.kernels import cudnn
+from flax_mha.kernels import reference
+from flax_mha.kernels import rows
+from flax_mha.kernels import xla
 
 # name -> fn(query [B,T,H,K], key [B,S,G,K], value [B,S,G,V], bias, mask, *, is_causal, scale,
 #            dropout_rate, dropout_rng) -> [B,T,H,V]; bias and mask None or rank 4.
@@ -58,7 +58,7 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
   3. With dropout or mods: "xla" for small problems (T·S up to SMALL_LOGITS, or
      SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64), where one fused XLA graph has the
      least overhead, and "chunked" beyond, which is faster there and needs memory linear in S.
-  Every choice computes the same function (see `flax_mha.reference`).
+  Every choice computes the same function (see `flax_mha.kernels.reference`).
   """
   del bias, mask  # every implementation takes them
   if cudnn.unsupported_reason(query, key, value, dropout_rate, mods) is None:
@@ -134,10 +134,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
     the input dtype otherwise. A query row with no visible key (all masked, or every logit -inf)
     gets output 0 and finite gradients, never NaN. Empty inputs (T, S or V = 0) give zeros.
   """
-  options = dict(local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
-                 key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-                 kv_segment_ids=kv_segment_ids, logit_soft_cap=logit_soft_cap,
-                 mask_mod=mask_mod, score_mod=score_mod)
+  arguments = dict(locals())  # the options by name, as _options.OPTIONS lists them
+  options = {name: arguments[name] for name in _options.OPTIONS}
   q, k, v, bias4, mask4, scale, mods = _prepare(
       query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
   out_shape = (*query.shape[:-1], value.shape[-1])
@@ -158,7 +156,7 @@ def dot_product_attention_weights(query, key, bias=None, mask=None, *, is_causal
   Same arguments and conventions as `dot_product_attention` (`options`: local_window_size,
   the sequence lengths, segment ids, logit_soft_cap, mask_mod, score_mod), without `value` and
   `implementation`; computed by the
-  oracle (`flax_mha.reference`). Rows with no visible key are all zero. Materialises the
+  oracle (`flax_mha.kernels.reference`). Rows with no visible key are all zero. Materialises the
   [..., H, T, S] matrix: for plots and small inputs.
   """
   value = key[..., :0]  # shape-only stand-in so the shared checks apply
@@ -166,7 +164,7 @@ def dot_product_attention_weights(query, key, bias=None, mask=None, *, is_causal
       query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
   *batch, t, h, _ = query.shape
   if 0 in (q.shape[0], t, k.shape[1]):
-    return jnp.zeros((*batch, h, t, k.shape[1]), _common.softmax_dtype(query.dtype))
+    return jnp.zeros((*batch, h, t, k.shape[1]), _shared.softmax_dtype(query.dtype))
   weights_BHTS = reference.attention_weights(
       q, k, bias4, mask4, is_causal=is_causal, scale=scale,
       dropout_rate=float(dropout_rate), dropout_rng=dropout_rng, mods=mods)
@@ -175,9 +173,8 @@ def dot_product_attention_weights(query, key, bias=None, mask=None, *, is_causal
 
 def split_heads(x, num_heads: int):
   """[..., T, H·K] -> [..., T, H, K]."""
-  _checks.check_array("x", x, 2, "[..., T, H*K]", floating=False)
-  if not isinstance(num_heads, int) or num_heads <= 0:
-    raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+  checks.check_array("x", x, 2, "[..., T, H*K]", floating=False)
+  checks.check_int("num_heads", num_heads)
   if x.shape[-1] % num_heads:
     raise ValueError(
         f"x's last dim ({x.shape[-1]}) must be divisible by num_heads={num_heads}")
@@ -186,7 +183,7 @@ def split_heads(x, num_heads: int):
 
 def merge_heads(x):
   """[..., T, H, K] -> [..., T, H·K]."""
-  _checks.check_array("x", x, 3, "[..., T, H, K]", floating=False)
+  checks.check_array("x", x, 3, "[..., T, H, K]", floating=False)
   return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
@@ -215,31 +212,28 @@ def check_implementation(implementation) -> None:
 def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options):
   """Check everything, then flatten the batch dims: ([B,T,H,K], [B,S,G,K], [B,S,G,V], bias,
   mask, scale, mods)."""
-  _checks.check_qkv(query, key, value)
-  _checks.check_is_causal(is_causal)
-  _checks.check_scale(scale)
-  _checks.check_dropout(dropout_rate, dropout_rng)
+  checks.check_qkv(query, key, value)
+  checks.check_is_causal(is_causal)
+  checks.check_scale(scale)
+  checks.check_dropout(dropout_rate, dropout_rng)
   *batch, t, h, k = query.shape
   s = key.shape[-3]
   target = (*batch, h, t, s)
   if bias is not None:
-    _checks.check_broadcast("bias", bias, target, boolean=False)
+    checks.check_broadcast("bias", bias, target, boolean=False)
   if mask is not None:
-    _checks.check_broadcast("mask", mask, target, boolean=True)
+    checks.check_broadcast("mask", mask, target, boolean=True)
   if scale is None:
     scale = 1.0 / math.sqrt(k) if k else 1.0  # K = 0: every logit is 0 whatever the scale
   b = math.prod(batch)
   flat = lambda x: x.reshape(b, *x.shape[len(batch):])
-  unknown = set(options) - set(_OPTIONS)
+  unknown = set(options) - set(_options.OPTIONS)
   if unknown:
-    raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; options are {_OPTIONS}")
+    raise TypeError(
+        f"unexpected keyword arguments {sorted(unknown)}; options are {_options.OPTIONS}")
   mods = _options.build(tuple(batch), t, s, h, query.dtype, **options)
   return (flat(query), flat(key), flat(value), _flatten_batch(bias, batch),
           _flatten_batch(mask, batch), float(scale), mods)
-
-
-_OPTIONS = ("local_window_size", "query_seq_lengths", "key_value_seq_lengths", "q_segment_ids",
-            "kv_segment_ids", "logit_soft_cap", "mask_mod", "score_mod")
 
 
 def _flatten_batch(x, batch):

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from flax_mha import checks
+
 
 def padding_mask(lengths, max_len: int):
   """Valid-token mask [..., L] from lengths [...]: position i is valid when i < length."""
   lengths = jnp.asarray(lengths)
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise TypeError(f"lengths must be integers, got dtype {lengths.dtype}")
-  if not isinstance(max_len, int) or max_len < 0:
-    raise ValueError(f"max_len must be a non-negative Python int, got {max_len!r}")
+  checks.check_int("max_len", max_len, lowest=0)
   return jnp.arange(max_len) < lengths[..., None]
 
 

@@ -5,11 +5,11 @@ Shapes use the dimension key in `flax_mha/__init__.py`: T length, H heads, K hea
 
 from __future__ import annotations
 
-import math
-import numbers
 
 import jax.numpy as jnp
 import numpy as np
+
+from flax_mha import checks
 
 
 def apply_rotary(x, positions, *, max_wavelength: float = 10_000.0):
@@ -76,11 +76,5 @@ def _check(x, positions, max_wavelength):
     raise ValueError(
         f"positions must broadcast to x's leading dims [..., T] = {lead} without growing them, "
         f"got shape {positions.shape}")
-  if not isinstance(max_wavelength, numbers.Real) or isinstance(max_wavelength, bool):
-    # A jax array is refused too: the frequencies are static constants.
-    raise TypeError(
-        f"max_wavelength must be a Python number, got {type(max_wavelength).__name__}")
-  if not math.isfinite(max_wavelength) or max_wavelength <= 0:
-    raise ValueError(
-        f"max_wavelength must be a positive finite number, got {max_wavelength!r}")
+  checks.check_positive_real("max_wavelength", max_wavelength)
   return x, positions

@@ -1,19 +1,24 @@
-"""Data and tensor (head) parallelism on JAX's SPMD engine, declared in one place.
+"""Data and tensor (head) parallelism on JAX's SPMD engine: the mechanism, not the layouts.
 
 Parameters stay plain arrays (the tree equals flax.linen's); their layout comes from two tables:
 
-  PARAM_AXES     parameter path suffix -> logical axes, one name per array dim
+  param_axes     parameter path pattern -> logical axes, one name per array dim. Each model
+                 declares its own (`flax_mha.nn.PARAM_AXES` for the attention projections,
+                 `flax_mha.models.transformer.PARAM_AXES`, `flax_mha.models.lm.PARAM_AXES`):
+                 a model knows its parameter names, this module does not.
   LOGICAL_RULES  logical axis -> mesh axis ('data', 'model', 'seq') or None (replicated)
 
-Megatron-style tensor parallelism: the query/key/value kernels [D, H, K] and the first FFN kernel
-[D, F] are split over their output (heads, mlp) on 'model' (column-parallel), the `out` kernel
-[H, V, D] and the second FFN kernel [F, D] over their input (row-parallel), so every head and
-every hidden unit lives on one device and XLA inserts one all-reduce after each sublayer. The
-batch of activations is split over 'data'. `jit` propagates these layouts through the step; no
-sharding constraint inside the modules is needed.
+Megatron-style tensor parallelism, as the models declare it: the query/key/value kernels
+[D, H, K] and the first FFN kernel [D, F] are split over their output (heads, mlp) on 'model'
+(column-parallel), the `out` kernel [H, V, D] and the second FFN kernel [F, D] over their input
+(row-parallel), so every head and every hidden unit lives on one device and XLA inserts one
+all-reduce after each sublayer. The batch of activations is split over 'data'. `jit`
+propagates these layouts through the step; no sharding constraint inside the modules is needed.
 
-A dim whose size the mesh axis does not divide (e.g. G=1 key/value head on model=2, a vocab of 11)
-is replicated instead, so any config runs on any mesh.
+A parameter that matches no pattern is an error, never a silent replication: a model declares
+what it replicates (norm scales) with None axes. A dim whose size the mesh axis does not divide
+(e.g. G=1 key/value head on model=2, a vocab of 11) is replicated instead, so any config runs on
+any mesh. Scalars (step counts) need no entry.
 """
 
 from __future__ import annotations
@@ -24,25 +29,15 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # Mesh axis names, defined here only: batch, tensor (heads / FFN width), sequence (ring
-# attention). flax_mha.ring_attention imports them, so this module must not import flax.
+# attention). flax_mha.kernels.ring imports them, so this module must not import flax.
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 SEQ_AXIS = "seq"
 MESH_AXES = (DATA_AXIS, MODEL_AXIS, SEQ_AXIS)
 
-# Parameter path suffix (regex on 'a/b/c' paths) -> logical axis of each dim; first match wins.
-# Paths that match nothing (LayerNorm scales, output biases) are replicated.
-PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"(query|key|value)/kernel$", ("embed", "heads", "head_dim")),  # column-parallel
-    (r"(query|key|value)/bias$", ("heads", "head_dim")),
-    (r"out/kernel$", ("heads", "head_dim", "embed")),                  # row-parallel
-    (r"(Dense_0|mlp_in)/kernel$", ("embed", "mlp")),                   # column-parallel
-    (r"(Dense_0|mlp_in)/bias$", ("mlp",)),
-    (r"(Dense_1|mlp_out)/kernel$", ("mlp", "embed")),                  # row-parallel
-    (r"(^|/)embedding$", ("vocab", "embed")),
-    (r"pos_embedding$", ("length", "embed")),
-    (r"logits/kernel$", ("embed", "vocab")),
-)
+# A pattern table: (regex searched in 'a/b/c' parameter paths, logical axes); first match of the
+# leaf's rank wins.
+ParamAxes = tuple[tuple[str, tuple[str | None, ...]], ...]
 
 # Logical axis -> mesh axis. Everything not listed is replicated.
 LOGICAL_RULES: dict[str, str | None] = {
@@ -63,16 +58,22 @@ def make_mesh(data: int = 1, model: int = 1, seq: int = 1, devices=None) -> Mesh
                        axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices[:n])
 
 
-def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+def logical_axes(path: str, ndim: int, param_axes: ParamAxes) -> tuple[str | None, ...]:
   """The logical axes of the parameter at `path` ('encoder/layer_0/ffn/Dense_0/kernel').
 
-  Works on any tree that holds parameters (a train state, optimizer moments): only the suffix
-  counts. A leaf whose rank differs from the table's entry (a scalar step count) is replicated.
+  Works on any tree that holds parameters (a train state, optimizer moments): patterns match a
+  path's suffix. Scalars (a step count) are replicated; any other leaf must match a pattern of
+  its rank, or this raises a ValueError naming it.
   """
-  for pattern, axes in PARAM_AXES:
+  if ndim == 0:
+    return ()
+  for pattern, axes in param_axes:
     if re.search(pattern, path) and len(axes) == ndim:
       return axes
-  return (None,) * ndim
+  raise ValueError(
+      f"parameter {path!r} (rank {ndim}) matches no pattern of the model's param_axes: declare "
+      "its logical axes (None for a replicated dim) so that no parameter is replicated by "
+      f"accident; patterns: {[pattern for pattern, _ in param_axes]}")
 
 
 def spec_for(axes, shape, mesh: Mesh, rules=None) -> P:
@@ -87,21 +88,19 @@ def spec_for(axes, shape, mesh: Mesh, rules=None) -> P:
   return P(*spec)
 
 
-def shardings_for(tree, mesh: Mesh, rules=None):
-  """Pytree of `NamedSharding`s for the parameters in `tree` (params, a train state, ...)."""
+def shardings_for(tree, mesh: Mesh, param_axes: ParamAxes, rules=None):
+  """Pytree of `NamedSharding`s for the parameters in `tree` (params, a train state, ...) as
+  `param_axes` (the model's table) and `rules` declare."""
   def one(path, leaf):
     shape = getattr(leaf, "shape", ())
-    axes = logical_axes(_path_str(path), len(shape))
+    axes = logical_axes(path_str(path), len(shape), param_axes)
     return NamedSharding(mesh, spec_for(axes, shape, mesh, rules))
   return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def shard_params(params, mesh: Mesh, rules=None):
-  """`params` placed on `mesh` as `PARAM_AXES` and `rules` declare."""
-  return jax.device_put(params, shardings_for(params, mesh, rules))
-
-
-shard_train_state = shard_params  # the same rules apply to every parameter-shaped leaf
+def shard_params(params, mesh: Mesh, param_axes: ParamAxes, rules=None):
+  """`params` (or any tree of parameter-shaped leaves: a train state) placed on `mesh`."""
+  return jax.device_put(params, shardings_for(params, mesh, param_axes, rules))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
@@ -119,7 +118,7 @@ def shard_batch(batch, mesh: Mesh):
   return jax.tree_util.tree_map(one, batch)
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
   """'a/b/0/c' from a jax key path (dict keys, attributes, sequence indices)."""
   parts = []
   for entry in path:

@@ -243,7 +243,7 @@ def test_split_and_merge_heads_any_dtype():
 def test_masked_softmax_equals_softmax_of_visible_entries_and_zeroes_hidden_rows():
   """The xla implementation's masked softmax: visible entries as jax.nn.softmax over them, hidden
   ones and rows with nothing visible 0; gradients (its own JVP) checked numerically, and finite."""
-  from flax_mha.xla import masked_softmax  # pylint: disable=import-outside-toplevel
+  from flax_mha.kernels.xla import masked_softmax  # pylint: disable=import-outside-toplevel
   logits = jax.random.normal(jax.random.key(3), (2, 3, 5, 7)) * 3
   visible = jax.random.bernoulli(jax.random.key(4), 0.6, (2, 1, 5, 7)).at[0, 0, 2].set(False)
   weights = masked_softmax(logits, visible)

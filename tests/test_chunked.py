@@ -1,4 +1,4 @@
-"""flax_mha.chunked against the oracle: gradients, offsets (ring attention) and memory.
+"""flax_mha.kernels.chunked against the oracle: gradients, offsets (ring attention) and memory.
 
 Values and gradients on every combination of bias, mask, causality, dropout and head layout are in
 tests/test_implementations.py.
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from flax_mha import chunked
-from flax_mha import reference
+from flax_mha.kernels import chunked
+from flax_mha.kernels import reference
 
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
 SMALL = chunked.make_attention(block_q=3, block_k=4)

@@ -1,4 +1,4 @@
-"""flax_mha.cudnn: the GPU path equals the float32 reference; off a GPU it says why it can't run.
+"""flax_mha.kernels.cudnn: the GPU path equals the float32 reference; off a GPU it says why it can't run.
 
 The GPU tests run where JAX sees a CUDA device (e.g. `python -m pytest tests/test_cudnn.py` on the
 lent H100) and are skipped elsewhere.
@@ -14,7 +14,7 @@ import pytest
 
 import flax_mha
 from flax_mha import attention as attention_lib
-from flax_mha import cudnn
+from flax_mha.kernels import cudnn
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="cuDNN needs a CUDA GPU")

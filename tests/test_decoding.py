@@ -1,4 +1,4 @@
-"""flax_mha.decoding: cached greedy and beam search against cache-free and exhaustive searches."""
+"""flax_mha.models.decoding: cached greedy and beam search against cache-free and exhaustive searches."""
 
 import itertools
 
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_mha.decoding import beam_search, greedy_decode, length_penalty
-from flax_mha.transformer import Transformer, TransformerConfig
+from flax_mha.models.decoding import beam_search, greedy_decode, length_penalty
+from flax_mha.models.transformer import Transformer, TransformerConfig
 
 B, S = 3, 6
 

@@ -1,6 +1,6 @@
 """One semantics for every implementation: each against the oracle and a float64 NumPy reference.
 
-The oracle (`flax_mha.reference`) is checked against NumPy in test_attention.py; here every other
+The oracle (`flax_mha.kernels.reference`) is checked against NumPy in test_attention.py; here every other
 implementation is checked against it, values and gradients, on every combination of bias, mask,
 causality, dropout and head layout, and on the inputs where implementations used to disagree:
 rows hidden by a -inf bias, rows of finfo.min logits, float64, empty dims.
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import flax_mha
-from flax_mha import chunked
-from flax_mha import reference
-from flax_mha import rows
+from flax_mha.kernels import chunked
+from flax_mha.kernels import reference
+from flax_mha.kernels import rows
 from conftest import np_attention, qkv
 
 # Block sizes (3, 4) divide none of the prime lengths: the padding is covered too.

@@ -10,7 +10,7 @@ import pytest
 from configs import lm as lm_config
 from experiments import lm, lm_data, metrics, train
 from experiments.tasks import BOS, EOS, PAD, get_task
-from flax_mha.lm import DecoderLM, LMConfig
+from flax_mha.models.lm import DecoderLM, LMConfig
 
 TASK = get_task("reverse", heldout_percent=10, min_len=1, max_len=9)
 
@@ -92,7 +92,7 @@ def test_tiny_config_trains(tmp_path):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_kv_heads=3), "LMConfig.num_heads=4 must be a multiple of LMConfig.num_kv_heads=3"),
-    (dict(local_window=-2), "LMConfig.local_window must be None or an int >= 0"),
+    (dict(local_window=-2), "LMConfig.local_window must be an int >= 0, got -2"),
     (dict(global_every=0), "LMConfig.global_every must be a positive int"),
 ])
 def test_bad_config(kwargs, match):

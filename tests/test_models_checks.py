@@ -19,12 +19,13 @@ from flax import nnx
 import flax_mha
 from configs import dates as dates_config
 from configs import lm as lm_config
-from experiments import lm, lm_data, train
+from experiments import lm_data, train
 from experiments.tasks import PAD, get_task
 from flax_mha import sharding
-from flax_mha.decoding import beam_search, greedy_decode
-from flax_mha.lm import DecoderLM, LMConfig
-from flax_mha.transformer import Transformer, TransformerConfig
+from flax_mha.models.decoding import beam_search, greedy_decode
+from flax_mha.models import lm as lm_model
+from flax_mha.models.lm import DecoderLM, LMConfig
+from flax_mha.models.transformer import Transformer, TransformerConfig
 
 TASK = get_task("reverse", heldout_percent=10, min_len=1, max_len=9)
 
@@ -90,13 +91,11 @@ def test_lm_mlp_kernels_have_a_sharding_rule():
                              num_layers=2, d_ff=16))
   x = jnp.zeros((1, 8), jnp.int32)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, x, x))["params"]
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  kernels = {sharding._path_str(p): leaf.ndim for p, leaf in flat  # pylint: disable=protected-access
-             if sharding._path_str(p).endswith("kernel")}  # pylint: disable=protected-access
-  assert any("mlp_in" in p for p in kernels)
-  for path, ndim in kernels.items():
-    assert "mlp" in sharding.logical_axes(path, ndim) or "heads" in sharding.logical_axes(
-        path, ndim), path
+  axes = {sharding.path_str(p): sharding.logical_axes(sharding.path_str(p), leaf.ndim,
+                                                      lm_model.PARAM_AXES)
+          for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  assert axes["block_0/mlp_in/kernel"] == ("embed", "mlp")
+  assert axes["block_0/mlp_out/kernel"] == ("mlp", "embed")
 
 
 def test_lm_on_a_sequence_mesh_is_refused_before_anything_runs(tmp_path):
@@ -110,7 +109,7 @@ def test_lm_on_a_sequence_mesh_is_refused_before_anything_runs(tmp_path):
 @pytest.mark.parametrize("cap,error", [(-1.0, ValueError), (0.0, ValueError), ("3", TypeError)])
 def test_nnx_checks_the_soft_cap_at_construction(cap, error):
   with pytest.raises(error, match="logit_soft_cap must be"):
-    flax_mha.nnx.MultiHeadAttention(2, 8, logit_soft_cap=cap, rngs=nnx.Rngs(0))
+    flax_mha.nn.nnx.MultiHeadAttention(2, 8, logit_soft_cap=cap, rngs=nnx.Rngs(0))
 
 
 def test_unknown_implementation_error_says_how_to_ask_for_ring():

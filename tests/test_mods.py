@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 import flax_mha
-from flax_mha import _tiling
-from flax_mha import chunked
+from flax_mha.kernels import chunked
 from flax_mha import mods as mods_lib
 from conftest import np_attention
 
@@ -257,7 +256,7 @@ BAD = [
      r"key_value_seq_lengths must broadcast to \[\.\.\.\] \(the batch dims\) = \(2,\)"),
     (dict(logit_soft_cap=0.0), {}, ValueError, "logit_soft_cap must be a finite number > 0"),
     (dict(logit_soft_cap=-1.0), {}, ValueError, "logit_soft_cap must be a finite number > 0"),
-    (dict(logit_soft_cap="3"), {}, TypeError, "logit_soft_cap must be a Python float > 0"),
+    (dict(logit_soft_cap="3"), {}, TypeError, "logit_soft_cap must be a finite number > 0, got str"),
     (dict(mask_mod=lambda b, h, q, kv: (q - kv).astype(jnp.float32)), {}, TypeError,
      "mask_mod must return a boolean array"),
     (dict(mask_mod=3), {}, TypeError, "mask_mod must be a callable"),

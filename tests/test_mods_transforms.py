@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import flax_mha
-from flax_mha import chunked
+from flax_mha.kernels import chunked
 from conftest import np_attention
 
 B, T, H, G, K = 2, 11, 4, 2, 8  # T prime: no block size divides it

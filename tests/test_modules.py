@@ -1,4 +1,4 @@
-"""flax_mha.modules against a float64 NumPy forward pass and flax.linen's attention modules."""
+"""flax_mha.nn.linen against a float64 NumPy forward pass and flax.linen's attention modules."""
 
 import functools
 

@@ -1,4 +1,4 @@
-"""The modern options of flax_mha.modules: normalize_qk, logit_soft_cap, local_window_size, rotary
+"""The modern options of flax_mha.nn.linen: normalize_qk, logit_soft_cap, local_window_size, rotary
 embeddings, segment ids and positions, with and without the KV cache.
 
 Checked against flax.linen (normalize_qk) and against a float64 NumPy forward pass written here

@@ -1,7 +1,7 @@
-"""flax_mha.nnx: one behavioural suite over both front ends, and parity with flax.nnx.
+"""flax_mha.nn.nnx: one behavioural suite over both front ends, and parity with flax.nnx.
 
 The suite runs each test against the linen module (`flax_mha.MultiHeadAttention`, behind a small
-adapter) and the NNX module (`flax_mha.nnx.MultiHeadAttention`), given the same random params
+adapter) and the NNX module (`flax_mha.nn.nnx.MultiHeadAttention`), given the same random params
 through `linen_params_to_nnx`, and checks both against a float64 NumPy forward pass (the modern
 options: rotary, windows, soft cap, normalize_qk, segment ids: test_modules_modern's reference).
 """
@@ -19,7 +19,7 @@ from flax import nnx
 import flax_mha
 import test_modules_modern as modern  # its float64 reference of the modern options
 from conftest import DIMS, np_attention, randn, random_mask
-from flax_mha import nnx as fnnx
+from flax_mha.nn import nnx as fnnx
 
 B, T, S, H, G, K, V = (DIMS[d] for d in "BTSHGKV")
 DQ, DK, DV, DOUT = 19, 23, 29, 17  # model widths: query, key and value inputs, output
@@ -125,7 +125,7 @@ class LinenFrontEnd:
 
 
 class NnxFrontEnd:
-  """`flax_mha.nnx.MultiHeadAttention` behind the same calls."""
+  """`flax_mha.nn.nnx.MultiHeadAttention` behind the same calls."""
 
   def __init__(self, module):
     self.module = module
@@ -399,7 +399,7 @@ def test_conversion_errors():
   with pytest.raises(ValueError, match=r"params\['key'\]\['kernel'\] must have shape "
                                        r"\(19, 6, 11\).*got \(19, 1, 11\)"):
     fnnx.linen_params_to_nnx(bad, module)
-  with pytest.raises(TypeError, match="module must be a flax_mha.nnx.MultiHeadAttention"):
+  with pytest.raises(TypeError, match="module must be a flax_mha.nn.nnx.MultiHeadAttention"):
     fnnx.nnx_to_linen_params(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
 
 

@@ -1,4 +1,4 @@
-"""flax_mha.nnx under NNX's transforms (jit, vmap, grad, split/merge), its partition specs and
+"""flax_mha.nn.nnx under NNX's transforms (jit, vmap, grad, split/merge), its partition specs and
 its argument checks. The behavioural suite and the parity with flax.nnx are in test_nnx.py,
 whose sizes and helpers this file shares.
 """
@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import flax_mha
 from conftest import randn, random_mask
-from flax_mha import nnx as fnnx
+from flax_mha.nn import nnx as fnnx
 from test_nnx import (B, DOUT, DQ, G, GQA_KW, H, K, L, NNX_JIT_WORKS, T, TOL, V, _pure,
                       _random_params, np_module)
 
@@ -117,10 +117,11 @@ def test_partition_specs_are_the_linen_layout():
   specs = _pure(nnx.get_partition_spec(nnx.state(module, nnx.Param)))
   qkv = {"kernel": P("embed", "heads", "head_dim"), "bias": P("heads", "head_dim")}
   assert specs == {"query": qkv, "key": qkv, "value": qkv,
-                   "out": {"kernel": P("heads", "head_dim", "embed"), "bias": P(None)}}
+                   "out": {"kernel": P("heads", "head_dim", "embed"), "bias": P("embed")}}
   # The same axes as flax_mha.sharding gives the linen tree: one layout for both front ends.
   mesh = flax_mha.sharding.make_mesh()
-  placed = flax_mha.sharding.shardings_for(fnnx.nnx_to_linen_params(module)["params"], mesh)
+  placed = flax_mha.sharding.shardings_for(fnnx.nnx_to_linen_params(module)["params"], mesh,
+                                           flax_mha.nn.PARAM_AXES)
   want = jax.tree.map(lambda s: flax_mha.sharding.spec_for(s, (1,) * len(s), mesh), specs,
                       is_leaf=lambda s: isinstance(s, P))
   assert jax.tree.map(lambda s: s.spec, placed) == want
@@ -135,8 +136,8 @@ BAD_CONSTRUCTOR = [
     (dict(num_kv_heads=3), ValueError, "num_heads=4 must be a multiple of num_kv_heads=3"),
     (dict(num_heads=0), ValueError, "num_heads must be a positive int, got 0"),
     (dict(in_features=0), ValueError, "in_features must be a positive int, got 0"),
-    (dict(out_features=2.5), ValueError, "out_features must be a positive int, got 2.5"),
-    (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\), got 1.0"),
+    (dict(out_features=2.5), TypeError, "out_features must be a positive int, got float 2.5"),
+    (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be a finite number in \[0, 1\), got 1.0"),
     (dict(implementation="flash"), ValueError, "implementation must be .*got 'flash'"),
     (dict(rngs=0), TypeError, "rngs must be an nnx.Rngs, got int"),
     (dict(qkv_features=12, rotary_max_wavelength=1e4, num_heads=4), ValueError,

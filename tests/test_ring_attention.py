@@ -1,4 +1,4 @@
-"""flax_mha.ring_attention: 4 sequence shards equal single-device attention, values and grads.
+"""flax_mha.kernels.ring: 4 sequence shards equal single-device attention, values and grads.
 
 The 8-device checks run in a subprocess (tests/multidevice/check_ring.py); argument checks and
 one-device meshes run here on the single CPU device.
@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, AxisType
 import flax_mha
 from flax_mha import sharding
 from flax_mha import ring_implementation
-from flax_mha.ring_attention import ring_attention
+from flax_mha.kernels.ring import ring_attention
 from tests.conftest import np_attention
 from tests.multidevice.run import run_check
 

@@ -140,17 +140,17 @@ BAD = [
     ("complex positions", (X, np.ones(T, np.complex64)), {}, TypeError,
      r"positions must .*complex64"),
     ("max_wavelength zero", (X, POS), dict(max_wavelength=0.0), ValueError,
-     r"max_wavelength must be a positive finite number, got 0\.0"),
+     r"max_wavelength must be a finite number > 0, got 0\.0"),
     ("max_wavelength negative", (X, POS), dict(max_wavelength=-10), ValueError,
      r"max_wavelength.*-10"),
     ("max_wavelength inf", (X, POS), dict(max_wavelength=float("inf")), ValueError,
      r"max_wavelength.*inf"),
     ("max_wavelength array", (X, POS), dict(max_wavelength=jnp.float32(1e4)), TypeError,
-     r"max_wavelength must be a Python number, got .*Array"),
+     r"max_wavelength must be a finite number > 0, got .*Array"),
     ("max_wavelength str", (X, POS), dict(max_wavelength="1e4"), TypeError,
-     r"max_wavelength must be a Python number, got str"),
+     r"max_wavelength must be a finite number > 0, got str"),
     ("max_wavelength bool", (X, POS), dict(max_wavelength=True), TypeError,
-     r"max_wavelength must be a Python number, got bool"),
+     r"max_wavelength must be a finite number > 0, got bool"),
 ]
 
 

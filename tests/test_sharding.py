@@ -10,11 +10,15 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from flax_mha import sharding
-from flax_mha.ring_attention import ring_attention
+from flax_mha.kernels.ring import ring_attention
+from flax_mha.models import lm, transformer
+from flax_mha.models.lm import DecoderLM, LMConfig
+from flax_mha.models.transformer import Transformer, TransformerConfig
 from tests.multidevice.run import ROOT, run_check
 
 
@@ -33,12 +37,38 @@ def test_layouts_match_unsharded_on_8_devices():
     ("encoder/layer_0/ffn/Dense_0/kernel", 2, ("embed", "mlp")),
     ("encoder/layer_0/ffn/Dense_1/kernel", 2, ("mlp", "embed")),
     ("embed/embedding", 2, ("vocab", "embed")),
-    ("encoder/layer_0/ffn_block/norm/scale", 1, (None,)),
+    ("encoder/layer_0/ffn_block/norm/scale", 1, ("embed",)),
     ("opt_state/0/mu/encoder/layer_0/self_attention/value/bias", 2, ("heads", "head_dim")),
     ("opt_state/0/count", 0, ()),
 ])
-def test_logical_axes(path, ndim, axes):
-  assert sharding.logical_axes(path, ndim) == axes
+def test_logical_axes_of_the_transformer(path, ndim, axes):
+  assert sharding.logical_axes(path, ndim, transformer.PARAM_AXES) == axes
+
+
+@pytest.mark.parametrize("model", ["transformer", "lm"])
+def test_every_parameter_of_each_model_is_declared(model):
+  """Each model's table covers every parameter it has (an undeclared one would raise)."""
+  if model == "transformer":
+    module, axes = Transformer(TransformerConfig(vocab_size=11, num_kv_heads=2, d_model=16,
+                                                 learned_positions=True,
+                                                 share_embeddings=False)), transformer.PARAM_AXES
+    args = (jnp.zeros((1, 5), jnp.int32),) * 2
+  else:
+    module = DecoderLM(LMConfig(vocab_size=11, d_model=16, normalize_qk=True))
+    axes, args = lm.PARAM_AXES, (jnp.zeros((1, 5), jnp.int32),) * 3
+  params = jax.eval_shape(lambda: module.init(jax.random.key(0), *args))["params"]
+  mesh = jax.sharding.AbstractMesh((1, 2, 1), sharding.MESH_AXES)
+  specs = sharding.shardings_for(params, mesh, axes)
+  kernels = [s.spec for p, s in jax.tree_util.tree_flatten_with_path(specs)[0]
+             if sharding.path_str(p).endswith("kernel") and "logits" not in sharding.path_str(p)]
+  assert kernels and all("model" in spec for spec in kernels), kernels  # every block's dense split
+
+
+def test_an_undeclared_parameter_is_an_error_not_a_replication():
+  params = {"block": {"mlp_in": {"kernel": jnp.zeros((4, 8))}}}
+  with pytest.raises(ValueError, match=r"'block/mlp_in/kernel' \(rank 2\) matches no pattern"):
+    sharding.shardings_for(params, sharding.make_mesh(), transformer.PARAM_AXES)
+  assert sharding.shardings_for(params, sharding.make_mesh(), lm.PARAM_AXES)  # the LM's own
 
 
 def test_single_device_mesh():
@@ -55,21 +85,33 @@ def test_make_mesh_rejects_too_many_devices():
     sharding.make_mesh(data=1024)
 
 
-def test_mesh_axis_names_have_one_definition():
-  """MESH_AXES, the rules and ring attention's defaults all use the same constants."""
-  assert sharding.MESH_AXES == (sharding.DATA_AXIS, sharding.MODEL_AXIS, sharding.SEQ_AXIS)
-  assert sharding.LOGICAL_RULES["batch"] == sharding.DATA_AXIS
-  assert set(sharding.LOGICAL_RULES.values()) <= set(sharding.MESH_AXES)
+def test_ring_attention_and_the_rules_name_the_mesh_axes_make_mesh_builds():
+  """The mesh that make_mesh builds is the one the rules and ring attention look for: a batch
+  lands on its data axis, ring attention's default axis is one of its axes."""
+  mesh = sharding.make_mesh()
+  assert sharding.batch_sharding(mesh).spec[0] in mesh.axis_names
+  assert set(sharding.LOGICAL_RULES.values()) <= set(mesh.axis_names)
   default = inspect.signature(ring_attention).parameters["axis_name"].default
-  assert default is sharding.SEQ_AXIS
-  assert sharding.make_mesh().axis_names == sharding.MESH_AXES
+  assert default in mesh.axis_names
 
 
-def test_sharding_imports_without_flax():
-  """flax_mha.ring_attention imports sharding; the pure-function layer must not pull in flax."""
-  code = ("import sys, importlib.util, pathlib\n"
-          "spec = importlib.util.spec_from_file_location('s', 'flax_mha/sharding.py')\n"
-          "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
-          "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)\n")
+def test_the_pure_api_loads_no_flax():
+  """`import flax_mha`, a call of dot_product_attention (and masks, mods, rotary, sharding):
+  neither flax nor optax is imported; the front ends load on first access."""
+  code = """
+import sys
+import jax.numpy as jnp
+import flax_mha
+x = jnp.ones((1, 4, 2, 8))
+flax_mha.dot_product_attention(x, x, x, is_causal=True, mask_mod=lambda b, h, q, k: q >= k,
+                               implementation="chunked")
+flax_mha.apply_rotary(x, jnp.arange(4))
+flax_mha.padding_mask(jnp.array([3]), 4)
+flax_mha.sharding.make_mesh()
+loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'optax'))
+assert not loaded, loaded
+flax_mha.nnx, flax_mha.SelfAttention  # loaded on first access
+assert 'flax' in sys.modules
+"""
   subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=dict(
       os.environ, JAX_PLATFORMS="cpu"))

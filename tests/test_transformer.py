@@ -1,4 +1,4 @@
-"""flax_mha.transformer: shapes, masks, causality, cache equivalence, variants, bad configs."""
+"""flax_mha.models.transformer: shapes, masks, causality, cache equivalence, variants, bad configs."""
 
 import chex
 import flax.linen as nn
@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import flax_mha
-from flax_mha.transformer import Transformer, TransformerConfig, sinusoidal_positions
+from flax_mha.models.transformer import Transformer, TransformerConfig, sinusoidal_positions
 
 VOCAB, B, S, T = 13, 3, 7, 5
 
@@ -182,8 +182,8 @@ def test_overfits_copy_task():
     ("num_kv_heads", 0, "TransformerConfig.num_kv_heads must be a positive int, got 0"),
     ("num_heads", 0, "TransformerConfig.num_heads must be a positive int, got 0"),
     ("attention_dropout_rate", -0.1,
-     r"TransformerConfig.attention_dropout_rate must be in \[0, 1\), got -0.1"),
-    ("dropout_rate", 1.0, "dropout_rate must be in"),
+     r"TransformerConfig.attention_dropout_rate must be a finite number in \[0, 1\), got -0.1"),
+    ("dropout_rate", 1.0, r"TransformerConfig.dropout_rate must be a finite number in \[0, 1\)"),
     ("eos_id", 99, "eos_id=99 must be in"),
     ("num_encoder_layers", 0, "num_encoder_layers must be a positive int"),
 ])

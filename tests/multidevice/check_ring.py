@@ -1,7 +1,7 @@
 """Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_ring_attention.py does).
 
 Ring attention over 4 sequence shards (x 2 batch shards) must equal the float64 NumPy attention
-of tests/conftest.py in values and single-device `flax_mha.reference` in loss and gradients:
+of tests/conftest.py in values and single-device `flax_mha.kernels.reference` in loss and gradients:
 causal and not, MHA, GQA and MQA, T != S, V != K, on meshes with Auto, Explicit and mixed axes,
 and as the `implementation` callable of `flax_mha.dot_product_attention`.
 Prints one 'OK ...' per check.
@@ -13,9 +13,10 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_mha
-from flax_mha import reference, sharding
+from flax_mha import sharding
+from flax_mha.kernels import reference
 from flax_mha import ring_implementation
-from flax_mha.ring_attention import ring_attention
+from flax_mha.kernels.ring import ring_attention
 from tests.conftest import np_attention
 
 B, H, K, V = 2, 6, 5, 7  # distinct sizes so a swapped axis fails

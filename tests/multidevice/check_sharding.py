@@ -13,7 +13,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from flax_mha import MultiHeadAttention, Transformer, TransformerConfig, sharding
-from flax_mha.transformer import FeedForward
+from flax_mha.models import transformer
+from flax_mha.models.transformer import FeedForward
+from flax_mha.nn import PARAM_AXES as ATTENTION_AXES
 
 LAYOUTS = {"data": dict(data=4), "model": dict(model=2), "data_x_model": dict(data=2, model=2)}
 B, T, D, H = 4, 6, 10, 6  # H and F=14 split over model=2; D=10 stays whole
@@ -22,7 +24,7 @@ CONFIG = TransformerConfig(vocab_size=11, d_model=D, num_heads=2, d_ff=14, num_e
 TRANSFORMER_GQA = CONFIG.replace(num_heads=4, num_kv_heads=2, d_model=12)
 
 # Every parameter of `Transformer(TRANSFORMER_GQA)` and its spec on data=2 x model=2, written out
-# by hand from the Megatron layout (docs/scale_out.md), not computed from PARAM_AXES: a renamed
+# by hand from the Megatron layout (docs/scale_out.md), not computed from transformer.PARAM_AXES: a renamed
 # module that silently fell back to replicated, or a new parameter, fails check_pinned_specs.
 TRANSFORMER_SPECS = {
     "embed/embedding": P(None, None),  # vocab 11 is not a logical axis with a rule
@@ -78,20 +80,20 @@ def loss_and_grads(model, params, *inputs):
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
-def check_model(name, model, *inputs, layouts=tuple(LAYOUTS), pinned=None):
-  """Loss and grads on each layout equal the unsharded ones; `pinned`: {path: spec} on
-  data_x_model."""
+def check_model(name, model, param_axes, *inputs, layouts=tuple(LAYOUTS), pinned=None):
+  """Loss and grads on each layout equal the unsharded ones, parameters placed by the model's
+  `param_axes`; `pinned`: {path: spec} on data_x_model."""
   params = jax.jit(model.init)(jax.random.key(0), *inputs)["params"]
   want_loss, want_grads = loss_and_grads(model, params, *inputs)
   for layout in layouts:
     mesh = sharding.make_mesh(**LAYOUTS[layout])
-    sharded = sharding.shard_params(params, mesh)
+    sharded = sharding.shard_params(params, mesh, param_axes)
     batch = sharding.shard_batch(inputs, mesh)
     got_loss, got_grads = loss_and_grads(model, sharded, *batch)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                  got_grads, want_grads)
-    check_layout(sharded, mesh)
+    check_layout(sharded, mesh, param_axes)
     if pinned is not None and layout == "data_x_model":
       check_pinned_specs(name, sharded, mesh, pinned)
     assert batch[0].sharding.spec[0] == "data", batch[0].sharding.spec
@@ -99,14 +101,15 @@ def check_model(name, model, *inputs, layouts=tuple(LAYOUTS), pinned=None):
     print(f"OK {name} {layout} loss={float(got_loss):.6f}")
 
 
-def check_layout(tree, mesh):
-  """Each leaf's spec follows PARAM_AXES / LOGICAL_RULES and its per-device shard matches it.
+def check_layout(tree, mesh, param_axes):
+  """Each leaf's spec follows param_axes / LOGICAL_RULES and its per-device shard matches it.
 
   The expected spec comes from the same tables that placed the leaf, so this checks consistency
   only; check_pinned_specs and check_declared_specs hold the literal expectations."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    path = sharding._path_str(path)
-    want = sharding.spec_for(sharding.logical_axes(path, leaf.ndim), leaf.shape, mesh)
+    path = sharding.path_str(path)
+    want = sharding.spec_for(sharding.logical_axes(path, leaf.ndim, param_axes), leaf.shape,
+                             mesh)
     assert leaf.sharding.spec == want, (path, leaf.sharding.spec, want)
     check_shard_shape(path, leaf, want, mesh)
 
@@ -132,7 +135,7 @@ def check_declared_specs():
   mesh = sharding.make_mesh(data=2, model=2)
   model = MultiHeadAttention(num_heads=4, num_kv_heads=1, qkv_features=8)
   params = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((2, 3, 8)))["params"]
-  specs = jax.tree.map(lambda s: s.spec, sharding.shardings_for(params, mesh))
+  specs = jax.tree.map(lambda s: s.spec, sharding.shardings_for(params, mesh, ATTENTION_AXES))
   assert specs["query"]["kernel"] == P(None, "model", None), specs["query"]
   assert specs["key"]["kernel"] == P(None, None, None), specs["key"]  # G=1: can't split
   assert specs["out"]["kernel"] == P("model", None, None), specs["out"]
@@ -146,8 +149,8 @@ def check_train_state():
   model = MultiHeadAttention(num_heads=H, qkv_features=12)
   params = jax.jit(model.init)(jax.random.key(0), jnp.ones((B, T, D)))["params"]
   state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
-  sharded = sharding.shard_train_state(state, mesh)
-  check_layout(sharded, mesh)
+  sharded = sharding.shard_params(state, mesh, ATTENTION_AXES)
+  check_layout(sharded, mesh, ATTENTION_AXES)
   mu = sharded["opt_state"][0].mu
   assert mu["query"]["kernel"].sharding.spec == P(None, "model", None)
   assert sharded["opt_state"][0].count.sharding.spec == P()
@@ -159,15 +162,15 @@ def main():
   x = jax.random.normal(jax.random.key(1), (B, T, D))
   check_declared_specs()
   check_train_state()
-  check_model("mha", MultiHeadAttention(num_heads=H, qkv_features=12), x)
-  check_model("gqa", MultiHeadAttention(num_heads=H, num_kv_heads=2, qkv_features=12), x,
-              layouts=("data_x_model",))
-  check_model("ffn", FeedForward(CONFIG), x)
+  check_model("mha", MultiHeadAttention(num_heads=H, qkv_features=12), ATTENTION_AXES, x)
+  check_model("gqa", MultiHeadAttention(num_heads=H, num_kv_heads=2, qkv_features=12),
+              ATTENTION_AXES, x, layouts=("data_x_model",))
+  check_model("ffn", FeedForward(CONFIG), transformer.PARAM_AXES, x)
   src = jax.random.randint(jax.random.key(2), (B, 7), 0, 11)
   tgt = jax.random.randint(jax.random.key(3), (B, T), 0, 11)
   # One layout for the whole model (each compile is seconds): data x model covers both splits.
-  check_model("transformer_gqa", Transformer(TRANSFORMER_GQA), src, tgt, layouts=("data_x_model",),
-              pinned=TRANSFORMER_SPECS)
+  check_model("transformer_gqa", Transformer(TRANSFORMER_GQA), transformer.PARAM_AXES, src, tgt,
+              layouts=("data_x_model",), pinned=TRANSFORMER_SPECS)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from configs import algorithmic
 from experiments import metrics, train
 from experiments.tasks import get_task
-from flax_mha.transformer import Transformer
+from flax_mha.models.transformer import Transformer
 
 TIMING_KEYS = ("train_seconds", "steps_per_second", "train/tokens_per_second")
 

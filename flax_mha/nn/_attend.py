@@ -1,23 +1,34 @@
 """What the linen and NNX front ends share: argument checks, rotary positions, the cache mask.
 
 Plain functions of arrays and Python values, no flax: each front end keeps only its parameters
-and state (`flax_mha.modules` the linen variables, `flax_mha.nnx` the `nnx.Variable`s) and calls
+and state (`flax_mha.nn.linen` the linen variables, `flax_mha.nn.nnx` the `nnx.Variable`s) and calls
 these, so both attend the same way by construction.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 
 import jax.numpy as jnp
 from jax import lax
 
-from flax_mha import _checks
+from flax_mha import checks
 from flax_mha import masks as masks_lib
+from flax_mha import mods as mods_lib
 from flax_mha.attention import dot_product_attention, dot_product_attention_weights
 from flax_mha.rotary import apply_rotary
+
+
+# The attention projections' logical axes (see `flax_mha.sharding`): the query/key/value
+# kernels [D, H|G, K] column-parallel over heads, `out` [H, V, D] row-parallel; the normalize_qk
+# scales [K] and the output bias [D] replicated. Models extend this table with their own.
+PARAM_AXES = (
+    (r"(query|key|value)/kernel$", ("embed", "heads", "head_dim")),
+    (r"(query|key|value)/bias$", ("heads", "head_dim")),
+    (r"out/kernel$", ("heads", "head_dim", "embed")),
+    (r"out/bias$", ("embed",)),
+    (r"(query|key)_ln/scale$", ("head_dim",)),
+)
 
 
 def resolve_inputs(inputs_q, inputs_k, inputs_v):
@@ -41,45 +52,24 @@ def check_inputs(inputs_q, inputs_k, inputs_v):
   for name, x, layout in (("inputs_q", inputs_q, "[..., T, D_q]"),
                           ("inputs_k", inputs_k, "[..., S, D_k]"),
                           ("inputs_v", inputs_v, "[..., S, D_v]")):
-    _checks.check_array(name, x, 2, layout, floating=False)
-  if inputs_k.shape[:-2] != inputs_q.shape[:-2] or inputs_v.shape[:-2] != inputs_q.shape[:-2]:
-    raise ValueError(
-        "inputs_q, inputs_k and inputs_v must share batch dims [...], got shapes "
-        f"{tuple(inputs_q.shape)}, {tuple(inputs_k.shape)} and {tuple(inputs_v.shape)}")
-  if inputs_k.shape[-2] != inputs_v.shape[-2]:
-    raise ValueError(
-        "inputs_k [..., S, D_k] and inputs_v [..., S, D_v] must share the length S, got "
-        f"{tuple(inputs_k.shape)} and {tuple(inputs_v.shape)}")
+    checks.check_array(name, x, 2, layout, floating=False)
+  inputs = (inputs_q, inputs_k, inputs_v)
+  checks.check_agree("inputs_q, inputs_k and inputs_v", inputs, slice(None, -2),
+                     "share batch dims [...]")
+  checks.check_agree("inputs_k [..., S, D_k] and inputs_v [..., S, D_v]", inputs[1:],
+                     slice(-2, -1), "share the length S")
 
 
 def check_rotary(wavelength, qkv_features: int, num_heads: int) -> None:
   """rotary_max_wavelength (None: off) is a positive finite Python number, with an even K."""
-  if wavelength is None:
+  if checks.check_positive_real("rotary_max_wavelength", wavelength, optional=True) is None:
     return
-  if not isinstance(wavelength, numbers.Real) or isinstance(wavelength, bool):
-    raise TypeError(f"rotary_max_wavelength must be a Python float or None, got "
-                    f"{type(wavelength).__name__}")
-  if not (math.isfinite(wavelength) and wavelength > 0):
-    raise ValueError(f"rotary_max_wavelength must be a finite number > 0, got {wavelength}")
   k = qkv_features // num_heads
   if k % 2:
     raise ValueError(
         "rotary_max_wavelength needs an even qk head dim K = qkv_features / num_heads "
         "(the rotation pairs feature i with i + K/2), got "
         f"K={k} (qkv_features={qkv_features}, num_heads={num_heads})")
-
-
-def window_pair(size) -> tuple[int, int] | None:
-  """(left, right) from local_window_size: None, an int w (meaning (w, w)) or a pair >= 0."""
-  if size is None:
-    return None
-  pair = (size, size) if isinstance(size, numbers.Integral) else size
-  ok = (isinstance(pair, tuple) and len(pair) == 2 and
-        all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in pair))
-  if not ok:
-    raise ValueError(
-        f"local_window_size must be an int >= 0 or a (left, right) pair of them, got {size!r}")
-  return int(pair[0]), int(pair[1])
 
 
 def check_call(*, decode: bool, rotary: bool, q_segment_ids, kv_segment_ids, q_positions,
@@ -117,10 +107,10 @@ def rotate(query_THK, key_SGK, q_positions, kv_positions, *, keys_from_q: bool, 
 
 def _check_positions(name: str, positions, lead: tuple, layout: str):
   """Integer positions broadcasting to the projections' leading dims [..., T] (or [..., S])."""
-  _checks.check_array(name, positions, 1, layout, floating=False)
+  checks.check_array(name, positions, 1, layout, floating=False)
   if not jnp.issubdtype(positions.dtype, jnp.integer):
     raise TypeError(f"{name} must have an integer dtype, got {positions.dtype}")
-  _checks.check_broadcasts_to(name, positions.shape, lead, layout)
+  checks.check_broadcasts_to(name, positions.shape, lead, layout)
 
 
 def write_cache(cache, new, index):
@@ -133,15 +123,14 @@ def write_cache(cache, new, index):
 
 
 def cache_mask(mask, num_q: int, num_kv: int, window, offset):
-  """mask AND causal AND window [T, S], query i at absolute position i + offset, key j at j."""
-  window_TS = None
-  if window is not None:
-    left, right = (min(w, num_kv) for w in window)  # wider than the cache: no limit (no overflow)
-    q_pos = jnp.arange(num_q)[:, None] + offset
-    kv_pos = jnp.arange(num_kv)[None, :]
-    window_TS = (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
-  return masks_lib.combine_masks(
-      mask, masks_lib.causal_mask(num_q, num_kv, offset=offset), window_TS)
+  """mask AND causal AND window [T, S], query i at absolute position i + offset, key j at j
+  (the predicates of `flax_mha.mods`, at those positions)."""
+  terms = [mods_lib.Causal()]
+  if window is not None:  # a side wider than the cache is no limit (and no int32 overflow)
+    terms.append(mods_lib.LocalWindow(*(min(w, num_kv) for w in window)))
+  q_pos = jnp.arange(num_q)[:, None] + offset
+  visible_TS = mods_lib.Mods(tuple(terms)).visible(None, None, q_pos, jnp.arange(num_kv)[None])
+  return masks_lib.combine_masks(mask, visible_TS)
 
 
 def as_bool_mask(mask):

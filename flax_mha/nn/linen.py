@@ -13,8 +13,8 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
-from flax_mha import _checks
-from flax_mha import _module_common as common
+from flax_mha import checks
+from flax_mha.nn import _attend
 
 Initializer = Callable[..., Any]
 
@@ -96,23 +96,23 @@ class MultiHeadAttention(nn.Module):
     'intermediates' under 'attention_weights'.
     """
     # checks the inputs first: _head_dims reads inputs_q.shape
-    inputs_k, inputs_v, keys_from_q = common.resolve_inputs(inputs_q, inputs_k, inputs_v)
+    inputs_k, inputs_v, keys_from_q = _attend.resolve_inputs(inputs_q, inputs_k, inputs_v)
     h, g, k_dim, v_dim = self._head_dims(inputs_q)
-    common.check_call(decode=self.decode, rotary=self.rotary_max_wavelength is not None,
+    _attend.check_call(decode=self.decode, rotary=self.rotary_max_wavelength is not None,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       q_positions=q_positions, kv_positions=kv_positions)
-    window = common.window_pair(self.local_window_size)
+    window = checks.check_window("local_window_size", self.local_window_size)
     query_THK, key_SGK, value_SGV = self._project(inputs_q, inputs_k, inputs_v, h, g, k_dim, v_dim)
     if self.rotary_max_wavelength is not None:
       query_THK, key_SGK = self._rotate(query_THK, key_SGK, q_positions, kv_positions,
                                         keys_from_q)
-    mask = common.as_bool_mask(mask)
+    mask = _attend.as_bool_mask(mask)
     if self.decode:  # the window becomes part of the cache mask, at absolute positions
       key_SGK, value_SGV, mask = self._update_cache(
           key_SGK, value_SGV, mask, query_THK.shape[-3], window)
       is_causal, window = False, None  # the cache mask above holds causality, with the offset
 
-    out_THV, weights = common.attend(
+    out_THV, weights = _attend.attend(
         query_THK, key_SGK, value_SGV, bias, mask, implementation=self.implementation,
         sow=sow_weights, dropout_rate=self.dropout_rate,
         dropout_rng=self._dropout_rng(deterministic, dropout_rng), is_causal=is_causal,
@@ -130,15 +130,15 @@ class MultiHeadAttention(nn.Module):
     """(H, G, K, V) from the attributes, checked."""
     h = self.num_heads
     g = h if self.num_kv_heads is None else self.num_kv_heads
-    _checks.check_heads(h, g)
+    checks.check_heads(h, g)
     qkv = self.qkv_features or inputs_q.shape[-1]
     v_features = self.v_features or qkv
     for name, width in (("qkv_features", qkv), ("v_features", v_features)):
       if width % h:
         raise ValueError(f"{name}={width} must be divisible by num_heads={h}")
-    _checks.check_dropout_rate(self.dropout_rate)
-    _checks.check_soft_cap(self.logit_soft_cap)
-    common.check_rotary(self.rotary_max_wavelength, qkv, h)
+    checks.check_rate("dropout_rate", self.dropout_rate)
+    checks.check_positive_real("logit_soft_cap", self.logit_soft_cap, optional=True)
+    _attend.check_rotary(self.rotary_max_wavelength, qkv, h)
     return h, g, qkv // h, v_features // h
 
   def _project(self, inputs_q, inputs_k, inputs_v, h, g, k_dim, v_dim):
@@ -163,7 +163,7 @@ class MultiHeadAttention(nn.Module):
     start = 0  # not decoding, or the init call that sizes the cache
     if self.decode and self.has_variable("cache", "cached_key"):
       start = self.get_variable("cache", "cache_index")
-    return common.rotate(query_THK, key_SGK, q_positions, kv_positions,
+    return _attend.rotate(query_THK, key_SGK, q_positions, kv_positions,
                          keys_from_q=keys_from_q, start=start,
                          max_wavelength=self.rotary_max_wavelength)
 
@@ -179,7 +179,7 @@ class MultiHeadAttention(nn.Module):
         "cache", "cached_value", jnp.zeros, value_SGV.shape, value_SGV.dtype)
     index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialised:  # init call: sizes the cache, attends causally like a decoder would
-      return key_SGK, value_SGV, common.cache_mask(mask, num_q, key_SGK.shape[-3], window, 0)
+      return key_SGK, value_SGV, _attend.cache_mask(mask, num_q, key_SGK.shape[-3], window, 0)
     *batch, max_len, g, k = cached_key.value.shape
     new_len = key_SGK.shape[-3]
     if tuple(key_SGK.shape) != (*batch, new_len, g, k) or new_len > max_len:
@@ -187,11 +187,11 @@ class MultiHeadAttention(nn.Module):
           f"decode step: keys must be [..., T<= {max_len}, {g}, {k}] with batch {tuple(batch)} "
           f"as at init, got {tuple(key_SGK.shape)}")
     cur = index.value
-    cached_key.value = common.write_cache(cached_key.value, key_SGK, cur)
-    cached_value.value = common.write_cache(cached_value.value, value_SGV, cur)
+    cached_key.value = _attend.write_cache(cached_key.value, key_SGK, cur)
+    cached_value.value = _attend.write_cache(cached_value.value, value_SGV, cur)
     index.value = cur + new_len
     return (cached_key.value, cached_value.value,
-            common.cache_mask(mask, new_len, max_len, window, cur))
+            _attend.cache_mask(mask, new_len, max_len, window, cur))
 
   def _dropout_rng(self, deterministic: bool, dropout_rng):
     """The rng for dropout on the weights, or None when dropout is off."""

@@ -1,4 +1,4 @@
-"""Flax NNX modules: the same attention as `flax_mha.modules`, as first-class `nnx.Module`s.
+"""Flax NNX modules: the same attention as `flax_mha.nn.linen`, as first-class `nnx.Module`s.
 
 `MultiHeadAttention` takes `flax.nnx.MultiHeadAttention`'s constructor arguments (num_heads,
 in_features, qkv_features, out_features, num_kv_heads, in_kv_features, dtype, ..., rngs) and,
@@ -9,16 +9,16 @@ adds what the linen module has and flax's lacks or does differently: K != V (`v_
 `in_v_features`), `bias`, `implementation`, decode steps of any length T, `logit_soft_cap`,
 `local_window_size`, rotary embeddings, segment ids and positions. With `normalize_qk` it adds
 flax's `query_ln`/`key_ln` (`nnx.LayerNorm`, scale [K]), as `flax.nnx.MultiHeadAttention` does.
-The checks and the masks they share live in `flax_mha._module_common`. Dropout on the weights
+The checks and the masks they share live in `flax_mha.nn._attend`. Dropout on the weights
 is flax_mha's (a hash of the position, never broadcast), so it matches the linen module's for the
 same key, not flax's.
 
 `linen_params_to_nnx` and `nnx_to_linen_params` move parameters between this module and
 `flax_mha.MultiHeadAttention` (whose tree equals `flax.linen.MultiHeadDotProductAttention`'s).
 
-Every parameter carries the logical axes that `flax_mha.sharding.PARAM_AXES` gives its path
-(read them with `nnx.get_partition_spec(nnx.state(module))`), the layout that
-`flax_mha.sharding.shardings_for` gives the linen tree. They are metadata only, so creating a
+Every parameter carries the logical axes that `flax_mha.nn.PARAM_AXES` gives its path (read them
+with `nnx.get_partition_spec(nnx.state(module))`), the layout that `flax_mha.sharding.shardings_for`
+gives the linen tree with that table. They are metadata only, so creating a
 module never needs a mesh (`eager_sharding=False`).
 """
 
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_mha import _checks
-from flax_mha import _module_common as common
+from flax_mha import checks
+from flax_mha.nn import _attend
 from flax_mha import sharding
 from flax_mha.attention import check_implementation
 
@@ -106,30 +106,30 @@ class MultiHeadAttention(nnx.Module):
                rotary_max_wavelength: float | None = None, rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    _checks.check_heads(self.num_heads, self.num_kv_heads)
-    self.in_features = _size("in_features", in_features)
-    self.in_kv_features = _size("in_kv_features", in_kv_features, in_features)
-    self.in_v_features = _size("in_v_features", in_v_features, self.in_kv_features)
-    self.qkv_features = _size("qkv_features", qkv_features, in_features)
-    self.v_features = _size("v_features", v_features, self.qkv_features)
-    self.out_features = _size("out_features", out_features, in_features)
+    checks.check_heads(self.num_heads, self.num_kv_heads)
+    self.in_features = checks.check_int("in_features", in_features)
+    self.in_kv_features = checks.check_int("in_kv_features", in_features if in_kv_features is None else in_kv_features)
+    self.in_v_features = checks.check_int("in_v_features", self.in_kv_features if in_v_features is None else in_v_features)
+    self.qkv_features = checks.check_int("qkv_features", in_features if qkv_features is None else qkv_features)
+    self.v_features = checks.check_int("v_features", self.qkv_features if v_features is None else v_features)
+    self.out_features = checks.check_int("out_features", in_features if out_features is None else out_features)
     for name in ("qkv_features", "v_features"):
       if getattr(self, name) % num_heads:
         raise ValueError(f"{name}={getattr(self, name)} must be divisible by "
                          f"num_heads={num_heads}")
     self.head_dim = self.qkv_features // num_heads  # K, named as flax names it
     self.v_head_dim = self.v_features // num_heads  # V
-    _checks.check_dropout_rate(dropout_rate)
-    common.check_rotary(rotary_max_wavelength, self.qkv_features, num_heads)
+    checks.check_rate("dropout_rate", dropout_rate)
+    _attend.check_rotary(rotary_max_wavelength, self.qkv_features, num_heads)
     check_implementation(implementation)
-    _checks.check_soft_cap(logit_soft_cap)
+    checks.check_positive_real("logit_soft_cap", logit_soft_cap, optional=True)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
     self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
     self.dropout_rate, self.deterministic = dropout_rate, deterministic
     self.use_bias, self.implementation, self.decode = use_bias, implementation, decode
     self.normalize_qk, self.logit_soft_cap = normalize_qk, logit_soft_cap
-    self.local_window_size = common.window_pair(local_window_size)
+    self.local_window_size = checks.check_window("local_window_size", local_window_size)
     self.rotary_max_wavelength = rotary_max_wavelength
 
     linear = functools.partial(
@@ -167,22 +167,22 @@ class MultiHeadAttention(nnx.Module):
     [..., H, T, S] are sown as `nnx.Intermediate` 'attention_weights', as flax does (collect
     them with `nnx.capture(module, nnx.Intermediate)`, or `nnx.pop` before flax 0.12.8).
     """
-    inputs_k, inputs_v, keys_from_q = common.resolve_inputs(inputs_q, inputs_k, inputs_v)
+    inputs_k, inputs_v, keys_from_q = _attend.resolve_inputs(inputs_q, inputs_k, inputs_v)
     self._check_widths(inputs_q, inputs_k, inputs_v)
     decode = self.decode if decode is None else decode
-    common.check_call(decode=decode, rotary=self.rotary_max_wavelength is not None,
+    _attend.check_call(decode=decode, rotary=self.rotary_max_wavelength is not None,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       q_positions=q_positions, kv_positions=kv_positions)
     query_THK, key_SGK, value_SGV = self._project(inputs_q, inputs_k, inputs_v)
     if self.rotary_max_wavelength is not None:
-      query_THK, key_SGK = common.rotate(
+      query_THK, key_SGK = _attend.rotate(
           query_THK, key_SGK, q_positions, kv_positions, keys_from_q=keys_from_q,
           start=self._cache_index(decode), max_wavelength=self.rotary_max_wavelength)
-    mask, window = common.as_bool_mask(mask), self.local_window_size
+    mask, window = _attend.as_bool_mask(mask), self.local_window_size
     if decode:  # the window becomes part of the cache mask, at absolute positions
       key_SGK, value_SGV, mask = self._update_cache(key_SGK, value_SGV, mask, window)
       is_causal, window = False, None  # the cache mask holds causality, with the cache offset
-    out_THV, weights = common.attend(
+    out_THV, weights = _attend.attend(
         query_THK, key_SGK, value_SGV, bias, mask, implementation=self.implementation,
         sow=sow_weights, dropout_rate=self.dropout_rate,
         dropout_rng=self._dropout_rng(deterministic, rngs), is_causal=is_causal,
@@ -254,12 +254,12 @@ class MultiHeadAttention(nnx.Module):
       if new.dtype != cache.dtype:
         raise TypeError(f"decode step: {name} are {new.dtype} but init_cache made a "
                         f"{cache.dtype} cache: pass init_cache(..., dtype={new.dtype})")
-    cache_SGK = common.write_cache(cache_SGK, key_SGK, cur)
-    cache_SGV = common.write_cache(cache_SGV, value_SGV, cur)
+    cache_SGK = _attend.write_cache(cache_SGK, key_SGK, cur)
+    cache_SGV = _attend.write_cache(cache_SGV, value_SGV, cur)
     _set(self.cached_key, cache_SGK)
     _set(self.cached_value, cache_SGV)
     _set(self.cache_index, cur + new_len)
-    return cache_SGK, cache_SGV, common.cache_mask(mask, new_len, max_len, window, cur)
+    return cache_SGK, cache_SGV, _attend.cache_mask(mask, new_len, max_len, window, cur)
 
   def _dropout_rng(self, deterministic, rngs):
     """The dropout key for this call, or None when no dropout applies."""
@@ -319,7 +319,7 @@ def linen_params_to_nnx(params, module: MultiHeadAttention) -> MultiHeadAttentio
   module's parameter dtypes.
   """
   if not isinstance(module, MultiHeadAttention):
-    raise TypeError(f"module must be a flax_mha.nnx.MultiHeadAttention, got "
+    raise TypeError(f"module must be a flax_mha.nn.nnx.MultiHeadAttention, got "
                     f"{type(module).__name__}")
   if isinstance(params, Mapping) and set(params) == {"params"}:
     params = params["params"]
@@ -336,7 +336,7 @@ def nnx_to_linen_params(module: MultiHeadAttention) -> dict:
   `flax_mha.MultiHeadAttention` built with the same arguments (no 'bias' without use_bias),
   and with normalize_qk {'query_ln'|'key_ln': {'scale'}}."""
   if not isinstance(module, MultiHeadAttention):
-    raise TypeError(f"module must be a flax_mha.nnx.MultiHeadAttention, got "
+    raise TypeError(f"module must be a flax_mha.nn.nnx.MultiHeadAttention, got "
                     f"{type(module).__name__}")
   params = {}
   for name in PROJECTIONS:
@@ -366,9 +366,9 @@ def _qk_norm(head_dim: int, name: str, **kwargs) -> nnx.LayerNorm:
 
 
 def _partitioned(init: Initializer, path: str, ndim: int) -> Initializer:
-  """`init` annotated with the logical axes of `path` in `flax_mha.sharding.PARAM_AXES`."""
+  """`init` annotated with the logical axes of `path` in `flax_mha.nn.PARAM_AXES`."""
   # Metadata only: eager sharding would need a mesh (and logical rules) to create a module.
-  return nnx.with_partitioning(init, sharding.logical_axes(path, ndim), eager_sharding=False)
+  return nnx.with_partitioning(init, sharding.logical_axes(path, ndim, _attend.PARAM_AXES), eager_sharding=False)
 
 
 def _dropout_stream(rngs: nnx.Rngs):
@@ -381,14 +381,6 @@ def _dropout_stream(rngs: nnx.Rngs):
   except AttributeError:
     return None
   return stream.fork() if hasattr(stream, "fork") else rngs  # flax 0.10: share the Rngs
-
-
-def _size(name: str, value, default=None) -> int:
-  """A positive int width (`default` when value is None)."""
-  value = default if value is None else value
-  if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
-    raise ValueError(f"{name} must be a positive int, got {value!r}")
-  return int(value)
 
 
 def _check_tree(params, want) -> None:

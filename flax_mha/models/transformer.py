@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -23,9 +22,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_mha import _checks
+from flax_mha import checks
 from flax_mha import masks as masks_lib
-from flax_mha.modules import MultiHeadAttention
+from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
+from flax_mha.nn.linen import MultiHeadAttention
+
+
+# Logical axes of every parameter (see `flax_mha.sharding`): the attention projections', the
+# FFN's Megatron split (Dense_0 column-, Dense_1 row-parallel), embeddings and norms.
+PARAM_AXES = ATTENTION_PARAM_AXES + (
+    (r"Dense_0/kernel$", ("embed", "mlp")),
+    (r"Dense_0/bias$", ("mlp",)),
+    (r"Dense_1/kernel$", ("mlp", "embed")),
+    (r"Dense_1/bias$", ("embed",)),
+    (r"(^|/)embedding$", ("vocab", "embed")),
+    (r"pos_embedding$", ("length", "embed")),
+    (r"logits/kernel$", ("embed", "vocab")),
+    (r"logits/bias$", ("vocab",)),
+    (r"norm/(scale|bias)$", ("embed",)),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,24 +67,22 @@ class TransformerConfig:
   # signature: passed through to flax_mha.dot_product_attention, which checks it.
   attention_implementation: str | Callable | None = None
   attention_cls: Any = MultiHeadAttention      # swappable for baselines (same call signature)
-  decode: bool = False               # KV-cache decoding (set by flax_mha.decoding, as in flax's
+  decode: bool = False               # KV-cache decoding (set by flax_mha.models.decoding, as in flax's
                                      # wmt: a config field, since `Transformer.decode` is a method)
 
   def __post_init__(self):
     positive = ("vocab_size", "d_model", "num_encoder_layers", "num_decoder_layers", "d_ff",
                 "max_len")
     for name in positive:
-      value = getattr(self, name)
-      if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}")
+      checks.check_int(f"TransformerConfig.{name}", getattr(self, name))
     kv = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-    _checks.check_heads(self.num_heads, kv, names=("TransformerConfig.num_heads",
+    checks.check_heads(self.num_heads, kv, names=("TransformerConfig.num_heads",
                                                    "TransformerConfig.num_kv_heads"))
     if self.d_model % self.num_heads:
       raise ValueError(f"TransformerConfig.d_model={self.d_model} must be divisible by "
                        f"num_heads={self.num_heads}")
     for name in ("dropout_rate", "attention_dropout_rate"):
-      _checks.check_dropout_rate(getattr(self, name), f"TransformerConfig.{name}")
+      checks.check_rate(f"TransformerConfig.{name}", getattr(self, name))
     ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
     for name, value in ids.items():
       if not 0 <= value < self.vocab_size:
@@ -206,8 +219,8 @@ class Transformer(nn.Module):
 
   Token ids must lie in [0, vocab_size); inside `jit` they are not checked: an id >= vocab_size
   embeds as NaN (flax's `nn.Embed`) and poisons every position that attends to it, a negative
-  id reads row vocab_size + id. `flax_mha.decoding` and the experiment runner check ids on the
-  host (`flax_mha._checks.check_token_ids`).
+  id reads row vocab_size + id. `flax_mha.models.decoding` and the experiment runner check ids on the
+  host (`flax_mha.checks.check_token_ids`).
   """
   config: TransformerConfig
 
@@ -230,7 +243,7 @@ class Transformer(nn.Module):
 
   def encode(self, src, *, train: bool = False, sow_weights: bool = False):
     """src [B, S] int -> (memory [B, S, D], src_valid [B, S] bool)."""
-    _checks.check_tokens("src", src)
+    checks.check_tokens("src", src)
     src_valid = src != self.config.pad_id
     mask = masks_lib.make_attention_mask(src_valid, src_valid)
     return self.encoder(src, mask, train=train, sow_weights=sow_weights), src_valid
@@ -240,7 +253,7 @@ class Transformer(nn.Module):
 
     In decode mode (config.decode) tgt_in holds only the new tokens; the cache holds the rest.
     """
-    _checks.check_tokens("tgt_in", tgt_in)
+    checks.check_tokens("tgt_in", tgt_in)
     cfg = self.config
     # Padding sits at the end of targets, so the causal mask already hides it from real queries;
     # the key-padding mask is for the (unused) rows of pad queries. The cache handles decode.

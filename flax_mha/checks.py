@@ -1,8 +1,11 @@
-"""Input checks at the public boundary: every message names the argument, what was expected and what came.
+"""Argument checks at every public boundary, in one place: each message names the argument, what
+was expected and what came ("{name} must be {expected}, got {value}"); a wrong type is a
+TypeError, a value out of range a ValueError.
 
 Shapes use the dimension key written in `flax_mha/__init__.py`: B batch, T query length, S key
-length, H query heads, G key/value heads, K qk head dim, V value head dim. Checks read static shapes and dtypes only, so
-they cost nothing under `jit` and never touch traced values.
+length, H query heads, G key/value heads, K qk head dim, V value head dim. Checks read static
+shapes, dtypes and Python values only, so they cost nothing under `jit` and never touch traced
+values (except `check_token_ids`, which runs on the host).
 """
 
 from __future__ import annotations
@@ -39,26 +42,27 @@ def check_qkv(query, key, value) -> None:
     raise ValueError(
         "query, key and value must have the same rank, got shapes "
         f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
-  if query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3]:
-    raise ValueError(
-        "query, key and value must have equal batch dims [...], got shapes "
-        f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
-  if key.shape[-3:-1] != value.shape[-3:-1]:
-    raise ValueError(
-        "key [..., S, G, K] and value [..., S, G, V] must agree on S and G, got "
-        f"{tuple(key.shape)} and {tuple(value.shape)}")
-  if query.shape[-1] != key.shape[-1]:
-    raise ValueError(
-        "query [..., T, H, K] and key [..., S, G, K] must share the head dim K, got "
-        f"{query.shape[-1]} and {key.shape[-1]}")
+  check_agree("query, key and value", (query, key, value), slice(None, -3),
+              "have equal batch dims [...]")
+  check_agree("key [..., S, G, K] and value [..., S, G, V]", (key, value), slice(-3, -1),
+              "agree on S and G")
+  check_agree("query [..., T, H, K] and key [..., S, G, K]", (query, key), slice(-1, None),
+              "share the head dim K")
   check_heads(query.shape[-2], key.shape[-2], names=("query heads H", "key/value heads G"))
+
+
+def check_agree(names: str, arrays, dims: slice, what: str) -> None:
+  """Raise unless every array has the same shape[dims]: '{names} must {what}, got shapes ...'."""
+  shapes = [tuple(x.shape) for x in arrays]
+  if len({shape[dims] for shape in shapes}) > 1:
+    listed = ", ".join(map(str, shapes[:-1])) + f" and {shapes[-1]}"
+    raise ValueError(f"{names} must {what}, got shapes {listed}")
 
 
 def check_heads(num_heads, num_kv_heads, *, names=("num_heads", "num_kv_heads")) -> None:
   """Both positive ints and num_heads a multiple of num_kv_heads (GQA/MQA)."""
   for name, n in zip(names, (num_heads, num_kv_heads)):
-    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n <= 0:
-      raise ValueError(f"{name} must be a positive int, got {n!r}")
+    check_int(name, n)
   if num_heads % num_kv_heads:
     raise ValueError(
         f"{names[0]}={num_heads} must be a multiple of {names[1]}={num_kv_heads}")
@@ -88,36 +92,74 @@ def check_broadcasts_to(name: str, shape, target, layout: str) -> None:
         f"{name} must broadcast to {layout} = {tuple(target)}, got shape {tuple(shape)}")
 
 
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, lowest: int = 1, highest: int | None = None) -> int:
+  """A Python int (not a bool) in [lowest, highest]; returns it as an int."""
+  if highest is not None:
+    expected = f"an int in [{lowest}, {highest}]"
+  else:
+    expected = "a positive int" if lowest == 1 else f"an int >= {lowest}"
+  if not _is_int(value):
+    raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+  if value < lowest or (highest is not None and value > highest):
+    raise ValueError(f"{name} must be {expected}, got {value}")
+  return int(value)
+
+
+def check_real(name: str, value, *, above=None, lowest=None, below=None) -> float:
+  """A finite Python real number (not a bool) > above, >= lowest and < below (each optional);
+  returns it as a float. Static: a jax array is refused."""
+  bounds = [f"> {above}" if above is not None else None,
+            f">= {lowest}" if lowest is not None else None,
+            f"< {below}" if below is not None else None]
+  expected = "a finite number" + "".join(f" {b}" for b in bounds if b)
+  if lowest is not None and below is not None:
+    expected = f"a finite number in [{lowest}, {below})"
+  if not _is_real(value):
+    raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+  ok = (math.isfinite(value) and (above is None or value > above) and
+        (lowest is None or value >= lowest) and (below is None or value < below))
+  if not ok:
+    raise ValueError(f"{name} must be {expected}, got {value}")
+  return float(value)
+
+
+def check_positive_real(name: str, value, *, optional: bool = False) -> float | None:
+  """A static finite number > 0 (a soft cap, a wavelength, a learning rate); None passes when
+  `optional`."""
+  if optional and value is None:
+    return None
+  return check_real(name, value, above=0)
+
+
+def check_rate(name: str, value) -> float:
+  """A static rate in [0, 1) (dropout, label smoothing)."""
+  return check_real(name, value, lowest=0, below=1)
+
+
+def check_window(name: str, size) -> tuple[int, int] | None:
+  """A local window: None, an int w >= 0 (meaning (w, w)) or a (left, right) pair of them;
+  returns the pair (or None)."""
+  if size is None:
+    return None
+  pair = (size, size) if _is_int(size) else size
+  if not (isinstance(pair, tuple) and len(pair) == 2 and
+          all(_is_int(x) and x >= 0 for x in pair)):
+    raise ValueError(f"{name} must be an int >= 0 or a (left, right) pair of them, got {size!r}")
+  return int(pair[0]), int(pair[1])
+
+
 def check_scale(scale) -> None:
   """scale is static: a finite Python real number (or None for 1/sqrt(K))."""
-  if scale is None:
-    return
-  if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-    raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
-  if not math.isfinite(scale):
-    raise ValueError(f"scale must be finite, got {scale}")
-
-
-def check_soft_cap(cap, name: str = "logit_soft_cap") -> None:
-  """None (off) or a static finite Python number > 0."""
-  if cap is None:
-    return
-  if not isinstance(cap, numbers.Real) or isinstance(cap, bool):
-    raise TypeError(f"{name} must be a Python float > 0, got {type(cap).__name__}")
-  if not (math.isfinite(cap) and cap > 0):
-    raise ValueError(f"{name} must be a finite number > 0, got {cap}")
-
-
-def check_token_ids(name: str, tokens, vocab_size: int) -> None:
-  """Host-side check that every id of `tokens` (NumPy or a concrete jax array) is in
-  [0, vocab_size): inside `jit` an out-of-range id is not an error but an embedding of NaN
-  (flax's nn.Embed) or, when negative, of another row. Names the first bad id and where it is."""
-  ids = np.asarray(tokens)
-  bad = (ids < 0) | (ids >= vocab_size)
-  if bad.any():
-    where = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise ValueError(f"{name} holds token id {int(ids[where])} at position {where}, outside "
-                     f"the vocabulary [0, {vocab_size})")
+  if scale is not None:
+    check_real("scale", scale)
 
 
 def check_is_causal(is_causal) -> None:
@@ -126,17 +168,9 @@ def check_is_causal(is_causal) -> None:
     raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
 
 
-def check_dropout_rate(rate, name: str = "dropout_rate") -> None:
-  """A static Python number in [0, 1)."""
-  if not isinstance(rate, numbers.Real) or isinstance(rate, bool):
-    raise TypeError(f"{name} must be a Python float in [0, 1), got {type(rate).__name__}")
-  if not 0.0 <= float(rate) < 1.0:
-    raise ValueError(f"{name} must be in [0, 1), got {rate}")
-
-
 def check_dropout(dropout_rate, dropout_rng, *, needs_rng: bool = True) -> None:
   """dropout_rate in [0, 1); a nonzero rate needs an rng, which must be ONE key."""
-  check_dropout_rate(dropout_rate)
+  check_rate("dropout_rate", dropout_rate)
   if needs_rng and dropout_rate > 0.0 and dropout_rng is None:
     raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng, got None")
   if dropout_rng is not None:
@@ -151,6 +185,18 @@ def check_dropout(dropout_rate, dropout_rng, *, needs_rng: bool = True) -> None:
           "dropout_rng must be a jax.random.key or a single raw uint32 key "
           f"(jax.random.PRNGKey), got dtype {dropout_rng.dtype} and shape "
           f"{tuple(dropout_rng.shape)}")
+
+
+def check_token_ids(name: str, tokens, vocab_size: int) -> None:
+  """Host-side check that every id of `tokens` (NumPy or a concrete jax array) is in
+  [0, vocab_size): inside `jit` an out-of-range id is not an error but an embedding of NaN
+  (flax's nn.Embed) or, when negative, of another row. Names the first bad id and where it is."""
+  ids = np.asarray(tokens)
+  bad = (ids < 0) | (ids >= vocab_size)
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"{name} holds token id {int(ids[where])} at position {where}, outside "
+                     f"the vocabulary [0, {vocab_size})")
 
 
 def check_tokens(name: str, tokens, rank: int = 2) -> None:

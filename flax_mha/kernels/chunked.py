@@ -11,7 +11,7 @@ are entirely visible (`flax_mha.mods`). The loops visit only the former, and eva
 the latter. Maps known from static shapes are built at trace time; data-dependent ones at run
 time from per-tile summaries.
 
-Layout inside (block letters Q, P: see `flax_mha._tiling`): query blocks [n_q, B, G, R, Q, K]
+Layout inside (block letters Q, P: see `flax_mha.kernels._tiling`): query blocks [n_q, B, G, R, Q, K]
 (R = H // G; one transpose in), key/value blocks [n_k, B, G, P, K], keys also pre-transposed
 [n_k, B, G, K, P]: the R query heads that share a key head are rows of one matmul (K/V are never
 repeated), and every matmul is a plain row-major product (no transposed operand for XLA:CPU to
@@ -20,7 +20,7 @@ copy). The backward works on transposed tiles [B, G, P, R, Q] for the same reaso
 visited tiles of the other axis. T and S are padded to block multiples; padded keys are masked.
 
 `chunked_forward` / `chunked_backward` are the building blocks for ring attention
-(`flax_mha.ring_attention`): one (query shard, key shard) pair with absolute offsets, the backward
+(`flax_mha.kernels.ring`): one (query shard, key shard) pair with absolute offsets, the backward
 taking the GLOBAL `out`/`lse` so per-shard gradient contributions add up.
 """
 
@@ -35,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from flax_mha import _common
-from flax_mha import _dropout
-from flax_mha import _tiling
+from flax_mha import checks
+from flax_mha.kernels import _shared
+from flax_mha.kernels import _dropout
+from flax_mha.kernels import _tiling
 from flax_mha import mods as mods_lib
 
 # Block sizes of chunked_forward/backward (ring attention's per-device shards): large shards.
@@ -139,7 +140,7 @@ def _apply_dropout(p, ctx: _TileCtx, idx):
 def _forward(q, k, v, bias, mask, rng, mods, cfg: _Config, q_offset=0, kv_offset=0):
   """out [B, T, H, V] and lse [B, H, T] in the softmax dtype (lse finfo.min: no key visible)."""
   ctx = _context(q, k, bias, mask, rng, mods, cfg, q_offset, kv_offset)
-  tl, g, acc = ctx.tl, ctx.groups, _common.softmax_dtype(q.dtype)
+  tl, g, acc = ctx.tl, ctx.groups, _shared.softmax_dtype(q.dtype)
   q_blocks = _tiling.blocks(q, tl.n_q, tl.bq, g)  # [n_q, B, G, R, Q, K]
   kt_blocks = _tiling.blocks(k, tl.n_k, tl.bk, g, transpose=True)[:, :, :, :, 0]  # [n_k,B,G,K,P]
   v_blocks = _tiling.blocks(v, tl.n_k, tl.bk, g)[:, :, :, 0]  # [n_k, B, G, P, V]
@@ -172,7 +173,7 @@ def _forward(q, k, v, bias, mask, rng, mods, cfg: _Config, q_offset=0, kv_offset
     carry = _tiling.loop(rows.full_idx, rows.full_count, i, k_step(False), carry)
     m, l, o = _tiling.loop(rows.partial_idx, rows.partial_count, i, k_step(True), carry)
     out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    return None, (out, _common.row_lse(m, l))
+    return None, (out, _shared.row_lse(m, l))
 
   _, (out, lse) = lax.scan(q_step, None, (jnp.arange(tl.n_q), q_blocks))
   lse_BHT = _tiling.unblock(lse[..., None], tl.t)[..., 0].transpose(0, 2, 1)
@@ -204,7 +205,7 @@ def _backward(q, k, v, out, lse, dout, bias, mask, rng, mods, cfg: _Config, q_of
   dK += dSᵀ·Q and dQᵀ += Kᵀ·dSᵀ.
   """
   ctx = _context(q, k, bias, mask, rng, mods, cfg, q_offset, kv_offset)
-  tl, g, acc = ctx.tl, ctx.groups, _common.softmax_dtype(q.dtype)
+  tl, g, acc = ctx.tl, ctx.groups, _shared.softmax_dtype(q.dtype)
   delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)  # [B, T, H]
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no visible key: every p is 0 anyway
   rows = lambda x_BTH: _tiling.blocks(x_BTH[..., None], tl.n_q, tl.bq, g)[..., 0]
@@ -376,8 +377,8 @@ def make_attention(block_q: int | None = None, block_k: int | None = None):
   given.
   """
   for name, block in (("block_q", block_q), ("block_k", block_k)):
-    if block is not None and not (isinstance(block, int) and block > 0):
-      raise ValueError(f"{name} must be a positive int or None, got {block!r}")
+    if block is not None:
+      checks.check_int(name, block)
 
   def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
                 mods=None):
@@ -388,7 +389,7 @@ def make_attention(block_q: int | None = None, block_k: int | None = None):
                                     min(windows, default=None))
     cfg = _Config(float(scale), float(dropout_rate), block_q or auto_q, block_k or auto_k)
     mods = mods_lib.with_causal(mods, is_causal)
-    return _common.without_forward_mode("chunked", _attention, query, key, value, bias, mask,
+    return _shared.without_forward_mode("chunked", _attention, query, key, value, bias, mask,
                                         dropout_rng, mods, cfg)
 
   return attention

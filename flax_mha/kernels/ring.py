@@ -2,7 +2,7 @@
 
 Query, key and value are split along the sequence over a mesh axis of n devices. Each device keeps
 its query shard and passes its key/value shard around the ring (`lax.ppermute` to the next
-device), n steps in all; at every step it runs the chunked kernel (`flax_mha.chunked`) on the
+device), n steps in all; at every step it runs the chunked kernel (`flax_mha.kernels.chunked`) on the
 (query shard, visiting key shard) pair and merges the partial result into its running output by
 log-sum-exp. No device ever holds more than one key/value shard or one [T/n, S/n] tile set, so
 per-device memory falls as 1/n. The backward (a `jax.custom_vjp`) sends K/V around the ring again
@@ -24,10 +24,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from flax_mha import _checks
-from flax_mha import _common
+from flax_mha import checks
+from flax_mha.kernels import _shared
 from flax_mha import mods as mods_lib
-from flax_mha.chunked import chunked_backward, chunked_forward
+from flax_mha.kernels.chunked import chunked_backward, chunked_forward
 from flax_mha.sharding import DATA_AXIS, MODEL_AXIS, SEQ_AXIS
 
 
@@ -60,15 +60,15 @@ def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
     array's type, so the inputs are resharded to that layout on the way in and the output back
     to the query's type on the way out: a query already laid out so moves nothing.
   """
-  _checks.check_qkv(query, key, value)
+  checks.check_qkv(query, key, value)
   if query.ndim != 4:
     raise ValueError(f"query must be [B, T, H, K], got shape {tuple(query.shape)}")
   if not isinstance(is_causal, bool):
     raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__}")
-  _checks.check_scale(scale)
+  checks.check_scale(scale)
   (b, t, h, _), (s, g) = query.shape, key.shape[1:3]
   if mask is not None:
-    _checks.check_broadcast("mask", mask, (b, h, t, s), boolean=True)
+    checks.check_broadcast("mask", mask, (b, h, t, s), boolean=True)
     mask = jnp.asarray(mask).reshape((1,) * (4 - mask.ndim) + mask.shape)
   _check_axes(mesh, axis_name, batch_axis, head_axis)
   _check_divides(mesh, "axis_name", axis_name, ("query length T", t), ("key length S", s),
@@ -210,7 +210,7 @@ def _mask_block(mask, kv_offset, s: int):
 def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale, mods):
   """Local shards -> (out [B, T/n, H, V], global lse [B, H, T/n]) in the softmax dtype."""
   b, t, h, _ = q.shape
-  acc = _common.softmax_dtype(q.dtype)
+  acc = _shared.softmax_dtype(q.dtype)
   kernel = functools.partial(chunked_forward, scale=scale, is_causal=is_causal, mods=mods)
 
   def step(i, carry):
@@ -224,7 +224,7 @@ def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale, mods):
     out = weight(lse) * out + weight(lse_i) * out_i
     return (out, lse_new, *_shift((k_i, v_i), axis_name, n))
 
-  no_key = jnp.finfo(acc).min  # the lse of a row that has seen no key (see _common.row_lse)
+  no_key = jnp.finfo(acc).min  # the lse of a row that has seen no key (see _shared.row_lse)
   init = (jnp.zeros((b, t, h, v.shape[-1]), acc), jnp.full((b, h, t), no_key, acc), k, v)
   out, lse, _, _ = lax.fori_loop(0, n, step, init)
   return out, lse
@@ -253,7 +253,7 @@ def _ring_bwd(axis_name, n, is_causal, scale, mods, residuals, dout):
     # The accumulators travel with their key/value shard; after n hops they are back home.
     return (dq + dq_i, *_shift((k_i, v_i, dk_i + dk_c, dv_i + dv_c), axis_name, n))
 
-  zeros = lambda x: jnp.zeros(x.shape, _common.softmax_dtype(q.dtype))
+  zeros = lambda x: jnp.zeros(x.shape, _shared.softmax_dtype(q.dtype))
   dq, _, _, dk, dv = lax.fori_loop(0, n, step, (zeros(q), k, v, zeros(k), zeros(v)))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 

@@ -1,5 +1,5 @@
 """The oracle: attention as the formula on the page, untuned. Every other implementation is
-tested against it; speed belongs in `flax_mha.xla` (the tuned plain graph) and `flax_mha.chunked`.
+tested against it; speed belongs in `flax_mha.kernels.xla` (the tuned plain graph) and `flax_mha.kernels.chunked`.
 
   scores = score_mods(scale · Q·Kᵀ + bias)
   weights = softmax_s(scores, over visible s)       out = weights · V
@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_mha import _common
-from flax_mha import _dropout
+from flax_mha.kernels import _shared
+from flax_mha.kernels import _dropout
 from flax_mha import mods as mods_lib
 
 
@@ -29,7 +29,7 @@ def attention_logits(query_BTHK, key_BSGK, bias, scale):
   """scale · Q·Kᵀ + bias: [B, H, T, S] in the softmax dtype."""
   b, t, h, k = query_BTHK.shape
   s, g = key_BSGK.shape[1:3]
-  dtype = _common.softmax_dtype(query_BTHK.dtype)
+  dtype = _shared.softmax_dtype(query_BTHK.dtype)
   q_BTGRK = query_BTHK.reshape(b, t, g, h // g, k).astype(dtype)
   logits_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, key_BSGK.astype(dtype))
   logits_BHTS = logits_BGRTS.reshape(b, h, t, s) * scale

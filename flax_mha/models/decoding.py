@@ -15,8 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flax_mha import _checks
-from flax_mha.transformer import Transformer, TransformerConfig
+from flax_mha import checks
+from flax_mha.models.transformer import Transformer, TransformerConfig
 
 
 def greedy_decode(config: TransformerConfig | Transformer, params, src, *, max_len: int):
@@ -32,8 +32,7 @@ def beam_search(config: TransformerConfig | Transformer, params, src, *, max_len
   src [B, S] int -> tokens [B, max_len] int32. `beam_size=1` is greedy decoding.
   """
   config = _check(config, src, max_len)
-  if not isinstance(beam_size, int) or beam_size < 1:
-    raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+  checks.check_int("beam_size", beam_size)
   tokens, _ = _beam(config, params, src, max_len, beam_size, float(alpha))
   return tokens
 
@@ -49,12 +48,10 @@ def _check(config, src, max_len) -> TransformerConfig:
   if not isinstance(config, TransformerConfig):
     raise TypeError(
         f"config must be a TransformerConfig or Transformer, got {type(config).__name__}")
-  _checks.check_tokens("src", src)
+  checks.check_tokens("src", src)
   if not isinstance(src, jax.core.Tracer):  # under jit the ids are traced: the caller's job
-    _checks.check_token_ids("src", src, config.vocab_size)
-  if not isinstance(max_len, int) or not 0 < max_len <= config.max_len:
-    raise ValueError(f"max_len must be an int in [1, config.max_len={config.max_len}], "
-                     f"got {max_len!r}")
+    checks.check_token_ids("src", src, config.vocab_size)
+  checks.check_int("max_len", max_len, highest=config.max_len)
   return config
 
 

@@ -6,7 +6,7 @@ The loops also walk over heads, a few key heads per trip, so that each tile (hea
 logits) stays in cache: that, not the FLOP count, is what decides speed on XLA:CPU (a [B, H, T, S]
 logits array that misses the cache costs more than the matmuls that make it). Memory is linear
 in T and S for a fixed tile (the tile's rows shrink as S grows), and the backward (a
-`jax.custom_vjp`) recomputes each tile from `out` and the log-sum-exp, like `flax_mha.chunked`.
+`jax.custom_vjp`) recomputes each tile from `out` and the log-sum-exp, like `flax_mha.kernels.chunked`.
 
 Layout inside: units are (batch, key head) pairs; a tile is [U, R·Q, S] where the R query heads
 that share a key head are rows of one matmul (GQA without repeating K/V). The backward works on
@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flax_mha import _common
+from flax_mha import checks
+from flax_mha.kernels import _shared
 
 # Logits per tile (units · rows · keys), forward and backward: the fastest of a sweep on a 2-core
 # CPU in float32 (`python -m experiments.benchmark_blocks --rows` re-runs the sweep).
@@ -214,7 +215,7 @@ def _forward(q, k, v, dense, p: _Plan):
   that sees no key, its out 0); dense = (bias, mask), each None or rank 4."""
   b, _, h, _ = q.shape
   g = k.shape[2]
-  r, acc = h // g, _common.softmax_dtype(q.dtype)
+  r, acc = h // g, _shared.softmax_dtype(q.dtype)
   dense = (_pad_rows(dense[0], p, 0.0), _pad_rows(dense[1], p, True))
   empty_rows = any(x is not None for x in dense)  # else every row sees a key (0 if causal)
   q_units = _to_units(q * jnp.asarray(p.scale, q.dtype), g, p.n_u, p.n_q, p.bq)
@@ -234,7 +235,7 @@ def _forward(q, k, v, dense, p: _Plan):
       o = jnp.einsum("UQS,USV->UQV", e.astype(v.dtype), v_u[:, :extent],
                      preferred_element_type=acc)
       o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0) if empty_rows else o / l
-      return carry, (o, _common.row_lse(m, l)[..., 0])
+      return carry, (o, _shared.row_lse(m, l)[..., 0])
 
     return None, _over_blocks(p, block, None, q_u)[1]
 
@@ -247,7 +248,7 @@ def _backward(q, k, v, out, lse, dout, dense, p: _Plan):
   `out` [B, T, H, V] and its log-sum-exp `lse` (layout of `_forward` for plan p)."""
   b, _, h, _ = q.shape
   g = k.shape[2]
-  r, acc = h // g, _common.softmax_dtype(q.dtype)
+  r, acc = h // g, _shared.softmax_dtype(q.dtype)
   delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)  # [B, T, H]
   bias, mask = _pad_rows(dense[0], p, 0.0), _pad_rows(dense[1], p, True)
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no visible key: every p is 0
@@ -328,10 +329,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BACKWARD):
   """"rows" attention with the given tile budgets (logits per tile; tile_forward None:
   TILE_FORWARD, or TILE_FORWARD_CAUSAL when causal), with `reference.attention`'s signature."""
-  for name, tile in (("tile_forward", tile_forward), ("tile_backward", tile_backward)):
-    if not (isinstance(tile, int) and tile > 0) and (name, tile) != ("tile_forward", None):
-      raise ValueError(f"{name} must be a positive int{' or None' * (name == 'tile_forward')}, "
-                       f"got {tile!r}")
+  if tile_forward is not None:
+    checks.check_int("tile_forward", tile_forward)
+  checks.check_int("tile_backward", tile_backward)
 
   def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
                 mods=None):
@@ -346,7 +346,7 @@ def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BA
     s, g = key.shape[1:3]
     forward = tile_forward or (TILE_FORWARD_CAUSAL if is_causal else TILE_FORWARD)
     plans = [plan(b, t, s, h, g, scale, is_causal, tile) for tile in (forward, tile_backward)]
-    return _common.without_forward_mode("rows", _attention, query, key, value, bias, mask,
+    return _shared.without_forward_mode("rows", _attention, query, key, value, bias, mask,
                                         *plans)
 
   return attention

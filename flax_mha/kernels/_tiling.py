@@ -1,4 +1,4 @@
-"""Tiles of the [T, S] logits for `flax_mha.chunked`: block layouts, tile slices of masks and
+"""Tiles of the [T, S] logits for `flax_mha.kernels.chunked`: block layouts, tile slices of masks and
 biases, and which tiles to visit.
 
 Block letters (beside the dimension key): Q the rows of a query tile (block_q = bq), P the

@@ -1,6 +1,6 @@
 """The tuned plain graph: the whole [B, H, T, S] logits in one XLA program, shaped for speed.
 
-Same semantics as the oracle (`flax_mha.reference`), tested against it; the differences are
+Same semantics as the oracle (`flax_mha.kernels.reference`), tested against it; the differences are
 layout and fusion choices for XLA:CPU (the oracle-vs-xla speed is a column of
 `python -m experiments.benchmark_attention`):
 - the scale multiplies the query [T, K] rather than the logits [T, S] when nothing else touches
@@ -8,7 +8,7 @@ layout and fusion choices for XLA:CPU (the oracle-vs-xla speed is a column of
 - plain multi-head attention (G == H) uses a 4-d product rather than the grouped 5-d one;
 - the masked softmax has its own JVP and zeroes hidden entries and empty rows inside its passes;
 - the weights-times-values product keeps the weights' head-major order, transposed after.
-Good for small problems; memory is quadratic in T·S (`flax_mha.chunked` is linear).
+Good for small problems; memory is quadratic in T·S (`flax_mha.kernels.chunked` is linear).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flax_mha import _common
-from flax_mha import _dropout
+from flax_mha.kernels import _shared
+from flax_mha.kernels import _dropout
 from flax_mha import mods as mods_lib
 
 
@@ -26,7 +26,7 @@ def attention_logits(query_BTHK, key_BSGK, bias, scale, *, scale_query: bool = F
   """scale · Q·Kᵀ + bias: [B, H, T, S] in the softmax dtype; GQA without repeating K."""
   b, t, h, k = query_BTHK.shape
   s, g = key_BSGK.shape[1:3]
-  dtype = _common.softmax_dtype(query_BTHK.dtype)
+  dtype = _shared.softmax_dtype(query_BTHK.dtype)
   if scale_query:
     query_BTHK = query_BTHK * jnp.asarray(scale, query_BTHK.dtype)
   if g == h:
@@ -71,7 +71,7 @@ def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate,
                       mods=None):
   """Weights [B, H, T, S] in the softmax dtype, after dropout."""
   if mods is None or not (mods.masks or mods.scores):
-    visible = _common.visible_mask(mask, is_causal, query.shape[1], key.shape[1])
+    visible = _shared.visible_mask(mask, is_causal, query.shape[1], key.shape[1])
     plain = visible is None and bias is None  # no -inf possible: the library softmax is exact
     logits_BHTS = attention_logits(query, key, bias, scale, scale_query=plain)
   else:
@@ -102,7 +102,7 @@ def apply_weights(weights_BHTS, value_BSGV):
 
 def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
               mods=None):
-  """[B, T, H, V] in the input dtype, as `flax_mha.reference.attention`."""
+  """[B, T, H, V] in the input dtype, as `flax_mha.kernels.reference.attention`."""
   weights_BHTS = attention_weights(query, key, bias, mask, is_causal=is_causal, scale=scale,
                                    dropout_rate=dropout_rate, dropout_rng=dropout_rng, mods=mods)
   return apply_weights(weights_BHTS, value)

@@ -14,8 +14,21 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from flax_mha import _checks
-from flax_mha.modules import SelfAttention
+from flax_mha import checks
+from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
+from flax_mha.nn.linen import SelfAttention
+
+
+# Logical axes of every parameter (see `flax_mha.sharding`): the attention projections', the
+# MLP's Megatron split (mlp_in column-, mlp_out row-parallel), the tied embedding and norms.
+PARAM_AXES = ATTENTION_PARAM_AXES + (
+    (r"mlp_in/kernel$", ("embed", "mlp")),
+    (r"mlp_in/bias$", ("mlp",)),
+    (r"mlp_out/kernel$", ("mlp", "embed")),
+    (r"mlp_out/bias$", ("embed",)),
+    (r"(^|/)embedding$", ("vocab", "embed")),
+    (r"norm/(scale|bias)$", ("embed",)),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,19 +51,15 @@ class LMConfig:
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "d_ff", "global_every"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
-    _checks.check_heads(self.num_heads, self.num_kv_heads,
+      checks.check_int(f"LMConfig.{name}", getattr(self, name))
+    checks.check_heads(self.num_heads, self.num_kv_heads,
                         names=("LMConfig.num_heads", "LMConfig.num_kv_heads"))
     if self.d_model % self.num_heads:
       raise ValueError(f"LMConfig.d_model={self.d_model} must be divisible by "
                        f"num_heads={self.num_heads}")
-    if self.local_window is not None and (not isinstance(self.local_window, int) or
-                                          self.local_window < 0):
-      raise ValueError(f"LMConfig.local_window must be None or an int >= 0, got "
-                       f"{self.local_window!r}")
-    _checks.check_dropout_rate(self.dropout_rate, "LMConfig.dropout_rate")
+    if self.local_window is not None:
+      checks.check_int("LMConfig.local_window", self.local_window, lowest=0)
+    checks.check_rate("LMConfig.dropout_rate", self.dropout_rate)
 
   def is_local(self, layer: int) -> bool:
     """Layers global_every - 1, 2·global_every - 1, ... are global; the rest local."""
@@ -91,16 +100,16 @@ class DecoderLM(nn.Module):
   An id >= vocab_size embeds as NaN (flax's `nn.Embed`), and attention's weights-times-values
   product (0 · NaN = NaN) then spreads it to every logit of its row, other documents included;
   a negative id silently reads row vocab_size + id. Check ids on the host with
-  `flax_mha._checks.check_token_ids` (the experiment runner and generation do).
+  `flax_mha.checks.check_token_ids` (the experiment runner and generation do).
   """
   config: LMConfig
 
   @nn.compact
   def __call__(self, tokens, segment_ids, positions, *, train: bool = False):
     cfg = self.config
-    _checks.check_tokens("tokens", tokens)
-    _checks.check_tokens("segment_ids", segment_ids)
-    _checks.check_tokens("positions", positions)
+    checks.check_tokens("tokens", tokens)
+    checks.check_tokens("segment_ids", segment_ids)
+    checks.check_tokens("positions", positions)
     if not tokens.shape == segment_ids.shape == positions.shape:
       raise ValueError("tokens, segment_ids and positions must share one shape [B, L], got "
                        f"{tokens.shape}, {segment_ids.shape} and {positions.shape}")
