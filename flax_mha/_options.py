@@ -13,15 +13,26 @@ from flax_mha import checks
 from flax_mha import mods as mods_lib
 
 
-def build(batch: tuple, t: int, s: int, h: int, dtype, *, local_window_size=None,
-          query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
-          kv_segment_ids=None, logit_soft_cap=None, mask_mod=None,
-          score_mod=None) -> mods_lib.Mods:
-  """Mods for a call with batch dims `batch`, lengths T, S, H heads and query dtype `dtype`.
-  Arrays are flattened to the single batch dim B the implementations see."""
+def build(batch: tuple, t: int, s: int, h: int, dtype, is_causal: bool, *,
+          local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None,
+          q_segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None,
+          logit_soft_cap=None, mask_mod=None, score_mod=None, sinks=None,
+          sink_tokens=0) -> tuple[mods_lib.Mods, bool]:
+  """(mods, is_causal for the implementation) for a call with batch dims `batch`, lengths T,
+  S, H heads and query dtype `dtype`. Arrays are flattened to the single batch dim B the
+  implementations see. With positions, causality and the window compare them (one
+  `Positions` term) and the implementation sees is_causal=False."""
   masks, scores = [], []
+  checks.check_int("sink_tokens", sink_tokens, lowest=0)
+  if sink_tokens and local_window_size is None:
+    raise ValueError(f"sink_tokens={sink_tokens} keeps the first tokens visible beyond a "
+                     "window: it needs local_window_size")
+  if q_positions is not None or kv_positions is not None:
+    masks.append(_positions(q_positions, kv_positions, batch, t, s, is_causal,
+                            local_window_size, sink_tokens))
+    is_causal, local_window_size = False, None
   if local_window_size is not None:
-    masks.append(_window(local_window_size, t, s))
+    masks.append(_window(local_window_size, t, s, sink_tokens))
   if query_seq_lengths is not None or key_value_seq_lengths is not None:
     masks.append(mods_lib.SeqLengths(_lengths("query_seq_lengths", query_seq_lengths, batch),
                                      _lengths("key_value_seq_lengths", key_value_seq_lengths,
@@ -34,7 +45,7 @@ def build(batch: tuple, t: int, s: int, h: int, dtype, *, local_window_size=None
     scores.append(_score_mod(score_mod, dtype))
   if logit_soft_cap is not None:
     scores.append(_soft_cap(logit_soft_cap))
-  return mods_lib.Mods(tuple(masks), tuple(scores))
+  return mods_lib.Mods(tuple(masks), tuple(scores), _sinks(sinks, h)), is_causal
 
 
 # The options' names, written once: the keyword-only parameters of `build`.
@@ -42,7 +53,7 @@ OPTIONS = tuple(name for name, p in inspect.signature(build).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
-def _window(size, t: int, s: int) -> mods_lib.LocalWindow:
+def _window(size, t: int, s: int, sink_tokens: int) -> mods_lib.LocalWindow:
   left, right = checks.check_window("local_window_size", size)
   if t != s:
     raise ValueError(
@@ -50,7 +61,35 @@ def _window(size, t: int, s: int) -> mods_lib.LocalWindow:
         f"S={s}: for other alignments (e.g. a KV cache) write the window as a mask_mod over "
         "absolute positions")
   # A side wider than the sequence sees all of it: clamped, so int32 positions never overflow.
-  return mods_lib.LocalWindow(min(left, s), min(right, s))
+  return mods_lib.LocalWindow(min(left, s), min(right, s), sink_tokens)
+
+
+def _positions(q_pos, kv_pos, batch: tuple, t: int, s: int, is_causal: bool, window,
+               sink_tokens: int) -> mods_lib.Positions:
+  if q_pos is None or kv_pos is None:
+    raise ValueError("q_positions and kv_positions must be given together, got only "
+                     f"{'q' if kv_pos is None else 'kv'}_positions")
+  pair = checks.check_window("local_window_size", window)
+  if pair is not None:  # wider than any position: no limit, and no int32 overflow
+    pair = tuple(min(side, 2**30) for side in pair)
+  b = math.prod(batch)
+  return mods_lib.Positions(
+      _int_array("q_positions", q_pos, (*batch, t), "[..., T]").reshape(b, t).astype(jnp.int32),
+      _int_array("kv_positions", kv_pos, (*batch, s), "[..., S]").reshape(b, s)
+      .astype(jnp.int32), causal=bool(is_causal), window=pair, sink_tokens=sink_tokens)
+
+
+def _sinks(sinks, h: int):
+  if sinks is None:
+    return None
+  if not hasattr(sinks, "dtype") or not hasattr(sinks, "shape"):
+    raise TypeError(f"sinks must be a floating array [H], got {type(sinks).__name__}")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"sinks must have a floating dtype, got {sinks.dtype}")
+  if tuple(sinks.shape) != (h,):
+    raise ValueError(f"sinks must have shape [H] = ({h},) (one logit per query head), got "
+                     f"{tuple(sinks.shape)}")
+  return jnp.asarray(sinks)
 
 
 def _int_array(name: str, x, shape: tuple, layout: str):

@@ -12,12 +12,14 @@ import math
 from typing import Callable
 
 import jax.numpy as jnp
+from jax import lax
 
 from flax_mha import checks
 from flax_mha.kernels import _shared
 from flax_mha import _options
 from flax_mha.kernels import chunked
 from flax_mha.kernels import cudnn
+from flax_mha.kernels import decode
 from flax_mha.kernels import reference
 from flax_mha.kernels import rows
 from flax_mha.kernels import xla
@@ -30,6 +32,7 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "chunked": chunked.attention,      # online softmax, linear memory, its own backward
     "rows": rows.attention,            # query-row blocks, exact softmax: no dropout or mods
     "cudnn": cudnn.attention,          # cuDNN flash attention (GPU, 16-bit inputs)
+    "decode": decode.attention,        # a few queries over a long cache: keys split, merged
 }
 
 # Up to this many logits per (batch, head), `implementation=None` runs the plain XLA graph, and
@@ -76,9 +79,11 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
 def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
                           scale: float | None = None, local_window_size=None,
                           query_seq_lengths=None, key_value_seq_lengths=None,
-                          q_segment_ids=None, kv_segment_ids=None,
-                          logit_soft_cap: float | None = None, mask_mod=None, score_mod=None,
+                          q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+                          kv_positions=None, logit_soft_cap: float | None = None,
+                          mask_mod=None, score_mod=None, sinks=None, sink_tokens: int = 0,
                           dropout_rate: float = 0.0, dropout_rng=None,
+                          return_residual: bool = False,
                           implementation: str | Callable | None = None):
   """Scaled dot-product attention `softmax(score_mods(Q·Kᵀ·scale + bias), masked)·V`.
 
@@ -103,6 +108,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
       jax.nn gives padded query rows the mean of V instead of 0). Never materialised as [T, S].
     q_segment_ids, kv_segment_ids: int [..., T] and [..., S]: a query sees only keys of its own
       segment (packed documents); one alone serves both sides when T == S. Linear memory.
+    q_positions, kv_positions: int [..., T] and [..., S], given together: absolute token
+      positions. `is_causal` and `local_window_size` then compare positions instead of indices
+      (kv_pos <= q_pos; q_pos - left <= kv_pos <= q_pos + right; T and S may differ), and a
+      negative position is padding or an empty cache slot, seen by and seeing nothing: the
+      layout of a KV cache (`flax_mha.cache`), in any order, rolling or paged.
     logit_soft_cap: static float cap > 0: scores become cap·tanh(scores / cap) before masking
       (Gemma 2), after `bias` and `score_mod`.
     mask_mod: `fn(b, h, q_idx, kv_idx) -> bool`, True = visible, ANDed with everything above
@@ -117,10 +127,22 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
       over get gradients (e.g. a learned relative-position table).
       Chunked implementations skip key/query tiles that the masks above hide entirely, and
       evaluate no mask on tiles they leave entirely visible (see `flax_mha.mods`).
+    sinks: optional floating [H], one learned logit per query head that joins every row's
+      softmax without a value (attention sinks, as in gpt-oss and JAX's splash attention):
+      it takes weight from the keys; no score term or mask touches it. Differentiable.
+    sink_tokens: static int >= 0, with `local_window_size`: the first `sink_tokens` positions
+      stay visible to every query beyond the window (StreamingLLM's attention sinks, which a
+      rolling KV cache keeps).
     dropout_rate: static rate of dropout on the attention weights, in [0, 1).
     dropout_rng: one `jax.random.key` (or raw uint32 key), required when dropout_rate > 0. The
       keep-mask is a pure function of (rng, batch·head, t, s), so every implementation drops the
       same weights.
+    return_residual: static; also return the softmax statistics: (out, lse) with lse
+      [..., T, H] the log-sum-exp of each row's visible scores (and sink), as jax.nn's
+      `return_residual`, in float32 (float64 for float64 inputs) rather than the input dtype.
+      A row that sees nothing has lse finfo(lse.dtype).min (its sink, with sinks): finite, so
+      partial results merge by `out = Σ exp(lse_i - logaddexp(lse...)) · out_i` with no
+      special case. The lse carries no gradient (as jax.nn's).
     implementation: None (the best available, chosen at trace time by
       `default_implementation`), a name in `IMPLEMENTATIONS`, or a callable with their
       signature (e.g. `flax_mha.ring_implementation`, ring attention). Every implementation
@@ -136,16 +158,36 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
   """
   arguments = dict(locals())  # the options by name, as _options.OPTIONS lists them
   options = {name: arguments[name] for name in _options.OPTIONS}
-  q, k, v, bias4, mask4, scale, mods = _prepare(
+  q, k, v, bias4, mask4, scale, mods, is_causal = _prepare(
       query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
+  if not isinstance(return_residual, bool):
+    raise TypeError(f"return_residual must be a Python bool, got {type(return_residual).__name__}")
   out_shape = (*query.shape[:-1], value.shape[-1])
   if 0 in (q.shape[0], q.shape[1], k.shape[1], v.shape[-1]):
-    return jnp.zeros(out_shape, query.dtype)
+    return _empty(query, out_shape, mods, return_residual)
   fn = _resolve(implementation, q, k, v, bias4, mask4, is_causal, dropout_rate, mods)
-  extra = dict(mods=mods) if mods.masks or mods.scores else {}  # plain callables need no mods
-  out_BTHV = fn(q, k, v, bias4, mask4, is_causal=is_causal, scale=scale,
-                dropout_rate=float(dropout_rate), dropout_rng=dropout_rng, **extra)
-  return out_BTHV.reshape(out_shape)
+  extra = {}  # plain callables need neither
+  if mods.masks or mods.scores or mods.sinks is not None:
+    extra["mods"] = mods
+  if return_residual:
+    extra["return_residual"] = True
+  result = fn(q, k, v, bias4, mask4, is_causal=is_causal, scale=scale,
+              dropout_rate=float(dropout_rate), dropout_rng=dropout_rng, **extra)
+  if not return_residual:
+    return result.reshape(out_shape)
+  out_BTHV, lse_BTH = result
+  return out_BTHV.reshape(out_shape), lax.stop_gradient(lse_BTH).reshape(query.shape[:-1])
+
+
+def _empty(query, out_shape, mods, return_residual):
+  """The result of a call with T, S or V = 0 (or no batch): zeros, and the lse of rows that
+  see no key (their sink, if any)."""
+  out = jnp.zeros(out_shape, query.dtype)
+  if not return_residual:
+    return out
+  dtype = _shared.softmax_dtype(query.dtype)
+  no_key = jnp.finfo(dtype).min if mods.sinks is None else mods.sinks.astype(dtype)
+  return out, jnp.broadcast_to(no_key, query.shape[:-1])
 
 
 def dot_product_attention_weights(query, key, bias=None, mask=None, *, is_causal: bool = False,
@@ -160,7 +202,7 @@ def dot_product_attention_weights(query, key, bias=None, mask=None, *, is_causal
   [..., H, T, S] matrix: for plots and small inputs.
   """
   value = key[..., :0]  # shape-only stand-in so the shared checks apply
-  q, k, _, bias4, mask4, scale, mods = _prepare(
+  q, k, _, bias4, mask4, scale, mods, is_causal = _prepare(
       query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
   *batch, t, h, _ = query.shape
   if 0 in (q.shape[0], t, k.shape[1]):
@@ -211,7 +253,7 @@ def check_implementation(implementation) -> None:
 
 def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options):
   """Check everything, then flatten the batch dims: ([B,T,H,K], [B,S,G,K], [B,S,G,V], bias,
-  mask, scale, mods)."""
+  mask, scale, mods, is_causal for the implementation)."""
   checks.check_qkv(query, key, value)
   checks.check_is_causal(is_causal)
   checks.check_scale(scale)
@@ -231,9 +273,9 @@ def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
   if unknown:
     raise TypeError(
         f"unexpected keyword arguments {sorted(unknown)}; options are {_options.OPTIONS}")
-  mods = _options.build(tuple(batch), t, s, h, query.dtype, **options)
+  mods, is_causal = _options.build(tuple(batch), t, s, h, query.dtype, is_causal, **options)
   return (flat(query), flat(key), flat(value), _flatten_batch(bias, batch),
-          _flatten_batch(mask, batch), float(scale), mods)
+          _flatten_batch(mask, batch), float(scale), mods, is_causal)
 
 
 def _flatten_batch(x, batch):

@@ -89,18 +89,28 @@ class Causal:
 @_pytree
 @dataclasses.dataclass(frozen=True)
 class LocalWindow:
-  """q_idx - left <= kv_idx <= q_idx + right (jax.nn's `local_window_size`)."""
+  """q_idx - left <= kv_idx <= q_idx + right (jax.nn's `local_window_size`), or kv_idx below
+  `sink_tokens` (StreamingLLM: the first tokens stay visible to every query)."""
   left: int = _static()
   right: int = _static()
+  sink_tokens: int = _static(default=0)
 
   def visible(self, b, h, q, kv):
     del b, h
-    return (kv >= q - self.left) & (kv <= q + self.right)
+    return _in_window(q, kv, (self.left, self.right), self.sink_tokens)
 
   def tile_map(self, tl: Tiles):
     maybe = (tl.kv_hi - 1 >= tl.q_lo - self.left) & (tl.kv_lo <= tl.q_hi - 1 + self.right)
     full = (tl.kv_lo >= tl.q_hi - 1 - self.left) & (tl.kv_hi - 1 <= tl.q_lo + self.right)
+    if self.sink_tokens:
+      maybe, full = maybe | (tl.kv_lo < self.sink_tokens), full | (tl.kv_hi <= self.sink_tokens)
     return maybe, full
+
+
+def _in_window(q, kv, window, sink_tokens: int):
+  """Positions kv within (left, right) of q, or among the first `sink_tokens`."""
+  inside = (kv >= q - window[0]) & (kv <= q + window[1])
+  return inside | (kv < sink_tokens) if sink_tokens else inside
 
 
 @_pytree
@@ -196,6 +206,71 @@ def _reads(jaxpr) -> frozenset:
 
 @_pytree
 @dataclasses.dataclass(frozen=True)
+class Positions:
+  """Visibility by absolute token positions rather than by index: query b, i at q_pos[b, i]
+  sees key b, j at kv_pos[b, j] when both are >= 0 (a negative position is padding or an
+  empty cache slot: it sees and is seen by nothing), and, with `causal`, kv_pos <= q_pos, and
+  with a window, q_pos - left <= kv_pos <= q_pos + right. What `is_causal` and
+  `local_window_size` mean when a call gives positions (a KV cache, a rolling buffer, pages).
+  Like `Segments`, indices address the arrays directly (offsets must be 0)."""
+  q_pos: Any  # [B, T] int
+  kv_pos: Any  # [B, S] int
+  causal: bool = _static(default=False)
+  window: tuple | None = _static(default=None)  # (left, right)
+  sink_tokens: int = _static(default=0)  # with a window: positions below it stay visible
+
+  def visible(self, b, h, q, kv):
+    del h
+    return self._visible(self.q_pos[b, q], self.kv_pos[b, kv])
+
+  def _visible(self, q, kv):
+    ok = (q >= 0) & (kv >= 0)
+    if self.causal:
+      ok = ok & (kv <= q)
+    if self.window is not None:
+      ok = ok & _in_window(q, kv, self.window, self.sink_tokens)
+    return ok
+
+  def tile_map(self, tl: Tiles):
+    """From each tile's valid position range: nothing valid or out of reach sees nothing;
+    everything valid and in reach sees everything."""
+    (q_lo, q_hi, q_all), (kv_lo, kv_hi, kv_all) = (
+        _valid_range(self.q_pos, tl.bq), _valid_range(self.kv_pos, tl.bk))
+    kv_lo, kv_hi, kv_all = (x.transpose(0, 2, 1) for x in (kv_lo, kv_hi, kv_all))
+    maybe = (q_hi >= 0) & (kv_hi >= 0)  # some valid entry on each side
+    full = q_all & kv_all
+    if self.causal:
+      maybe, full = maybe & (kv_lo <= q_hi), full & (kv_hi <= q_lo)
+    if self.window is not None:
+      left, right = self.window
+      near_maybe = (kv_hi >= q_lo - left) & (kv_lo <= q_hi + right)
+      near_full = (kv_lo >= q_hi - left) & (kv_hi <= q_lo + right)
+      if self.sink_tokens:
+        near_maybe = near_maybe | (kv_lo < self.sink_tokens)
+        near_full = near_full | (kv_hi < self.sink_tokens)
+      maybe, full = maybe & near_maybe, full & near_full
+    return jnp.any(maybe, axis=0), jnp.all(full, axis=0)
+
+
+def _valid_range(pos_BL, block: int):
+  """Per block of `block` positions of pos [B, L]: (min, max) of the valid (>= 0) positions
+  (max -1 where none is valid) and whether all are valid, each [B, n, 1]."""
+  b, length = pos_BL.shape
+  n = -(-length // block)
+  tiles = jnp.pad(pos_BL, ((0, 0), (0, n * block - length)), constant_values=-1)
+  tiles = tiles.reshape(b, n, block)
+  valid = tiles >= 0
+  big = jnp.iinfo(tiles.dtype).max
+  lo = jnp.where(valid, tiles, big).min(axis=-1, keepdims=True)
+  hi = tiles.max(axis=-1, keepdims=True)
+  # Padding beyond L is not a position of this array: a partly padded last block is "all
+  # valid" when its real entries are (the kernel masks padded keys itself).
+  real = (jnp.arange(n * block) < length).reshape(1, n, block)
+  return lo, hi, jnp.all(valid | ~real, axis=-1, keepdims=True)
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
 class MaskMod:
   """A user's `mask_mod(b, h, q_idx, kv_idx) -> bool`, as `fn(b, h, q, kv, *consts)`.
 
@@ -266,10 +341,12 @@ class ScoreMod:
 @_pytree
 @dataclasses.dataclass(frozen=True)
 class Mods:
-  """Everything beyond the dense `mask` and `bias`: mask terms (ANDed) and score terms (applied
-  in order to `scale · Q·Kᵀ + bias`, before masking)."""
+  """Everything beyond the dense `mask` and `bias`: mask terms (ANDed), score terms (applied
+  in order to `scale · Q·Kᵀ + bias`, before masking) and attention sinks: one logit per query
+  head [H] that joins every row's softmax without a value (no score term touches it)."""
   masks: tuple = ()
   scores: tuple = ()
+  sinks: Any = None  # [H] floating, or None
 
   def visible(self, b, h, q, kv):
     """AND of the mask terms (None when there are none)."""
@@ -297,6 +374,15 @@ class Mods:
       m, f = term.tile_map(tl)
       maybe, full = maybe & m, full & f
     return maybe, full
+
+
+def narrowest_window(mods: Mods | None) -> int | None:
+  """Keys the narrowest window of `mods` spans (left + right + 1), or None without one."""
+  spans = [t.left + t.right + 1 for t in (mods.masks if mods else ())
+           if isinstance(t, LocalWindow)]
+  spans += [t.window[0] + t.window[1] + 1 for t in (mods.masks if mods else ())
+            if isinstance(t, Positions) and t.window is not None]
+  return min(spans, default=None)
 
 
 def with_causal(mods: Mods | None, is_causal: bool) -> Mods:

@@ -21,6 +21,15 @@ def row_lse(row_max, total):
                    jnp.finfo(total.dtype).min)
 
 
+def sink_grad(sinks_H, lse_BTH, out_BTHV, dout_BTHV):
+  """d loss / d sinks [H]: a sink's weight in row (b, t, h) is exp(sink - lse), and raising it
+  scales that row's output by (1 - weight), so the gradient is -Σ_{b,t} weight · (dout · out)."""
+  acc = lse_BTH.dtype
+  delta_BTH = jnp.sum(dout_BTHV.astype(acc) * out_BTHV.astype(acc), axis=-1)
+  weight_BTH = jnp.exp(sinks_H.astype(acc) - lse_BTH)
+  return -jnp.sum(weight_BTH * delta_BTH, axis=(0, 1)).astype(sinks_H.dtype)
+
+
 def visible_mask(mask, is_causal: bool, num_q: int, num_kv: int):
   """The boolean [.., T, S] mask that `mask` and `is_causal` make together (None: all visible)."""
   causal = masks_lib.causal_mask(num_q, num_kv) if is_causal else None

@@ -137,6 +137,33 @@ def _apply_dropout(p, ctx: _TileCtx, idx):
   return _dropout.apply(p, rate, keep)
 
 
+def forward_tile(carry, i, j, raw, v_j, ctx: _TileCtx, masked: bool):
+  """One step of the online softmax: the running (max, sum, output) [B, G, R, Q(, V)] of query
+  block i after key block j, from the tile's raw products Q·Kᵀ (raw [B, G, R, Q, P]) and its
+  values (v_j [B, G, P, V]); `masked` for tiles not entirely visible."""
+  m, l, o = carry
+  idx = _indices(i, j, ctx, False)
+  s = _mask(ctx.mods.score(_pre_scores(raw, i, j, ctx, False), *idx), i, j, ctx, idx, False,
+            masked)
+  m_new = jnp.maximum(m, s.max(axis=-1))
+  # A row that has seen only -inf so far keeps m = -inf; subtracting 0 instead keeps
+  # exp(-inf - m) at 0 rather than NaN.
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  p = jnp.exp(s - m_safe[..., None])
+  alpha = jnp.exp(m - m_safe)
+  p_dropped = _apply_dropout(p, ctx, idx).astype(v_j.dtype)
+  pv = jnp.einsum("BGRQP,BGPV->BGRQV", p_dropped, v_j, preferred_element_type=m.dtype)
+  return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * o + pv
+
+
+def initial_stats(stats_shape, groups: int, sinks, dtype):
+  """(max, sum) before any key: (-inf, 0), or with sinks [H] the sink itself (sink, 1)."""
+  if sinks is None:
+    return jnp.full(stats_shape, -jnp.inf, dtype), jnp.zeros(stats_shape, dtype)
+  m0 = jnp.broadcast_to(sinks.astype(dtype).reshape(1, groups, -1, 1), stats_shape)
+  return m0, jnp.ones(stats_shape, dtype)
+
+
 def _forward(q, k, v, bias, mask, rng, mods, cfg: _Config, q_offset=0, kv_offset=0):
   """out [B, T, H, V] and lse [B, H, T] in the softmax dtype (lse finfo.min: no key visible)."""
   ctx = _context(q, k, bias, mask, rng, mods, cfg, q_offset, kv_offset)
@@ -150,24 +177,12 @@ def _forward(q, k, v, bias, mask, rng, mods, cfg: _Config, q_offset=0, kv_offset
 
     def k_step(masked):
       def step(j, carry):
-        m, l, o = carry
-        idx = _indices(i, j, ctx, False)
         raw = jnp.einsum("BGRQK,BGKP->BGRQP", q_i, kt_blocks[j], preferred_element_type=acc)
-        s = _mask(mods.score(_pre_scores(raw, i, j, ctx, False), *idx), i, j, ctx, idx, False,
-                  masked)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        # A row that has seen only -inf so far keeps m = -inf; subtracting 0 instead keeps
-        # exp(-inf - m) at 0 rather than NaN.
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        p_dropped = _apply_dropout(p, ctx, idx).astype(v.dtype)
-        pv = jnp.einsum("BGRQP,BGPV->BGRQV", p_dropped, v_blocks[j], preferred_element_type=acc)
-        return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * o + pv
+        return forward_tile(carry, i, j, raw, v_blocks[j], ctx, masked)
       return step
 
     stats_shape = q_i.shape[:-1]  # [B, G, R, Q]
-    carry = (jnp.full(stats_shape, -jnp.inf, acc), jnp.zeros(stats_shape, acc),
+    carry = (*initial_stats(stats_shape, g, mods.sinks, acc),
              jnp.zeros((*stats_shape, v.shape[-1]), acc))
     rows = ctx.rows
     carry = _tiling.loop(rows.full_idx, rows.full_count, i, k_step(False), carry)
@@ -316,37 +331,45 @@ def chunked_backward(query, key, value, out, lse, dout, *, scale, is_causal, q_o
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _attention(query, key, value, bias, mask, dropout_rng, mods, cfg: _Config):
-  return _forward(query, key, value, bias, mask, dropout_rng, mods, cfg)[0].astype(query.dtype)
+  """(out [B, T, H, V], lse [B, H, T]); the lse carries no gradient (its cotangent is ignored:
+  callers stop it)."""
+  out, lse = _forward(query, key, value, bias, mask, dropout_rng, mods, cfg)
+  return out.astype(query.dtype), lse
 
 
 def _attention_fwd(query, key, value, bias, mask, dropout_rng, mods, cfg):
   out, lse = _forward(query, key, value, bias, mask, dropout_rng, mods, cfg)
   out = out.astype(query.dtype)
-  return out, (query, key, value, bias, mask, dropout_rng, mods, out, lse)
+  return (out, lse), (query, key, value, bias, mask, dropout_rng, mods, out, lse)
 
 
-def _attention_bwd(cfg, residuals, dout):
+def attention_bwd(cfg, residuals, cotangents):
   query, key, value, bias, mask, dropout_rng, mods, out, lse = residuals
+  dout = cotangents[0]
   dq, dk, dv, dbias, dfloats = _backward(query, key, value, out, lse, dout, bias, mask,
                                          dropout_rng, mods, cfg)
   if dbias is not None:
     dbias = dbias.astype(bias.dtype)
+  dsinks = None
+  if mods.sinks is not None:
+    dsinks = _shared.sink_grad(mods.sinks, lse.transpose(0, 2, 1), out, dout)
   return (dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), dbias, None,
-          None, _mods_cotangent(mods, dfloats))
+          None, _mods_cotangent(mods, dfloats, dsinks))
 
 
-def _mods_cotangent(mods: mods_lib.Mods, dfloats):
-  """The cotangent of `mods`: dfloats at the score terms' float leaves, None everywhere else."""
+def _mods_cotangent(mods: mods_lib.Mods, dfloats, dsinks):
+  """The cotangent of `mods`: dfloats at the score terms' float leaves, dsinks at the sinks,
+  None everywhere else."""
   leaves, treedef = jax.tree.flatten(mods.scores)
   it = iter(dfloats)
   d_scores = [next(it) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else None
               for x in leaves]
   mask_leaves, mask_def = jax.tree.flatten(mods.masks)
   return mods_lib.Mods(masks=jax.tree.unflatten(mask_def, [None] * len(mask_leaves)),
-                       scores=jax.tree.unflatten(treedef, d_scores))
+                       scores=jax.tree.unflatten(treedef, d_scores), sinks=dsinks)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, attention_bwd)
 
 
 def default_blocks(t: int, s: int, k: int, is_causal: bool,
@@ -381,16 +404,16 @@ def make_attention(block_q: int | None = None, block_k: int | None = None):
       checks.check_int(name, block)
 
   def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
-                mods=None):
-    """Chunked `softmax(QKᵀ·scale + bias, masked)·V`: [B, T, H, V], as `reference.attention`."""
-    windows = [t.left + t.right + 1 for t in (mods.masks if mods else ())
-               if isinstance(t, mods_lib.LocalWindow)]
+                mods=None, return_residual=False):
+    """Chunked `softmax(QKᵀ·scale + bias, masked)·V`: [B, T, H, V] (and with
+    `return_residual` the lse [B, T, H]), as `reference.attention`."""
     auto_q, auto_k = default_blocks(query.shape[1], key.shape[1], query.shape[-1], is_causal,
-                                    min(windows, default=None))
+                                    mods_lib.narrowest_window(mods))
     cfg = _Config(float(scale), float(dropout_rate), block_q or auto_q, block_k or auto_k)
     mods = mods_lib.with_causal(mods, is_causal)
-    return _shared.without_forward_mode("chunked", _attention, query, key, value, bias, mask,
-                                        dropout_rng, mods, cfg)
+    out, lse_BHT = _shared.without_forward_mode("chunked", _attention, query, key, value, bias,
+                                                mask, dropout_rng, mods, cfg)
+    return (out, lax.stop_gradient(lse_BHT.transpose(0, 2, 1))) if return_residual else out
 
   return attention
 

@@ -17,9 +17,10 @@ MAX_HEAD_DIM = 128
 
 def unsupported_reason(query, key, value, dropout_rate, mods=None) -> str | None:
   """Why cuDNN can't run this call (None when it can). Reads static facts only."""
-  if mods is not None and (mods.masks or mods.scores):
+  if mods is not None and (mods.masks or mods.scores or mods.sinks is not None):
     return ("flax_mha's cuDNN path takes mask, bias and is_causal only, not windows, lengths, "
-            "segment ids, soft-capping or mask/score functions: use implementation='chunked'")
+            "segment ids, positions, soft-capping, mask/score functions or sinks: use "
+            "implementation='chunked'")
   if jax.default_backend() != "gpu":
     return f"cuDNN needs a GPU backend, the default backend is {jax.default_backend()!r}"
   if query.dtype not in SUPPORTED_DTYPES:
@@ -33,8 +34,9 @@ def unsupported_reason(query, key, value, dropout_rate, mods=None) -> str | None
 
 
 def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
-              mods=None):
-  """cuDNN flash attention: [B, T, H, V]; rows with no visible key give 0, as everywhere else."""
+              mods=None, return_residual=False):
+  """cuDNN flash attention: [B, T, H, V] (and with `return_residual` the lse [B, T, H] in
+  float32); rows with no visible key give 0 (lse finfo.min), as everywhere else."""
   del dropout_rng
   reason = unsupported_reason(query, key, value, dropout_rate, mods)
   if reason is not None:
@@ -42,16 +44,19 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
   if mask is not None and is_causal:  # jax.nn's cuDNN path takes one mask kind: fold causality in
     mask = mask & masks.causal_mask(query.shape[1], key.shape[1])
     is_causal = False
-  out = jax.nn.dot_product_attention(
+  result = jax.nn.dot_product_attention(
       query, key, value, bias=None if bias is None else bias.astype(query.dtype), mask=mask,
-      scale=scale, is_causal=is_causal, implementation="cudnn")
+      scale=scale, is_causal=is_causal, implementation="cudnn", return_residual=return_residual)
+  out, lse = result if return_residual else (result, None)
   # Rows that see no key (masked, or every logit -inf through the bias) are 0 by flax_mha's
   # semantics, whatever cuDNN returns for them. Top-left causal alone always sees key 0.
   visible = mask
   if bias is not None:
     finite = bias > -jnp.inf
     visible = finite if visible is None else visible & finite
-  if visible is None:
-    return out
-  any_visible_BHT = jnp.any(visible, axis=-1)
-  return jnp.where(any_visible_BHT.transpose(0, 2, 1)[..., None], out, 0.0).astype(out.dtype)
+  if visible is not None:
+    any_visible_BTH = jnp.any(visible, axis=-1).transpose(0, 2, 1)
+    out = jnp.where(any_visible_BTH[..., None], out, 0.0).astype(out.dtype)
+    if lse is not None:
+      lse = jnp.where(any_visible_BTH, lse.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+  return (out, lse.astype(jnp.float32)) if return_residual else out

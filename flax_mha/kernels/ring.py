@@ -16,6 +16,7 @@ contributes nothing (the kernel's causal loop bounds skip all of its tiles).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -33,7 +34,8 @@ from flax_mha.sharding import DATA_AXIS, MODEL_AXIS, SEQ_AXIS
 
 def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
                    axis_name: str = SEQ_AXIS, is_causal: bool = False, scale: float | None = None,
-                   batch_axis: str | None = None, head_axis: str | None = None, mods=None):
+                   batch_axis: str | None = None, head_axis: str | None = None, mods=None,
+                   return_residual: bool = False):
   """Exact attention with the sequence split over `mesh`'s `axis_name`.
 
   Args:
@@ -52,10 +54,12 @@ def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
     head_axis: optional mesh axis to split H and G over as well (tensor parallelism); it must
       divide both.
     mods: optional `flax_mha.mods.Mods` of index-only terms (windows, soft-capping, mask_mod /
-      score_mod functions that close over no arrays), seen at global positions.
+      score_mod functions that close over no arrays), seen at global positions, and sinks [H]
+      (learned: differentiable).
+    return_residual: also return the log-sum-exp [B, T, H] (float32; no gradient).
 
   Returns:
-    [B, T, H, V] in the query dtype, differentiable in q, k, v. On Auto axes it is laid out as
+    [B, T, H, V] in the query dtype, differentiable in q, k, v (and the sinks). On Auto axes it is laid out as
     P(batch_axis, axis_name, head_axis) and `jit` propagates that. Explicit axes are part of the
     array's type, so the inputs are resharded to that layout on the way in and the output back
     to the query's type on the way out: a query already laid out so moves nothing.
@@ -82,13 +86,20 @@ def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
       *(axis if size > 1 else None
         for axis, size in zip((batch_axis, head_axis, axis_name), mask.shape[:3])), None)
   _check_mods(mods, batch_axis, head_axis)
+  sinks = None if mods is None else mods.sinks
+  sinks_spec = None if sinks is None else P(head_axis)
+  mods = None if mods is None else dataclasses.replace(mods, sinks=None)  # static from here
+  # A sink's gradient sums over the devices that share it: the sequence and batch shards.
+  replicas = tuple(axis for axis in (axis_name, batch_axis) if axis is not None)
   local = functools.partial(_ring, axis_name=axis_name, n=mesh.shape[axis_name],
-                            is_causal=is_causal, scale=scale, mods=mods)
-  ring = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, mask_spec),
-                       out_specs=spec, check_vma=False)
+                            is_causal=is_causal, scale=scale, mods=mods, replicas=replicas)
+  ring = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, mask_spec, sinks_spec),
+                       out_specs=(spec, P(batch_axis, axis_name, head_axis)), check_vma=False)
   args = (_to_explicit(x, x_spec, mesh) for x, x_spec in zip(
-      (query, key, value, mask), (spec, spec, spec, mask_spec)))
-  return _to_explicit(ring(*args), P(*jax.typeof(query).sharding.spec[:3]), mesh)
+      (query, key, value, mask, sinks), (spec, spec, spec, mask_spec, sinks_spec)))
+  out, lse = ring(*args)
+  out = _to_explicit(out, P(*jax.typeof(query).sharding.spec[:3]), mesh)
+  return (out, lax.stop_gradient(lse)) if return_residual else out
 
 
 def _check_mods(mods, batch_axis, head_axis):
@@ -96,7 +107,7 @@ def _check_mods(mods, batch_axis, head_axis):
   arrays (segment ids, lengths, a score_mod's table) would need sharding of their own."""
   if mods is None:
     return
-  if jax.tree.leaves(mods):
+  if jax.tree.leaves((mods.masks, mods.scores)):
     kinds = sorted({type(t).__name__ for t in (*mods.masks, *mods.scores) if jax.tree.leaves(t)})
     raise ValueError(
         f"ring attention takes windows, soft-capping and mask_mod/score_mod functions of the "
@@ -150,7 +161,7 @@ def _to_explicit(x, spec, mesh):
 
 
 def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
-              mods=None):
+              mods=None, return_residual=False):
   """Ring attention over the context mesh, as an `implementation` of `dot_product_attention`.
 
   Exported as `flax_mha.ring_implementation`:
@@ -160,8 +171,8 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
 
   The mesh needs a SEQ_AXIS ('seq') axis; B is split over DATA_AXIS and H, G over MODEL_AXIS
   where those axes divide them (not when a mask_mod reads b or h or a score_mod is given: those
-  see local indices). Supports masks, causality and index-only mods; bias, dropout, segment ids
-  and sequence lengths raise.
+  see local indices). Supports masks, causality, index-only mods, sinks and the residual; bias,
+  dropout, segment ids, positions and sequence lengths raise.
   """
   del dropout_rng
   if bias is not None or dropout_rate:
@@ -185,7 +196,7 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
                         batch_axis=None if reads_bh else axis(DATA_AXIS, query.shape[0]),
                         head_axis=None if reads_bh else axis(MODEL_AXIS, query.shape[2],
                                                              key.shape[2]),
-                        mods=mods)
+                        mods=mods, return_residual=return_residual)
 
 
 def _shift(xs, axis_name: str, n: int):
@@ -207,8 +218,8 @@ def _mask_block(mask, kv_offset, s: int):
   return lax.dynamic_slice_in_dim(mask, kv_offset, s, axis=3)
 
 
-def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale, mods):
-  """Local shards -> (out [B, T/n, H, V], global lse [B, H, T/n]) in the softmax dtype."""
+def _ring_forward(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods):
+  """Local shards -> (out [B, T/n, H, V], global lse [B, T/n, H]) in the softmax dtype."""
   b, t, h, _ = q.shape
   acc = _shared.softmax_dtype(q.dtype)
   kernel = functools.partial(chunked_forward, scale=scale, is_causal=is_causal, mods=mods)
@@ -218,44 +229,53 @@ def _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale, mods):
     q_offset, kv_offset = _offsets(i, t, k.shape[1], axis_name, n)
     out_i, lse_i = kernel(q, k_i, v_i, q_offset=q_offset, kv_offset=kv_offset,
                           mask=_mask_block(mask, kv_offset, k.shape[1]))
+    lse_i = lse_i.transpose(0, 2, 1)  # [B, T, H]
     lse_new = jnp.logaddexp(lse, lse_i)
-    safe = jnp.where(jnp.isfinite(lse_new), lse_new, 0.0)  # rows with no visible key yet
-    weight = lambda l: jnp.exp(l - safe).transpose(0, 2, 1)[..., None]  # [B, H, T] -> [B, T, H, 1]
+    weight = lambda l: jnp.exp(l - lse_new)[..., None]  # [B, T, H, 1]; finite lse throughout
     out = weight(lse) * out + weight(lse_i) * out_i
     return (out, lse_new, *_shift((k_i, v_i), axis_name, n))
 
-  no_key = jnp.finfo(acc).min  # the lse of a row that has seen no key (see _shared.row_lse)
-  init = (jnp.zeros((b, t, h, v.shape[-1]), acc), jnp.full((b, h, t), no_key, acc), k, v)
+  if sinks is None:  # the lse of a row that has seen no key (see _shared.row_lse)
+    lse0 = jnp.full((b, t, h), jnp.finfo(acc).min, acc)
+  else:  # every row starts having seen its head's sink (which has no value)
+    lse0 = jnp.broadcast_to(sinks.astype(acc), (b, t, h))
+  init = (jnp.zeros((b, t, h, v.shape[-1]), acc), lse0, k, v)
   out, lse, _, _ = lax.fori_loop(0, n, step, init)
   return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _ring(q, k, v, mask, axis_name, n, is_causal, scale, mods):
-  out, _ = _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale, mods)
-  return out.astype(q.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _ring(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods, replicas):
+  out, lse = _ring_forward(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods)
+  return out.astype(q.dtype), lse
 
 
-def _ring_fwd(q, k, v, mask, axis_name, n, is_causal, scale, mods):
-  out, lse = _ring_forward(q, k, v, mask, axis_name, n, is_causal, scale, mods)
-  return out.astype(q.dtype), (q, k, v, mask, out, lse)
+def _ring_fwd(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods, replicas):
+  out, lse = _ring_forward(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods)
+  out = out.astype(q.dtype)
+  return (out, lse), (q, k, v, mask, sinks, out, lse)
 
 
-def _ring_bwd(axis_name, n, is_causal, scale, mods, residuals, dout):
-  q, k, v, mask, out, lse = residuals
+def _ring_bwd(axis_name, n, is_causal, scale, mods, replicas, residuals, cotangents):
+  q, k, v, mask, sinks, out, lse = residuals
+  dout = cotangents[0]  # the lse is returned without gradient
+  lse_BHT = lse.transpose(0, 2, 1)
   kernel = functools.partial(chunked_backward, scale=scale, is_causal=is_causal, mods=mods)
 
   def step(i, carry):
     dq, k_i, v_i, dk_i, dv_i = carry
     q_offset, kv_offset = _offsets(i, q.shape[1], k.shape[1], axis_name, n)
-    dq_i, dk_c, dv_c = kernel(q, k_i, v_i, out, lse, dout, q_offset=q_offset,
+    dq_i, dk_c, dv_c = kernel(q, k_i, v_i, out, lse_BHT, dout, q_offset=q_offset,
                               kv_offset=kv_offset, mask=_mask_block(mask, kv_offset, k.shape[1]))
     # The accumulators travel with their key/value shard; after n hops they are back home.
     return (dq + dq_i, *_shift((k_i, v_i, dk_i + dk_c, dv_i + dv_c), axis_name, n))
 
   zeros = lambda x: jnp.zeros(x.shape, _shared.softmax_dtype(q.dtype))
   dq, _, _, dk, dv = lax.fori_loop(0, n, step, (zeros(q), k, v, zeros(k), zeros(v)))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  dsinks = None
+  if sinks is not None:
+    dsinks = lax.psum(_shared.sink_grad(sinks, lse, out, dout), replicas)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dsinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -64,8 +64,8 @@ def unsupported_reason(dropout_rate, mods) -> str | None:
   if dropout_rate > 0.0:
     return "it has no dropout"
   if mods is not None and (mods.masks or mods.scores):
-    return ("it takes no windows, lengths, segment ids, soft-capping or mask/score functions "
-            "(bias, mask and is_causal only)")
+    return ("it takes no windows, lengths, segment ids, positions, soft-capping or mask/score "
+            "functions (bias, mask, is_causal and sinks only)")
   return None
 
 
@@ -210,9 +210,9 @@ def _pad_rows(x, p: _Plan, fill):
                  constant_values=fill)
 
 
-def _forward(q, k, v, dense, p: _Plan):
+def _forward(q, k, v, dense, sinks, p: _Plan):
   """out [B, T, H, V] and lse [n_u, n_q, U, R·Q], in the softmax dtype (lse finfo.min: a row
-  that sees no key, its out 0); dense = (bias, mask), each None or rank 4."""
+  that sees no key, its out 0); dense = (bias, mask), each None or rank 4; sinks None or [H]."""
   b, _, h, _ = q.shape
   g = k.shape[2]
   r, acc = h // g, _shared.softmax_dtype(q.dtype)
@@ -221,25 +221,37 @@ def _forward(q, k, v, dense, p: _Plan):
   q_units = _to_units(q * jnp.asarray(p.scale, q.dtype), g, p.n_u, p.n_q, p.bq)
   k_units, v_units = _kv_units(k, p.n_u), _kv_units(v, p.n_u)
 
-  def unit_step(_, xs):
-    trip, q_u, k_u, v_u = xs
+  # Each row's sink logit (of its query head), in the rows' layout: [n_u, n_q, U, R·Q, 1].
+  sink_units = None if sinks is None else _to_units(
+      jnp.broadcast_to(sinks.astype(acc)[None, None, :, None], (b, p.t, h, 1)), g, p.n_u,
+      p.n_q, p.bq)
+  empty_rows = empty_rows and sinks is None  # a sink is always seen
 
-    def block(i, extent, carry, q_i):
+  def unit_step(_, xs):
+    trip, q_u, k_u, v_u, sink_u = xs
+
+    def block(i, extent, carry, x):
+      q_i, sink_i = x
       s = jnp.einsum("UQK,USK->UQS", q_i, k_u[:, :extent], preferred_element_type=acc)
       s = _scores(s, dense, p, g, r, trip, i, extent, False)
       m = jnp.max(s, axis=-1, keepdims=True)
+      if sink_i is not None:
+        m = jnp.maximum(m, sink_i)
       if empty_rows:  # subtracting 0 keeps a row of -inf at exp = 0 rather than NaN
         m = jnp.where(m == -jnp.inf, 0.0, m)
       e = jnp.exp(s - m)
       l = jnp.sum(e, axis=-1, keepdims=True)
+      if sink_i is not None:
+        l = l + jnp.exp(sink_i - m)
       o = jnp.einsum("UQS,USV->UQV", e.astype(v.dtype), v_u[:, :extent],
                      preferred_element_type=acc)
       o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0) if empty_rows else o / l
       return carry, (o, _shared.row_lse(m, l)[..., 0])
 
-    return None, _over_blocks(p, block, None, q_u)[1]
+    return None, _over_blocks(p, block, None, (q_u, sink_u))[1]
 
-  _, (out, lse) = lax.scan(unit_step, None, (jnp.arange(p.n_u), q_units, k_units, v_units))
+  _, (out, lse) = lax.scan(unit_step, None, (jnp.arange(p.n_u), q_units, k_units, v_units,
+                                             sink_units))
   return _from_units(out, b, g, p.t, p.bq), lse
 
 
@@ -303,24 +315,28 @@ def _lse_units(lse_BTH, p: _Plan, g: int):
   return _to_units(lse_BTH[..., None], g, p.n_u, p.n_q, p.bq)[..., 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, bias, mask, p_fwd: _Plan, p_bwd: _Plan):
-  return _forward(q, k, v, (bias, mask), p_fwd)[0].astype(q.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attention(q, k, v, bias, mask, sinks, p_fwd: _Plan, p_bwd: _Plan):
+  """(out [B, T, H, V], lse [B, T, H]); the lse carries no gradient (callers stop it)."""
+  out, lse = _forward(q, k, v, (bias, mask), sinks, p_fwd)
+  return out.astype(q.dtype), _lse_bth(lse, p_fwd, q.shape[0], k.shape[2])
 
 
-def _attention_fwd(q, k, v, bias, mask, p_fwd, p_bwd):
-  out, lse = _forward(q, k, v, (bias, mask), p_fwd)
-  out = out.astype(q.dtype)
-  return out, (q, k, v, bias, mask, out, lse)
+def _attention_fwd(q, k, v, bias, mask, sinks, p_fwd, p_bwd):
+  out, lse = _forward(q, k, v, (bias, mask), sinks, p_fwd)
+  out, lse_BTH = out.astype(q.dtype), _lse_bth(lse, p_fwd, q.shape[0], k.shape[2])
+  return (out, lse_BTH), (q, k, v, bias, mask, sinks, out, lse, lse_BTH)
 
 
-def _attention_bwd(p_fwd, p_bwd, residuals, dout):
-  q, k, v, bias, mask, out, lse = residuals
+def _attention_bwd(p_fwd, p_bwd, residuals, cotangents):
+  q, k, v, bias, mask, sinks, out, lse, lse_BTH = residuals
+  dout = cotangents[0]
   if (p_fwd.units, p_fwd.bq) != (p_bwd.units, p_bwd.bq):
-    lse = _lse_units(_lse_bth(lse, p_fwd, q.shape[0], k.shape[2]), p_bwd, k.shape[2])
+    lse = _lse_units(lse_BTH, p_bwd, k.shape[2])
   dq, dk, dv, dbias = _backward(q, k, v, out, lse, dout, (bias, mask), p_bwd)
+  dsinks = None if sinks is None else _shared.sink_grad(sinks, lse_BTH, out, dout)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None if bias is None else dbias.astype(bias.dtype), None)
+          None if bias is None else dbias.astype(bias.dtype), None, dsinks)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -334,9 +350,10 @@ def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BA
   checks.check_int("tile_backward", tile_backward)
 
   def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
-                mods=None):
-    """softmax(Q·Kᵀ·scale + bias, masked)·V in query-row blocks: [B, T, H, V], as
-    `reference.attention`; dropout or mods raise a ValueError."""
+                mods=None, return_residual=False):
+    """softmax(Q·Kᵀ·scale + bias, masked)·V in query-row blocks: [B, T, H, V] (and with
+    `return_residual` the lse [B, T, H]), as `reference.attention`; dropout or mask/score
+    terms raise a ValueError (sinks are fine)."""
     del dropout_rng
     reason = unsupported_reason(dropout_rate, mods)
     if reason is not None:
@@ -346,8 +363,10 @@ def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BA
     s, g = key.shape[1:3]
     forward = tile_forward or (TILE_FORWARD_CAUSAL if is_causal else TILE_FORWARD)
     plans = [plan(b, t, s, h, g, scale, is_causal, tile) for tile in (forward, tile_backward)]
-    return _shared.without_forward_mode("rows", _attention, query, key, value, bias, mask,
-                                        *plans)
+    sinks = None if mods is None else mods.sinks
+    out, lse = _shared.without_forward_mode("rows", _attention, query, key, value, bias, mask,
+                                            sinks, *plans)
+    return (out, lax.stop_gradient(lse)) if return_residual else out
 
   return attention
 

@@ -45,45 +45,58 @@ def attention_logits(query_BTHK, key_BSGK, bias, scale, *, scale_query: bool = F
 
 
 @jax.custom_jvp
-def masked_softmax(logits, visible):
-  """Softmax over the last axis of the `visible` entries (None: all); hidden entries, entries at
-  -inf and rows with no visible finite entry get weight 0 (no NaN, no uniform row)."""
+def masked_softmax(logits, visible, sinks=None):
+  """(weights, lse): the softmax over the last axis of the `visible` entries (None: all) and its
+  log-sum-exp; hidden entries, entries at -inf and rows with no visible finite entry get
+  weight 0 (no NaN, no uniform row; lse finfo.min). `sinks`, broadcasting to [..., 1], join
+  every row's denominator (a logit without a value)."""
   lowest = jnp.finfo(logits.dtype).min
   hidden_to_lowest = logits if visible is None else jnp.where(visible, logits, lowest)
   # Clamping the row max at `lowest` keeps exp finite: a row of -inf logits gives exp(-inf) = 0.
   row_max = jnp.maximum(jnp.max(hidden_to_lowest, axis=-1, keepdims=True), lowest)
-  unnormalised = jnp.exp(hidden_to_lowest - lax.stop_gradient(row_max))  # hidden: exp(-big) = 0
+  if sinks is not None:
+    row_max = jnp.maximum(row_max, sinks)
+  row_max = lax.stop_gradient(row_max)
+  unnormalised = jnp.exp(hidden_to_lowest - row_max)  # hidden: exp(-big) = 0
   if visible is not None:
     unnormalised = jnp.where(visible, unnormalised, 0.0)
   total = jnp.sum(unnormalised, axis=-1, keepdims=True)
-  return unnormalised / jnp.maximum(total, jnp.finfo(logits.dtype).tiny)  # total is 0 or >= 1
+  if sinks is not None:
+    total = total + jnp.exp(sinks - row_max)
+  weights = unnormalised / jnp.maximum(total, jnp.finfo(logits.dtype).tiny)  # total 0 or >= 1
+  return weights, _shared.row_lse(row_max, total)[..., 0]
 
 
 @masked_softmax.defjvp
 def _masked_softmax_jvp(primals, tangents):
-  logits, visible = primals
-  weights = masked_softmax(logits, visible)
-  logits_dot = tangents[0]
-  return weights, weights * (logits_dot - jnp.sum(weights * logits_dot, axis=-1, keepdims=True))
+  logits, visible, sinks = primals
+  weights, lse = masked_softmax(logits, visible, sinks)
+  mean_dot = jnp.sum(weights * tangents[0], axis=-1, keepdims=True)  # d lse
+  if sinks is not None:
+    mean_dot = mean_dot + jnp.exp(sinks - lse[..., None]) * tangents[2]
+  return (weights, lse), (weights * (tangents[0] - mean_dot), mean_dot[..., 0])
 
 
-def attention_weights(query, key, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
-                      mods=None):
-  """Weights [B, H, T, S] in the softmax dtype, after dropout."""
+def _weights_and_lse(query, key, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
+                     mods, return_residual):
+  """(weights [B, H, T, S] after dropout, lse [B, H, T] or None) in the softmax dtype."""
+  sinks = None if mods is None else mods.sinks
   if mods is None or not (mods.masks or mods.scores):
     visible = _shared.visible_mask(mask, is_causal, query.shape[1], key.shape[1])
-    plain = visible is None and bias is None  # no -inf possible: the library softmax is exact
+    plain = visible is None and bias is None and sinks is None  # no -inf: the library softmax
     logits_BHTS = attention_logits(query, key, bias, scale, scale_query=plain)
   else:
     mods, plain = mods_lib.with_causal(mods, is_causal), False
     logits_BHTS, visible = mods_lib.dense(attention_logits(query, key, bias, scale), mask, mods)
   if plain:
     weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
+    lse_BHT = jax.nn.logsumexp(logits_BHTS, axis=-1) if return_residual else None
   else:
-    weights_BHTS = masked_softmax(logits_BHTS, visible)
+    sinks_col = None if sinks is None else sinks.astype(logits_BHTS.dtype)[:, None, None]
+    weights_BHTS, lse_BHT = masked_softmax(logits_BHTS, visible, sinks_col)
   if dropout_rate > 0.0:
     weights_BHTS = _dropout.drop_weights(weights_BHTS, dropout_rate, dropout_rng)
-  return weights_BHTS
+  return weights_BHTS, lse_BHT
 
 
 def apply_weights(weights_BHTS, value_BSGV):
@@ -101,8 +114,11 @@ def apply_weights(weights_BHTS, value_BSGV):
 
 
 def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
-              mods=None):
-  """[B, T, H, V] in the input dtype, as `flax_mha.kernels.reference.attention`."""
-  weights_BHTS = attention_weights(query, key, bias, mask, is_causal=is_causal, scale=scale,
-                                   dropout_rate=dropout_rate, dropout_rng=dropout_rng, mods=mods)
-  return apply_weights(weights_BHTS, value)
+              mods=None, return_residual=False):
+  """[B, T, H, V] in the input dtype (and with `return_residual` the lse [B, T, H]), as
+  `flax_mha.kernels.reference.attention`."""
+  weights_BHTS, lse_BHT = _weights_and_lse(
+      query, key, bias, mask, is_causal=is_causal, scale=scale, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng, mods=mods, return_residual=return_residual)
+  out_BTHV = apply_weights(weights_BHTS, value)
+  return (out_BTHV, lse_BHT.transpose(0, 2, 1)) if return_residual else out_BTHV

@@ -8,13 +8,12 @@ these, so both attend the same way by construction.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax.numpy as jnp
-from jax import lax
 
+from flax_mha import cache as cache_lib
 from flax_mha import checks
-from flax_mha import masks as masks_lib
-from flax_mha import mods as mods_lib
 from flax_mha.attention import dot_product_attention, dot_product_attention_weights
 from flax_mha.rotary import apply_rotary
 
@@ -28,6 +27,7 @@ PARAM_AXES = (
     (r"out/kernel$", ("heads", "head_dim", "embed")),
     (r"out/bias$", ("embed",)),
     (r"(query|key)_ln/scale$", ("head_dim",)),
+    (r"(^|/)sinks$", ("heads",)),
 )
 
 
@@ -113,24 +113,86 @@ def _check_positions(name: str, positions, lead: tuple, layout: str):
   checks.check_broadcasts_to(name, positions.shape, lead, layout)
 
 
-def write_cache(cache, new, index):
-  """`cache` [..., S_max, G, X] with `new` [..., T, G, X] written at position `index`."""
-  # Zeros in the index's dtype: under jax_enable_x64 bare 0s are int64, and
-  # dynamic_update_slice refuses start indices of mixed types.
-  zero = jnp.zeros((), index.dtype)
-  start = (zero,) * (cache.ndim - 3) + (index, zero, zero)
-  return lax.dynamic_update_slice(cache, new, start)
+def check_cache_call(cache, *, keys_from_q: bool, inputs_q, q_segment_ids, kv_segment_ids,
+                     kv_positions, bias, mask, window, sink_tokens: int) -> None:
+  """What a call with `cache=` takes: self-attention of [B, T, D] inputs, positions rather
+  than segment ids or a bias, a mask only over a full cache, the module's own window."""
+  if not isinstance(cache, cache_lib.KVCache):
+    raise TypeError(f"cache must be a flax_mha.cache.KVCache (see the module's new_cache), got "
+                    f"{type(cache).__name__}")
+  if not keys_from_q:
+    raise ValueError("cache= caches self-attention: pass inputs_q only (keys and values come "
+                     "from it)")
+  if inputs_q.ndim != 3 or inputs_q.shape[0] != cache.key.shape[0]:
+    raise ValueError(f"with cache=, inputs_q must be [B, T, D] with the cache's batch "
+                     f"B={cache.key.shape[0]}, got shape {tuple(inputs_q.shape)}")
+  for name, x in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids),
+                  ("bias", bias), ("kv_positions", kv_positions)):
+    if x is not None:
+      raise ValueError(f"{name} is not taken with cache= (one document per row: positions "
+                       "say where each token is, a negative one marks padding)")
+  if mask is not None and cache.window is not None:
+    raise ValueError("mask is not taken with a rolling cache (its slots move): mark padding "
+                     "with negative positions")
+  if cache.window is not None and (window is None or cache.window != window[0] or
+                                   cache.sink_tokens != sink_tokens):
+    raise ValueError(f"a rolling cache of window {cache.window} and sink_tokens "
+                     f"{cache.sink_tokens} must come from the same layer: this one has "
+                     f"local_window_size={window}, sink_tokens={sink_tokens}")
 
 
-def cache_mask(mask, num_q: int, num_kv: int, window, offset):
-  """mask AND causal AND window [T, S], query i at absolute position i + offset, key j at j
-  (the predicates of `flax_mha.mods`, at those positions)."""
-  terms = [mods_lib.Causal()]
-  if window is not None:  # a side wider than the cache is no limit (and no int32 overflow)
-    terms.append(mods_lib.LocalWindow(*(min(w, num_kv) for w in window)))
-  q_pos = jnp.arange(num_q)[:, None] + offset
-  visible_TS = mods_lib.Mods(tuple(terms)).visible(None, None, q_pos, jnp.arange(num_kv)[None])
-  return masks_lib.combine_masks(mask, visible_TS)
+def attend_cached(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT, mask, *, window,
+                  sink_tokens: int, implementation, dropout_rate: float, dropout_rng,
+                  **options):
+  """(output [B, T, H, V], updated cache) of both front ends' cached step (flax_mha.cache)."""
+  if cache.window is None and window is not None:  # a window over a full cache: positions
+    options.update(local_window_size=window, sink_tokens=sink_tokens)
+  options.update(dropout_rate=dropout_rate if dropout_rng is not None else 0.0,
+                 dropout_rng=dropout_rng)
+  if mask is not None:
+    options["mask"] = mask
+  return cache_lib.attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT,
+                          implementation=implementation, **options)
+
+
+def new_cache(batch_size: int, capacity: int, *, num_heads: int, num_kv_heads: int,
+              qkv_features: int, v_features: int, window, sink_tokens: int, dtype):
+  """An empty KVCache for one layer: rolling (window + sink tokens) for a causal local layer,
+  full otherwise."""
+  left = None if window is None else window[0]
+  return cache_lib.KVCache.create(batch_size, capacity, num_kv_heads, qkv_features // num_heads,
+                                  v_features // num_heads, dtype, window=left,
+                                  sink_tokens=sink_tokens if left is not None else 0)
+
+
+def flax_cache(cached_key, cached_value, index):
+  """flax's decode cache (keys [..., S_max, G, K], values, one scalar index) as a KVCache
+  with one batch dim: slots below the index filled, every row at the same position."""
+  *batch, capacity, g, k = cached_key.shape
+  b = math.prod(batch)
+  filled = jnp.arange(capacity, dtype=jnp.int32)
+  positions = jnp.broadcast_to(jnp.where(filled < index, filled, -1), (b, capacity))
+  return cache_lib.KVCache(cached_key.reshape(b, capacity, g, k),
+                           cached_value.reshape(b, capacity, g, -1), positions,
+                           jnp.full((b,), index, jnp.int32))
+
+
+def flax_decode_step(query_THK, key_SGK, value_SGV, cached_key, cached_value, index, mask,
+                     **kwargs):
+  """(output [..., T, H, V], new cached_key, new cached_value) of a flax-style decode step: the
+  T tokens appended at `index` (every row alike), attending causally to what is cached."""
+  batch, t = query_THK.shape[:-3], query_THK.shape[-3]
+  cache = flax_cache(cached_key, cached_value, index)
+  flat = lambda x: x.reshape(-1, *x.shape[len(batch):])
+  if mask is not None:  # [..., H|1, T, S_max] over the flattened batch
+    mask = jnp.asarray(mask)
+    mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + mask.shape)
+    mask = flat(jnp.broadcast_to(mask, (*batch, *mask.shape[len(batch):])))
+  positions = jnp.broadcast_to(index + jnp.arange(t, dtype=jnp.int32), (cache.key.shape[0], t))
+  out, cache = attend_cached(flat(query_THK), flat(key_SGK), flat(value_SGV), cache, positions,
+                             mask, **kwargs)
+  unflat = lambda x: x.reshape(*batch, *x.shape[1:])
+  return unflat(out), unflat(cache.key), unflat(cache.value)
 
 
 def as_bool_mask(mask):

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
+from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.nn import _attend
 
@@ -37,9 +38,11 @@ class MultiHeadAttention(nn.Module):
     kernel_init, out_kernel_init, bias_init: initialisers (out_kernel_init defaults to kernel_init).
     implementation: None, an implementation name or a callable with the internal signature,
       passed through to `flax_mha.dot_product_attention` (which documents and checks it).
-    decode: autoregressive decoding with a KV cache in the 'cache' collection. Initialise with
-      the full-length input to size the cache; each later call appends its T tokens and attends
-      causally to everything cached (query t sees cached positions <= index + t).
+    decode: flax's decoding convention, kept for code written against flax: a KV cache in the
+      'cache' collection (cached_key, cached_value, cache_index, as flax names them),
+      initialised with the full-length input; each later call appends its T tokens and attends
+      causally to everything cached. An adapter over the same cache as `cache=` (preferred:
+      the cache as data, rolling caches for local layers, rows of different lengths).
     normalize_qk: flax.linen's `normalize_qk` (ViT-22B, arXiv:2302.05442): LayerNorm over the
       head dim K of the projected queries and keys (scale [K], no bias, epsilon 1e-6), params
       `query_ln` and `key_ln`; applied before rotary and the cache.
@@ -50,6 +53,10 @@ class MultiHeadAttention(nn.Module):
     rotary_max_wavelength: None for no rotary embedding, else the RoPE base (e.g. 10_000.0):
       projected queries and keys are rotated by `flax_mha.apply_rotary` at their positions
       (see `__call__`) before the cache write, so the cache holds rotated keys. Needs an even K.
+    sink_tokens: static int >= 0, with a window: the first `sink_tokens` positions stay visible
+      to every query (StreamingLLM), and a rolling cache keeps them.
+    learned_sinks: a learned sink logit per query head (param 'sinks' [H], zeros at init) that
+      joins every row's softmax without a value (gpt-oss).
   """
   num_heads: int
   qkv_features: int | None = None
@@ -70,12 +77,14 @@ class MultiHeadAttention(nn.Module):
   logit_soft_cap: float | None = None
   local_window_size: int | tuple[int, int] | None = None
   rotary_max_wavelength: float | None = None
+  sink_tokens: int = 0
+  learned_sinks: bool = False
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
                is_causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
                q_positions=None, kv_positions=None, deterministic: bool = True,
-               dropout_rng=None, sow_weights: bool = False):
+               dropout_rng=None, sow_weights: bool = False, cache=None):
     """inputs_q [..., T, D_q], inputs_k [..., S, D_k] (default inputs_q), inputs_v [..., S, D_v]
     (default inputs_k; giving inputs_v without inputs_k is an error, as in flax).
 
@@ -92,39 +101,75 @@ class MultiHeadAttention(nn.Module):
     queries, offset by the cache index when decoding; the keys take q_positions when they come
     from inputs_q (inputs_k None or inputs_q itself), else arange(S) (offset likewise).
 
-    Returns [..., T, out_features]. With `sow_weights`, the weights [..., H, T, S] are sown into
-    'intermediates' under 'attention_weights'.
+    cache: a `flax_mha.cache.KVCache` (from `new_cache`) for self-attention of inputs_q
+      [B, T, D]: the T tokens, at q_positions [B, T] (default: each row's next positions; a
+      negative one is padding), attend causally to the cache and themselves and are written;
+      the call then returns (output, updated cache). `is_causal` is implied; no bias or segment
+      ids (a mask [B, H|1, T, C] only over a full cache).
+
+    Returns [..., T, out_features] (and the updated cache with `cache=`). With `sow_weights`,
+    the weights [..., H, T, S] are sown into 'intermediates' under 'attention_weights'.
     """
     # checks the inputs first: _head_dims reads inputs_q.shape
     inputs_k, inputs_v, keys_from_q = _attend.resolve_inputs(inputs_q, inputs_k, inputs_v)
     h, g, k_dim, v_dim = self._head_dims(inputs_q)
-    _attend.check_call(decode=self.decode, rotary=self.rotary_max_wavelength is not None,
+    _attend.check_call(decode=self.decode,
+                       rotary=self.rotary_max_wavelength is not None or cache is not None,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       q_positions=q_positions, kv_positions=kv_positions)
     window = checks.check_window("local_window_size", self.local_window_size)
+    if cache is not None:
+      _attend.check_cache_call(cache, keys_from_q=keys_from_q, inputs_q=inputs_q,
+                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                               kv_positions=kv_positions, bias=bias, mask=mask, window=window,
+                               sink_tokens=self.sink_tokens)
+      if q_positions is None:
+        q_positions = cache_lib.next_positions(cache, inputs_q.shape[-2])
     query_THK, key_SGK, value_SGV = self._project(inputs_q, inputs_k, inputs_v, h, g, k_dim, v_dim)
     if self.rotary_max_wavelength is not None:
       query_THK, key_SGK = self._rotate(query_THK, key_SGK, q_positions, kv_positions,
                                         keys_from_q)
     mask = _attend.as_bool_mask(mask)
-    if self.decode:  # the window becomes part of the cache mask, at absolute positions
-      key_SGK, value_SGV, mask = self._update_cache(
-          key_SGK, value_SGV, mask, query_THK.shape[-3], window)
-      is_causal, window = False, None  # the cache mask above holds causality, with the offset
-
-    out_THV, weights = _attend.attend(
-        query_THK, key_SGK, value_SGV, bias, mask, implementation=self.implementation,
-        sow=sow_weights, dropout_rate=self.dropout_rate,
-        dropout_rng=self._dropout_rng(deterministic, dropout_rng), is_causal=is_causal,
-        local_window_size=window, logit_soft_cap=self.logit_soft_cap,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    if weights is not None:
-      self.sow("intermediates", "attention_weights", weights)
+    options = dict(implementation=self.implementation, dropout_rate=self.dropout_rate,
+                   dropout_rng=self._dropout_rng(deterministic, dropout_rng),
+                   logit_soft_cap=self.logit_soft_cap, sinks=self._sinks(h))
+    if cache is not None:
+      out_THV, cache = _attend.attend_cached(query_THK, key_SGK, value_SGV, cache, q_positions,
+                                             mask, window=window,
+                                             sink_tokens=self.sink_tokens, **options)
+    elif self.decode and self.has_variable("cache", "cached_key"):
+      out_THV = self._decode_step(query_THK, key_SGK, value_SGV, mask, window, options)
+    else:
+      if self.decode:  # flax's init call sizes the cache and attends like a decoder: causally
+        self._decode_step(query_THK, key_SGK, value_SGV, mask, window, options)
+        is_causal = True
+      out_THV, weights = _attend.attend(
+          query_THK, key_SGK, value_SGV, bias, mask, sow=sow_weights, is_causal=is_causal,
+          local_window_size=window, sink_tokens=self.sink_tokens, q_segment_ids=q_segment_ids,
+          kv_segment_ids=kv_segment_ids, **options)
+      if weights is not None:
+        self.sow("intermediates", "attention_weights", weights)
     out_features = self.out_features or inputs_q.shape[-1]
-    return nn.DenseGeneral(
+    out = nn.DenseGeneral(
         features=out_features, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.out_kernel_init or self.kernel_init, bias_init=self.bias_init,
         use_bias=self.use_bias, precision=self.precision, name="out")(out_THV)
+    return out if cache is None else (out, cache)
+
+  def new_cache(self, batch_size: int, capacity: int, *, in_features: int | None = None,
+                dtype=jnp.float32):
+    """An empty `flax_mha.cache.KVCache` for `cache=`: full with `capacity` slots, or, for a
+    layer with a window (left, right), rolling with sink_tokens + left slots. `in_features`
+    (the input width D) is needed when qkv_features is None."""
+    qkv = self.qkv_features or in_features
+    if qkv is None:
+      raise ValueError("new_cache needs the input width: pass in_features (qkv_features is "
+                       "None, so the head dim follows from the inputs)")
+    g = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+    return _attend.new_cache(
+        batch_size, capacity, num_heads=self.num_heads, num_kv_heads=g, qkv_features=qkv,
+        v_features=self.v_features or qkv, sink_tokens=self.sink_tokens, dtype=dtype,
+        window=checks.check_window("local_window_size", self.local_window_size))
 
   def _head_dims(self, inputs_q):
     """(H, G, K, V) from the attributes, checked."""
@@ -167,31 +212,33 @@ class MultiHeadAttention(nn.Module):
                          keys_from_q=keys_from_q, start=start,
                          max_wavelength=self.rotary_max_wavelength)
 
-  def _update_cache(self, key_SGK, value_SGV, mask, num_q: int, window):
-    """Write the new keys/values at the cache index; return the full cache and its mask.
+  def _sinks(self, num_heads: int):
+    """The learned sink logits [H] (None without `learned_sinks`)."""
+    if not self.learned_sinks:
+      return None
+    return self.param("sinks", nn.initializers.zeros_init(), (num_heads,), self.param_dtype)
 
-    The mask ANDs `mask` with causality (query t, at absolute position index + t, sees cached
-    positions <= index + t) and, given a (left, right) `window`, the window at those positions.
-    """
+  def _decode_step(self, query_THK, key_SGK, value_SGV, mask, window, options):
+    """flax's decode convention: the T new tokens appended to the 'cache' collection at its
+    index, attending to what is cached (the output; at the init call, the cache is only made)."""
     initialised = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key_SGK.shape, key_SGK.dtype)
     cached_value = self.variable(
         "cache", "cached_value", jnp.zeros, value_SGV.shape, value_SGV.dtype)
     index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-    if not initialised:  # init call: sizes the cache, attends causally like a decoder would
-      return key_SGK, value_SGV, _attend.cache_mask(mask, num_q, key_SGK.shape[-3], window, 0)
+    if not initialised:
+      return None
     *batch, max_len, g, k = cached_key.value.shape
     new_len = key_SGK.shape[-3]
     if tuple(key_SGK.shape) != (*batch, new_len, g, k) or new_len > max_len:
       raise ValueError(
           f"decode step: keys must be [..., T<= {max_len}, {g}, {k}] with batch {tuple(batch)} "
           f"as at init, got {tuple(key_SGK.shape)}")
-    cur = index.value
-    cached_key.value = _attend.write_cache(cached_key.value, key_SGK, cur)
-    cached_value.value = _attend.write_cache(cached_value.value, value_SGV, cur)
-    index.value = cur + new_len
-    return (cached_key.value, cached_value.value,
-            _attend.cache_mask(mask, new_len, max_len, window, cur))
+    out_THV, cached_key.value, cached_value.value = _attend.flax_decode_step(
+        query_THK, key_SGK, value_SGV, cached_key.value, cached_value.value, index.value, mask,
+        window=window, sink_tokens=self.sink_tokens, **options)
+    index.value = index.value + new_len
+    return out_THV
 
   def _dropout_rng(self, deterministic: bool, dropout_rng):
     """The rng for dropout on the weights, or None when dropout is off."""
@@ -214,8 +261,8 @@ class SelfAttention(MultiHeadAttention):
   @nn.compact
   def __call__(self, inputs, *, mask=None, bias=None, is_causal: bool = False,
                segment_ids=None, positions=None, deterministic: bool = True, dropout_rng=None,
-               sow_weights: bool = False):
+               sow_weights: bool = False, cache=None):
     return super().__call__(
         inputs, mask=mask, bias=bias, is_causal=is_causal, q_segment_ids=segment_ids,
         kv_segment_ids=segment_ids, q_positions=positions, deterministic=deterministic,
-        dropout_rng=dropout_rng, sow_weights=sow_weights)
+        dropout_rng=dropout_rng, sow_weights=sow_weights, cache=cache)

@@ -33,7 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax import traverse_util
 
+from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.nn import _attend
 from flax_mha import sharding
@@ -103,16 +105,18 @@ class MultiHeadAttention(nnx.Module):
                implementation: str | Callable | None = None, decode: bool = False,
                normalize_qk: bool = False, logit_soft_cap: float | None = None,
                local_window_size: int | tuple[int, int] | None = None,
-               rotary_max_wavelength: float | None = None, rngs: nnx.Rngs):
+               rotary_max_wavelength: float | None = None, sink_tokens: int = 0,
+               learned_sinks: bool = False, rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     checks.check_heads(self.num_heads, self.num_kv_heads)
+    width = lambda name, value, default: checks.check_int(name, default if value is None else value)
     self.in_features = checks.check_int("in_features", in_features)
-    self.in_kv_features = checks.check_int("in_kv_features", in_features if in_kv_features is None else in_kv_features)
-    self.in_v_features = checks.check_int("in_v_features", self.in_kv_features if in_v_features is None else in_v_features)
-    self.qkv_features = checks.check_int("qkv_features", in_features if qkv_features is None else qkv_features)
-    self.v_features = checks.check_int("v_features", self.qkv_features if v_features is None else v_features)
-    self.out_features = checks.check_int("out_features", in_features if out_features is None else out_features)
+    self.in_kv_features = width("in_kv_features", in_kv_features, in_features)
+    self.in_v_features = width("in_v_features", in_v_features, self.in_kv_features)
+    self.qkv_features = width("qkv_features", qkv_features, in_features)
+    self.v_features = width("v_features", v_features, self.qkv_features)
+    self.out_features = width("out_features", out_features, in_features)
     for name in ("qkv_features", "v_features"):
       if getattr(self, name) % num_heads:
         raise ValueError(f"{name}={getattr(self, name)} must be divisible by "
@@ -131,6 +135,7 @@ class MultiHeadAttention(nnx.Module):
     self.normalize_qk, self.logit_soft_cap = normalize_qk, logit_soft_cap
     self.local_window_size = checks.check_window("local_window_size", local_window_size)
     self.rotary_max_wavelength = rotary_max_wavelength
+    self.sink_tokens = checks.check_int("sink_tokens", sink_tokens, lowest=0)
 
     linear = functools.partial(
         _linear, dtype=dtype, param_dtype=param_dtype, precision=precision,
@@ -144,6 +149,10 @@ class MultiHeadAttention(nnx.Module):
     self.key_ln = norm("key_ln") if normalize_qk else _data(None)
     self.out = linear("out", (h, v), self.out_features, out_kernel_init or kernel_init,
                       out_bias_init or bias_init, axis=(-2, -1))
+    self.sinks = _data(None)
+    if learned_sinks:  # zeros at init, as a linen module's 'sinks' param
+      init = _partitioned(nnx.initializers.zeros_init(), "sinks", 1)
+      self.sinks = nnx.Param(init(rngs.params(), (h,), param_dtype))
     self.rngs = _dropout_stream(rngs) if dropout_rate > 0 else None
     self.cached_key: nnx.Cache | None = _data(None)
     self.cached_value: nnx.Cache | None = _data(None)
@@ -152,7 +161,7 @@ class MultiHeadAttention(nnx.Module):
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
                is_causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
                q_positions=None, kv_positions=None, deterministic: bool | None = None,
-               rngs=None, sow_weights: bool = False, decode: bool | None = None):
+               rngs=None, sow_weights: bool = False, decode: bool | None = None, cache=None):
     """inputs_q [..., T, in_features], inputs_k [..., S, in_kv_features] (default inputs_q),
     inputs_v [..., S, in_v_features] (default inputs_k).
 
@@ -163,34 +172,60 @@ class MultiHeadAttention(nnx.Module):
     <= index + t. q_segment_ids [..., T], kv_segment_ids [..., S] and q_positions [..., T],
     kv_positions [..., S] mean what they mean in `flax_mha.MultiHeadAttention` (segment ids
     not with decode; positions only with rotary, defaulting to arange, offset by the cache
-    index when decoding). Returns [..., T, out_features]; with `sow_weights`, the weights
-    [..., H, T, S] are sown as `nnx.Intermediate` 'attention_weights', as flax does (collect
-    them with `nnx.capture(module, nnx.Intermediate)`, or `nnx.pop` before flax 0.12.8).
+    index when decoding). `cache`: a `flax_mha.cache.KVCache` (from `new_cache`), as in
+    `flax_mha.MultiHeadAttention`: the call returns (output, updated cache). Returns
+    [..., T, out_features]; with `sow_weights`, the weights [..., H, T, S] are sown as
+    `nnx.Intermediate` 'attention_weights', as flax does (collect them with
+    `nnx.capture(module, nnx.Intermediate)`, or `nnx.pop` before flax 0.12.8).
     """
     inputs_k, inputs_v, keys_from_q = _attend.resolve_inputs(inputs_q, inputs_k, inputs_v)
     self._check_widths(inputs_q, inputs_k, inputs_v)
     decode = self.decode if decode is None else decode
-    _attend.check_call(decode=decode, rotary=self.rotary_max_wavelength is not None,
-                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                      q_positions=q_positions, kv_positions=kv_positions)
+    _attend.check_call(decode=decode,
+                       rotary=self.rotary_max_wavelength is not None or cache is not None,
+                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                       q_positions=q_positions, kv_positions=kv_positions)
+    window = self.local_window_size
+    if cache is not None:
+      _attend.check_cache_call(cache, keys_from_q=keys_from_q, inputs_q=inputs_q,
+                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                               kv_positions=kv_positions, bias=bias, mask=mask, window=window,
+                               sink_tokens=self.sink_tokens)
+      if q_positions is None:
+        q_positions = cache_lib.next_positions(cache, inputs_q.shape[-2])
     query_THK, key_SGK, value_SGV = self._project(inputs_q, inputs_k, inputs_v)
     if self.rotary_max_wavelength is not None:
       query_THK, key_SGK = _attend.rotate(
           query_THK, key_SGK, q_positions, kv_positions, keys_from_q=keys_from_q,
-          start=self._cache_index(decode), max_wavelength=self.rotary_max_wavelength)
-    mask, window = _attend.as_bool_mask(mask), self.local_window_size
-    if decode:  # the window becomes part of the cache mask, at absolute positions
-      key_SGK, value_SGV, mask = self._update_cache(key_SGK, value_SGV, mask, window)
-      is_causal, window = False, None  # the cache mask holds causality, with the cache offset
+          start=self._cache_index(decode and cache is None),
+          max_wavelength=self.rotary_max_wavelength)
+    mask = _attend.as_bool_mask(mask)
+    options = dict(implementation=self.implementation, dropout_rate=self.dropout_rate,
+                   dropout_rng=self._dropout_rng(deterministic, rngs),
+                   logit_soft_cap=self.logit_soft_cap,
+                   sinks=None if self.sinks is None else self.sinks[...])
+    if cache is not None:
+      out_THV, cache = _attend.attend_cached(query_THK, key_SGK, value_SGV, cache, q_positions,
+                                             mask, window=window,
+                                             sink_tokens=self.sink_tokens, **options)
+      return self.out(out_THV), cache
+    if decode:
+      return self.out(self._decode_step(query_THK, key_SGK, value_SGV, mask, options))
     out_THV, weights = _attend.attend(
-        query_THK, key_SGK, value_SGV, bias, mask, implementation=self.implementation,
-        sow=sow_weights, dropout_rate=self.dropout_rate,
-        dropout_rng=self._dropout_rng(deterministic, rngs), is_causal=is_causal,
-        local_window_size=window, logit_soft_cap=self.logit_soft_cap,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+        query_THK, key_SGK, value_SGV, bias, mask, sow=sow_weights, is_causal=is_causal,
+        local_window_size=window, sink_tokens=self.sink_tokens, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, **options)
     if weights is not None:
       self.sow(nnx.Intermediate, "attention_weights", weights)
     return self.out(out_THV)
+
+  def new_cache(self, batch_size: int, capacity: int, dtype: Any = jnp.float32):
+    """An empty `flax_mha.cache.KVCache` for `cache=`: full with `capacity` slots, or for a
+    layer with a window (left, right), rolling with sink_tokens + left slots."""
+    return _attend.new_cache(
+        batch_size, capacity, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+        qkv_features=self.qkv_features, v_features=self.v_features,
+        window=self.local_window_size, sink_tokens=self.sink_tokens, dtype=dtype)
 
   def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
     """An empty KV cache for `decode`: input_shape [..., S_max, D] of the whole sequence.
@@ -237,11 +272,9 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError("decode=True needs a KV cache: call init_cache(input_shape) first")
     return self.cache_index[...]
 
-  def _update_cache(self, key_SGK, value_SGV, mask, window):
-    """Write the new keys/values at the cache index; return the whole cache and its mask.
-
-    The mask ANDs `mask` with causality at absolute positions and the (left, right) `window`.
-    """
+  def _decode_step(self, query_THK, key_SGK, value_SGV, mask, options):
+    """flax's decode convention: the T new tokens appended to the `nnx.Cache` variables at
+    the cache index, attending to what is cached."""
     cur = self._cache_index(decode=True)
     cache_SGK, cache_SGV = self.cached_key[...], self.cached_value[...]
     *batch, max_len, g, _ = cache_SGK.shape
@@ -254,12 +287,13 @@ class MultiHeadAttention(nnx.Module):
       if new.dtype != cache.dtype:
         raise TypeError(f"decode step: {name} are {new.dtype} but init_cache made a "
                         f"{cache.dtype} cache: pass init_cache(..., dtype={new.dtype})")
-    cache_SGK = _attend.write_cache(cache_SGK, key_SGK, cur)
-    cache_SGV = _attend.write_cache(cache_SGV, value_SGV, cur)
+    out_THV, cache_SGK, cache_SGV = _attend.flax_decode_step(
+        query_THK, key_SGK, value_SGV, cache_SGK, cache_SGV, cur, mask,
+        window=self.local_window_size, sink_tokens=self.sink_tokens, **options)
     _set(self.cached_key, cache_SGK)
     _set(self.cached_value, cache_SGV)
     _set(self.cache_index, cur + new_len)
-    return cache_SGK, cache_SGV, _attend.cache_mask(mask, new_len, max_len, window, cur)
+    return out_THV
 
   def _dropout_rng(self, deterministic, rngs):
     """The dropout key for this call, or None when no dropout applies."""
@@ -304,11 +338,11 @@ class SelfAttention(MultiHeadAttention):
 
   def __call__(self, inputs, *, mask=None, bias=None, is_causal: bool = False,
                segment_ids=None, positions=None, deterministic: bool | None = None, rngs=None,
-               sow_weights: bool = False, decode: bool | None = None):
+               sow_weights: bool = False, decode: bool | None = None, cache=None):
     return super().__call__(
         inputs, mask=mask, bias=bias, is_causal=is_causal, q_segment_ids=segment_ids,
         kv_segment_ids=segment_ids, q_positions=positions, deterministic=deterministic,
-        rngs=rngs, sow_weights=sow_weights, decode=decode)
+        rngs=rngs, sow_weights=sow_weights, decode=decode, cache=cache)
 
 
 def linen_params_to_nnx(params, module: MultiHeadAttention) -> MultiHeadAttention:
@@ -323,18 +357,20 @@ def linen_params_to_nnx(params, module: MultiHeadAttention) -> MultiHeadAttentio
                     f"{type(module).__name__}")
   if isinstance(params, Mapping) and set(params) == {"params"}:
     params = params["params"]
-  want = nnx_to_linen_params(module)["params"]
-  _check_tree(params, want)
-  for name, leaves in want.items():
-    for leaf, current in leaves.items():
-      _set(getattr(getattr(module, name), leaf), jnp.asarray(params[name][leaf], current.dtype))
+  want = traverse_util.flatten_dict(nnx_to_linen_params(module)["params"], sep="/")
+  got = _check_tree(params, want)
+  for path, current in want.items():
+    variable = module
+    for name in path.split("/"):
+      variable = getattr(variable, name)
+    _set(variable, jnp.asarray(got[path], current.dtype))
   return module
 
 
 def nnx_to_linen_params(module: MultiHeadAttention) -> dict:
   """{'params': {'query'|'key'|'value'|'out': {'kernel', 'bias'}}} for
   `flax_mha.MultiHeadAttention` built with the same arguments (no 'bias' without use_bias),
-  and with normalize_qk {'query_ln'|'key_ln': {'scale'}}."""
+  with normalize_qk {'query_ln'|'key_ln': {'scale'}}, with learned sinks 'sinks' [H]."""
   if not isinstance(module, MultiHeadAttention):
     raise TypeError(f"module must be a flax_mha.nn.nnx.MultiHeadAttention, got "
                     f"{type(module).__name__}")
@@ -346,6 +382,8 @@ def nnx_to_linen_params(module: MultiHeadAttention) -> dict:
       params[name]["bias"] = layer.bias[...]
   for name in QK_NORMS if module.normalize_qk else ():
     params[name] = {"scale": getattr(module, name).scale[...]}
+  if module.sinks is not None:
+    params["sinks"] = module.sinks[...]
   return {"params": params}
 
 
@@ -383,20 +421,20 @@ def _dropout_stream(rngs: nnx.Rngs):
   return stream.fork() if hasattr(stream, "fork") else rngs  # flax 0.10: share the Rngs
 
 
-def _check_tree(params, want) -> None:
-  """Raise unless `params` has exactly the names and shapes of `want` (two-level dicts)."""
+def _check_tree(params, want) -> dict:
+  """`params` flattened to {'a/b': leaf}, or an error unless it has exactly the paths and shapes
+  of `want` (flattened likewise)."""
   if not isinstance(params, Mapping):
     raise TypeError(f"params must be a dict of linen params, got {type(params).__name__}")
-  got_paths = {f"{n}/{l}" for n, sub in params.items()
-               for l in (sub if isinstance(sub, Mapping) else {"?": None})}
-  want_paths = {f"{n}/{l}" for n, sub in want.items() for l in sub}
-  if got_paths != want_paths:
+  got = traverse_util.flatten_dict(dict(params), sep="/")
+  if got.keys() != want.keys():
     raise ValueError(
-        f"params must hold {sorted(want_paths)} for this module, got {sorted(got_paths)} "
-        f"(missing {sorted(want_paths - got_paths)}, unexpected {sorted(got_paths - want_paths)})")
-  for name, sub in want.items():
-    for leaf, current in sub.items():
-      shape = tuple(np.shape(params[name][leaf]))
-      if shape != tuple(current.shape):
-        raise ValueError(f"params['{name}']['{leaf}'] must have shape {tuple(current.shape)} "
-                         f"for this module, got {shape}")
+        f"params must hold {sorted(want)} for this module, got {sorted(got)} (missing "
+        f"{sorted(want.keys() - got.keys())}, unexpected {sorted(got.keys() - want.keys())})")
+  for path, current in want.items():
+    shape = tuple(np.shape(got[path]))
+    if shape != tuple(current.shape):
+      where = "".join(f"['{name}']" for name in path.split("/"))
+      raise ValueError(f"params{where} must have shape {tuple(current.shape)} for this module, "
+                       f"got {shape}")
+  return got

@@ -1,0 +1,158 @@
+"""A key/value cache that is data: a pytree passed into an attention layer and returned updated.
+
+  cache = KVCache.create(batch, capacity, num_kv_heads, head_dim)
+  out, cache = attend(query, key, value, cache)            # a prompt, a chunk, or one token
+
+The cache holds each row's keys [B, C, G, K] and values [B, C, G, V] (G key/value heads: GQA
+caches hold G heads, not H), the absolute position of the token in each slot [B, C] (-1: empty)
+and each row's next position [B]: rows advance independently, so a batch of prompts of
+different lengths needs no left padding. Attention over the cache is `dot_product_attention`
+with `q_positions`/`kv_positions`: causality and windows compare positions, empty slots are
+hidden, and the kernels skip the blocks that hold nothing visible, so a step costs what is
+filled, not the capacity.
+
+Two layouts, by what a layer attends to:
+- full (window None): slot = position; writing at or past the capacity raises (a ValueError
+  while tracing or eagerly, a runtime error inside `jit`), never overwrites.
+- rolling (a local layer, window w): the first `sink_tokens` positions keep their slots
+  (StreamingLLM's attention sinks) and the rest share w slots round-robin, so memory stays
+  sink_tokens + w whatever the generated length. A chunk attends over the cache and itself
+  before it is written, so chunks of any length (a whole prompt) work.
+
+Keys arrive already rotated (rotary is applied when a key is written, by the front ends).
+Shapes: B batch, C capacity, T new tokens, G key/value heads, K, V head dims, H query heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flax_mha import checks
+from flax_mha.attention import dot_product_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """One attention layer's cache (see the module docstring); `window`, `sink_tokens` static."""
+  key: Any  # [B, C, G, K]
+  value: Any  # [B, C, G, V]
+  positions: Any  # [B, C] int32: the position held in each slot, -1 when empty
+  length: Any  # [B] int32: tokens seen per row, the position of the next one
+  window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  sink_tokens: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+  @classmethod
+  def create(cls, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int,
+             v_head_dim: int | None = None, dtype=jnp.float32, *, window: int | None = None,
+             sink_tokens: int = 0) -> "KVCache":
+    """An empty cache. With `window` (a local layer's keys back), a rolling cache of
+    sink_tokens + window slots whatever `capacity` says, when that is smaller."""
+    for name, value in (("batch_size", batch_size), ("capacity", capacity),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+      checks.check_int(name, value)
+    v_head_dim = head_dim if v_head_dim is None else checks.check_int("v_head_dim", v_head_dim)
+    checks.check_int("sink_tokens", sink_tokens, lowest=0)
+    if window is not None:
+      checks.check_int("window", window)
+      if sink_tokens + window >= capacity:
+        window = None  # the whole sequence fits: a full cache is the same and simpler
+      else:
+        capacity = sink_tokens + window
+    elif sink_tokens:
+      raise ValueError(f"sink_tokens={sink_tokens} keeps tokens beyond a window: it needs "
+                       "window")
+    return cls(jnp.zeros((batch_size, capacity, num_kv_heads, head_dim), dtype),
+               jnp.zeros((batch_size, capacity, num_kv_heads, v_head_dim), dtype),
+               jnp.full((batch_size, capacity), -1, jnp.int32),
+               jnp.zeros((batch_size,), jnp.int32), window, sink_tokens)
+
+  @property
+  def capacity(self) -> int:
+    return self.key.shape[1]
+
+
+def next_positions(cache: KVCache, num_tokens: int):
+  """[B, T] positions of the next `num_tokens` tokens of each row."""
+  return cache.length[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)
+
+
+def _slots(cache: KVCache, positions_BT):
+  """Where each new token goes ([B, T]; out of range = not written): its position in a full
+  cache; in a rolling one, sink positions keep theirs and the rest share the window's slots,
+  only the last `window` tokens of a chunk being written (earlier ones would be overwritten)."""
+  c = cache.capacity
+  valid = positions_BT >= 0
+  if cache.window is None:
+    return jnp.where(valid, positions_BT, c)
+  n, w = cache.sink_tokens, cache.window
+  last = jnp.max(positions_BT, axis=1, keepdims=True)
+  kept = valid & ((positions_BT < n) | (positions_BT > last - w))
+  slot = jnp.where(positions_BT < n, positions_BT, n + (positions_BT - n) % w)
+  return jnp.where(kept, slot, c)
+
+
+def _check_room(cache: KVCache, positions_BT) -> None:
+  """A full cache refuses positions at or beyond its capacity: a ValueError when the positions
+  are known (eagerly), an error raised from inside the computation otherwise."""
+  if cache.window is not None:
+    return
+  c = cache.capacity
+
+  def check(last):
+    if int(last) >= c:
+      raise ValueError(f"KV cache overflow: writing position {int(last)} into a cache of "
+                       f"capacity {c}; make the cache larger (capacity >= prompt + new tokens)")
+
+  last = jnp.max(positions_BT)
+  if isinstance(last, jax.core.Tracer):
+    jax.debug.callback(check, last)
+  else:
+    check(last)
+
+
+def update(cache: KVCache, key_BTGK, value_BTGV, positions_BT) -> KVCache:
+  """`cache` with the new keys and values written at their positions (negative: padding, not
+  written); each row's length becomes one past its last position."""
+  _check_room(cache, positions_BT)
+  slots = _slots(cache, positions_BT)
+  rows = jnp.arange(slots.shape[0])[:, None]
+  write = lambda buf, new: jnp.asarray(buf).at[rows, slots].set(new.astype(buf.dtype),
+                                                              mode="drop")
+  length = jnp.maximum(cache.length, jnp.max(positions_BT, axis=1) + 1)
+  return dataclasses.replace(
+      cache, key=write(cache.key, key_BTGK), value=write(cache.value, value_BTGV),
+      positions=write(cache.positions, jnp.where(positions_BT >= 0, positions_BT, -1)),
+      length=length)
+
+
+def attend(query_BTHK, key_BTGK, value_BTGV, cache: KVCache, positions_BT=None, **options):
+  """(out [B, T, H, V], updated cache): the T new tokens attend causally to everything the
+  cache holds and to themselves (by position), then are written.
+
+  `positions_BT` default to the rows' next positions; a negative one marks padding (a shorter
+  prompt in the batch): not written, seeing and seen by nothing. `options` are
+  `dot_product_attention`'s (scale, logit_soft_cap, sinks, local_window_size for a full cache,
+  implementation, ...); a rolling cache brings its own window (cache.window, 0) and sink tokens.
+  """
+  if positions_BT is None:
+    positions_BT = next_positions(cache, query_BTHK.shape[1])
+  if cache.window is None:  # write first: the cache then holds every key the chunk may see
+    cache = update(cache, key_BTGK, value_BTGV, positions_BT)
+    keys, values, kv_pos = cache.key, cache.value, cache.positions
+  else:  # see the cache and the chunk, then keep what the window needs
+    keys = jnp.concatenate([cache.key, key_BTGK.astype(cache.key.dtype)], axis=1)
+    values = jnp.concatenate([cache.value, value_BTGV.astype(cache.value.dtype)], axis=1)
+    kv_pos = jnp.concatenate([cache.positions, jnp.where(positions_BT >= 0, positions_BT, -1)],
+                             axis=1)
+    options = dict(options, local_window_size=(cache.window, 0),
+                   sink_tokens=cache.sink_tokens)
+    cache = update(cache, key_BTGK, value_BTGV, positions_BT)
+  out = dot_product_attention(query_BTHK, keys.astype(query_BTHK.dtype),
+                              values.astype(query_BTHK.dtype), is_causal=True,
+                              q_positions=positions_BT, kv_positions=kv_pos, **options)
+  return out, cache

@@ -1,0 +1,148 @@
+"""Decode-time attention ("flash decoding"): a few queries against a long key/value cache.
+
+Generating a token attends T (1 to a few) queries over a cache of S keys: there is too little
+query work to split the rows, so this splits the keys. The key blocks that the masks leave
+visible (the same tile maps as `flax_mha.kernels.chunked`: a cache's empty slots, a window's
+far past and the blocks beyond every row's length are never read) are dealt round-robin to
+`splits` partitions; one loop walks them, each trip running one block of every partition at
+once (a batched product: the partitions run in parallel), each keeping its own online-softmax
+statistics; the partitions are merged by log-sum-exp at the end. Work is proportional to the
+visible part of the cache, not to its capacity.
+
+Same signature, options and semantics as every implementation (`flax_mha.kernels.reference`);
+the backward (a custom VJP) is the chunked kernel's, which recomputes the tiles from the output
+and its log-sum-exp whatever blocking produced them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flax_mha import checks
+from flax_mha import mods as mods_lib
+from flax_mha.kernels import _shared
+from flax_mha.kernels import _tiling
+from flax_mha.kernels import chunked
+
+# Keys per block and partitions of the cache walked in parallel: the fastest of a sweep on a
+# 2-core CPU in float32 (`python -m experiments.bench.decode --sweep` re-runs it).
+BLOCK_K = 512
+SPLITS = 2
+
+
+def _visit_order(ctx):
+  """(block indices [n_k], how many to visit): the visible key blocks of the one query tile,
+  entirely visible ones and partly visible ones alike (the mask is applied to all)."""
+  rows = ctx.rows
+  full_idx, partial_idx = (jnp.asarray(x)[0] for x in (rows.full_idx, rows.partial_idx))
+  n_full, n_partial = (jnp.asarray(x)[0] for x in (rows.full_count, rows.partial_count))
+  n_k = full_idx.shape[0]
+  # The full blocks first, then the partial ones: one list of n_full + n_partial blocks.
+  slot = jnp.arange(n_k)
+  order = jnp.where(slot < n_full, full_idx[jnp.minimum(slot, n_k - 1)],
+                    partial_idx[jnp.clip(slot - n_full, 0, n_k - 1)])
+  return order.astype(jnp.int32), (n_full + n_partial).astype(jnp.int32)
+
+
+def forward(q, k, v, bias, mask, rng, mods, cfg: chunked._Config, splits: int):  # pylint: disable=protected-access
+  """out [B, T, H, V] and lse [B, H, T] in the softmax dtype, as chunked's forward."""
+  ctx = chunked._context(q, k, bias, mask, rng, mods, cfg, 0, 0)  # pylint: disable=protected-access
+  tl, g, acc = ctx.tl, ctx.groups, _shared.softmax_dtype(q.dtype)
+  q_0 = _tiling.blocks(q, 1, tl.bq, g)[0]  # [B, G, R, Q, K]: all T queries are one tile
+  # Blocks of the cache in its own layout, [B, n_k, P, G, K] (a free reshape): each trip's
+  # product transposes only its block, in cache, never the whole cache.
+  blocked = lambda x: jnp.pad(x, ((0, 0), (0, tl.n_k * tl.bk - tl.s), (0, 0), (0, 0))).reshape(
+      x.shape[0], tl.n_k, tl.bk, g, x.shape[-1])
+  k_blocks, v_blocks = blocked(k), blocked(v)
+  order, count = _visit_order(ctx)
+
+  def one(carry, j, live):
+    """One partition's step on key block j (a no-op unless `live`)."""
+    raw = jnp.einsum("BGRQK,BPGK->BGRQP", q_0, k_blocks[:, j], preferred_element_type=acc)
+    v_j = v_blocks[:, j].transpose(0, 2, 1, 3)  # [B, G, P, V]
+    new = chunked.forward_tile(carry, 0, j, raw, v_j, ctx, True)
+    return jax.tree.map(lambda a, b: jnp.where(live, a, b), new, carry)
+
+  part = jnp.arange(splits)
+
+  def trip(n, carry):
+    slot = n * splits + part  # round-robin: partition p takes every splits-th visible block
+    return jax.vmap(one)(carry, order[jnp.minimum(slot, tl.n_k - 1)], slot < count)
+
+  stats_shape = q_0.shape[:-1]  # [B, G, R, Q]
+  m0, l0 = chunked.initial_stats(stats_shape, g, None, acc)
+  init = (jnp.broadcast_to(m0, (splits, *stats_shape)),
+          jnp.broadcast_to(l0, (splits, *stats_shape)),
+          jnp.zeros((splits, *stats_shape, v.shape[-1]), acc))
+  m, l, o = lax.fori_loop(0, (count + splits - 1) // splits, trip, init)
+  # Merge the partitions (and the sink, a partition of its own that saw one entry).
+  lse_p = _shared.row_lse(m, l)  # [splits, B, G, R, Q]
+  if mods.sinks is not None:
+    sink, _ = chunked.initial_stats(stats_shape, g, mods.sinks, acc)
+    lse_p = jnp.concatenate([lse_p, sink[None]])
+    o = jnp.concatenate([o, jnp.zeros_like(o[:1])])
+    l = jnp.concatenate([l, jnp.ones_like(l[:1])])
+  lse = _shared.row_lse(*_max_and_sum(lse_p))
+  out_p = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+  out = jnp.sum(jnp.exp(lse_p - lse)[..., None] * out_p, axis=0)  # [B, G, R, Q, V]
+  out = _tiling.unblock(out[None], tl.t)
+  return out, _tiling.unblock(lse[None, ..., None], tl.t)[..., 0].transpose(0, 2, 1)
+
+
+def _max_and_sum(lse_p):
+  """(max, Σ exp(lse - max)) over the partitions (axis 0) of their log-sum-exps."""
+  top = jnp.max(lse_p, axis=0)
+  return top, jnp.sum(jnp.exp(lse_p - top), axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _attention(query, key, value, bias, mask, dropout_rng, mods, cfg, cfg_bwd, splits):
+  """(out [B, T, H, V], lse [B, H, T]); the lse carries no gradient (callers stop it)."""
+  del cfg_bwd
+  out, lse = forward(query, key, value, bias, mask, dropout_rng, mods, cfg, splits)
+  return out.astype(query.dtype), lse
+
+
+def _attention_fwd(query, key, value, bias, mask, dropout_rng, mods, cfg, cfg_bwd, splits):
+  del cfg_bwd
+  out, lse = forward(query, key, value, bias, mask, dropout_rng, mods, cfg, splits)
+  out = out.astype(query.dtype)
+  return (out, lse), (query, key, value, bias, mask, dropout_rng, mods, out, lse)
+
+
+def _attention_bwd(cfg, cfg_bwd, splits, residuals, cotangents):
+  del cfg, splits
+  return chunked.attention_bwd(cfg_bwd, residuals, cotangents)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def make_attention(block_k: int | None = None, splits: int | None = None):
+  """Decode attention with static key blocks and partitions (None: BLOCK_K, SPLITS), with
+  `reference.attention`'s signature. Meant for T up to a few dozen queries; any T works."""
+  block_k = BLOCK_K if block_k is None else checks.check_int("block_k", block_k)
+  splits = SPLITS if splits is None else checks.check_int("splits", splits)
+
+  def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
+                mods=None, return_residual=False):
+    """Split-key attention: [B, T, H, V] (and with `return_residual` the lse [B, T, H]), as
+    `reference.attention`."""
+    t, s, k = query.shape[1], key.shape[1], query.shape[-1]
+    cfg = chunked._Config(float(scale), float(dropout_rate), t, min(block_k, s))  # pylint: disable=protected-access
+    cfg_bwd = chunked._Config(float(scale), float(dropout_rate), *chunked.default_blocks(  # pylint: disable=protected-access
+        t, s, k, is_causal, mods_lib.narrowest_window(mods)))
+    mods = mods_lib.with_causal(mods, is_causal)
+    out, lse_BHT = _shared.without_forward_mode(
+        "decode", _attention, query, key, value, bias, mask, dropout_rng, mods, cfg, cfg_bwd,
+        splits)
+    return (out, lax.stop_gradient(lse_BHT.transpose(0, 2, 1))) if return_residual else out
+
+  return attention
+
+
+attention = make_attention()

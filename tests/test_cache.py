@@ -1,0 +1,144 @@
+"""The KV cache as data (flax_mha.cache) through both front ends: prefill in one call or in
+chunks, then steps, equal to attention over the whole sequence recomputed; rolling caches for
+local layers (with sink tokens) stay the window's size; rows of different lengths; capacity
+overflow is an error; the front ends' bad arguments."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_mha
+from flax_mha import cache as cache_lib
+
+B, L, D, H, G = 2, 19, 16, 4, 2
+OPTIONS = {
+    "plain": dict(),
+    "rotary_gqa": dict(rotary_max_wavelength=100.0),
+    "rolling_window": dict(rotary_max_wavelength=100.0, local_window_size=(4, 0)),
+    "rolling_sink_tokens": dict(local_window_size=(4, 0), sink_tokens=2, logit_soft_cap=3.0),
+    "soft_cap_learned_sinks": dict(logit_soft_cap=2.0, learned_sinks=True),
+}
+CHUNKS = {"prefill_then_steps": [7, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+          "chunks": [5, 3, 4, 7], "whole": [L]}
+
+
+def _front_end(kind, kwargs):
+  """(call(x, **kw), new_cache(batch, capacity)) for the linen or NNX self-attention."""
+  if kind == "linen":
+    module = flax_mha.SelfAttention(num_heads=H, num_kv_heads=G, qkv_features=D, **kwargs)
+    params = module.init(jax.random.key(1), jnp.zeros((B, L, D)), is_causal=True)
+    if "sinks" in params["params"]:
+      params["params"]["sinks"] = jnp.array([0.5, -1.0, 2.0, 0.1])
+    call = functools.partial(module.apply, params)
+    return call, functools.partial(module.new_cache, in_features=D)
+  module = flax_mha.nnx.SelfAttention(H, D, D, num_kv_heads=G, rngs=nnx.Rngs(1), **kwargs)
+  if module.sinks is not None:
+    module.sinks[...] = jnp.array([0.5, -1.0, 2.0, 0.1])
+  return module, module.new_cache
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("chunks", sorted(CHUNKS))
+def test_cached_calls_equal_the_whole_sequence(kind, option, chunks):
+  call, new_cache = _front_end(kind, OPTIONS[option])
+  x = jax.random.normal(jax.random.key(0), (B, L, D))
+  want = call(x, is_causal=True)
+  cache = new_cache(B, 32)
+  step = jax.jit(lambda x, cache: call(x, cache=cache)) if kind == "linen" else (
+      lambda x, cache: call(x, cache=cache))
+  outs, start = [], 0
+  for size in CHUNKS[chunks]:
+    y, cache = step(x[:, start:start + size], cache)
+    outs.append(y)
+    start += size
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), want, atol=2e-6, rtol=2e-6)
+  np.testing.assert_array_equal(cache.length, [L, L])
+  window = OPTIONS[option].get("local_window_size")
+  if window is not None:  # a rolling cache: the window (and sink tokens), not the sequence
+    assert cache.capacity == window[0] + OPTIONS[option].get("sink_tokens", 0)
+
+
+def test_rolling_cache_bytes_do_not_grow_with_the_generated_length():
+  module = flax_mha.SelfAttention(num_heads=H, num_kv_heads=G, local_window_size=(8, 0),
+                                  sink_tokens=4)
+  sizes = {n: sum(x.nbytes for x in jax.tree.leaves(module.new_cache(1, n, in_features=D)))
+           for n in (1024, 8192, 65536)}
+  assert len(set(sizes.values())) == 1, sizes
+
+
+def test_rows_of_different_lengths_need_no_left_padding():
+  """Two prompts of 9 and 4 tokens right-padded in one batch (positions -1 on the padding),
+  then steps at each row's own position: each row equals its own computation alone."""
+  call, new_cache = _front_end("linen", OPTIONS["rotary_gqa"])
+  x = jax.random.normal(jax.random.key(2), (B, 12, D))
+  lengths = np.array([9, 4])
+  prompt_pos = np.where(np.arange(9) < lengths[:, None], np.arange(9), -1)
+  y, cache = call(x[:, :9], positions=jnp.asarray(prompt_pos), cache=new_cache(B, 16))
+  np.testing.assert_array_equal(cache.length, lengths)
+  steps = []
+  for n in range(3):  # row 0 continues at 9, 10, 11; row 1 at 4, 5, 6
+    tokens = jnp.stack([x[0, 9 + n], x[1, 4 + n]])[:, None]
+    out, cache = call(tokens, cache=cache)
+    steps.append(out)
+  for row, n in enumerate(lengths):
+    alone = call(x[row, :n + 3][None], is_causal=True)[0]
+    np.testing.assert_allclose(y[row, :n], alone[:n], atol=2e-6, rtol=2e-6)
+    np.testing.assert_allclose(jnp.stack([s[row, 0] for s in steps]), alone[n:n + 3],
+                               atol=2e-6, rtol=2e-6)
+
+
+def test_writing_past_the_capacity_is_an_error():
+  cache = cache_lib.KVCache.create(1, 4, G, 8)
+  k = jnp.zeros((1, 3, G, 8))
+  cache = cache_lib.update(cache, k, k, cache_lib.next_positions(cache, 3))
+  with pytest.raises(ValueError, match="KV cache overflow: writing position 5 into a cache of "
+                                       "capacity 4"):
+    cache_lib.update(cache, k, k, cache_lib.next_positions(cache, 3))
+  jitted = jax.jit(lambda c: cache_lib.update(c, k, k, cache_lib.next_positions(c, 3)))
+  with pytest.raises(Exception, match="KV cache overflow"):
+    jax.block_until_ready(jitted(cache))
+
+
+def test_a_step_under_scan_and_grad():
+  """Steps of a cache inside lax.scan, differentiated through: equal to the whole sequence."""
+  call, new_cache = _front_end("linen", OPTIONS["rolling_window"])
+  x = jax.random.normal(jax.random.key(3), (B, L, D))
+
+  def by_steps(x):
+    def body(cache, x_t):
+      y, cache = call(x_t[:, None], cache=cache)
+      return cache, y[:, 0]
+    return jax.lax.scan(body, new_cache(B, 32), x.swapaxes(0, 1))[1].swapaxes(0, 1)
+
+  chex.assert_trees_all_close(jax.jit(by_steps)(x), call(x, is_causal=True), atol=2e-6)
+  loss = lambda f: lambda x: jnp.sum(jnp.sin(f(x)))
+  chex.assert_trees_all_close(jax.grad(loss(by_steps))(x),
+                              jax.grad(loss(lambda x: call(x, is_causal=True)))(x), atol=2e-5)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(cache="nope"), TypeError, "cache must be a flax_mha.cache.KVCache"),
+    (dict(segment_ids=jnp.zeros((B, 3), jnp.int32)), ValueError,
+     "segment_ids is not taken with cache=|q_segment_ids is not taken with cache="),
+    (dict(bias=jnp.zeros((B, H, 3, 3))), ValueError, "bias is not taken with cache="),
+])
+def test_bad_cache_calls_are_named(kwargs, error, match):
+  call, new_cache = _front_end("linen", {})
+  kwargs = dict(dict(cache=new_cache(B, 8)), **kwargs)
+  with pytest.raises(error, match=match):
+    call(jnp.zeros((B, 3, D)), **kwargs)
+
+
+def test_a_rolling_cache_belongs_to_its_window():
+  call, _ = _front_end("linen", dict(local_window_size=(4, 0)))
+  other = cache_lib.KVCache.create(B, 32, G, D // H, window=6)
+  with pytest.raises(ValueError, match="a rolling cache of window 6"):
+    call(jnp.zeros((B, 1, D)), cache=other)
