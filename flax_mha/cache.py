@@ -58,7 +58,7 @@ class KVCache:
     v_head_dim = head_dim if v_head_dim is None else checks.check_int("v_head_dim", v_head_dim)
     checks.check_int("sink_tokens", sink_tokens, lowest=0)
     if window is not None:
-      checks.check_int("window", window)
+      checks.check_int("window", window, lowest=0)
       if sink_tokens + window >= capacity:
         window = None  # the whole sequence fits: a full cache is the same and simpler
       else:
@@ -92,7 +92,7 @@ def _slots(cache: KVCache, positions_BT):
   n, w = cache.sink_tokens, cache.window
   last = jnp.max(positions_BT, axis=1, keepdims=True)
   kept = valid & ((positions_BT < n) | (positions_BT > last - w))
-  slot = jnp.where(positions_BT < n, positions_BT, n + (positions_BT - n) % w)
+  slot = jnp.where(positions_BT < n, positions_BT, n + (positions_BT - n) % max(w, 1))
   return jnp.where(kept, slot, c)
 
 

@@ -77,16 +77,17 @@ def test_cached_decoding_equals_full_recompute(overrides):
   tgt = tgt.at[2, 3:].set(4)  # no padding in the teacher-forced prefix
   model = Transformer(cfg)
   full = model.apply(variables, src, tgt)
-  memory, src_valid = model.apply(variables, src, method=Transformer.encode)
-  dec = Transformer(cfg.replace(decode=True))
-  cache = dec.init(jax.random.key(0), tgt, memory, src_valid, method=Transformer.decode)["cache"]
+  cache = model.apply(variables, src, T, method=Transformer.init_cache)
   steps = []
   for t in range(T):
-    logits, mutated = dec.apply({"params": variables["params"], "cache": cache}, tgt[:, t:t + 1],
-                                memory, src_valid, method=Transformer.decode, mutable=["cache"])
-    cache = mutated["cache"]
+    logits, cache = model.apply(variables, tgt[:, t:t + 1], cache, method=Transformer.logits)
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
+  # A prefix in one call, then steps, equals it too.
+  cache = model.apply(variables, src, T, method=Transformer.init_cache)
+  head, cache = model.apply(variables, tgt[:, :3], cache, method=Transformer.logits)
+  tail, _ = model.apply(variables, tgt[:, 3:], cache, method=Transformer.logits)
+  np.testing.assert_allclose(jnp.concatenate([head, tail], axis=1), full, atol=1e-5)
 
 
 def test_dropout_only_in_training_and_deterministic():

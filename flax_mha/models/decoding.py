@@ -1,28 +1,239 @@
-"""Autoregressive decoding with the KV cache: greedy and beam search.
+"""One decoding module for every model: greedy, sampling and beam search over a cache that is data.
 
-The source is encoded once; the decoder then runs one token a step on a `decode=True` clone of the
-model whose self-attention reads cached keys/values. Both functions are jitted (config and sizes
-static) and stop early once every sequence has emitted eos. Output: [B, max_len] int32, without the
-leading bos, pad after eos.
+A model is decodable when it has two methods (applied with `model.apply(params, ...)`):
 
-Shapes: B batch, S source length, L output length (max_len), W beam width, C vocabulary size.
+  init_cache(*context, max_length) -> cache      the decoding state (a pytree whose leaves all
+                                                 lead with the batch dim B)
+  logits(tokens [B, T], cache, positions) -> (logits [B, T, C], cache)
+
+`flax_mha.models.DecoderLM` (context: its prompts) and `flax_mha.models.Transformer` (context:
+the source it encodes once) are. Generation prefills the prompts in one call, each row at its
+own positions (rows of different lengths, right-padded, waste nothing: padding has position -1),
+then feeds one token a step. Everything is jitted with the model, sizes and sampler static;
+the loop stops once every row has emitted a stop token (later tokens are `pad_id`).
+
+Shapes: B batch, L prompt length, N new tokens (max_new_tokens), W beam width, C vocabulary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flax_mha import checks
 from flax_mha.models.transformer import Transformer, TransformerConfig
 
 
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+  """The most likely token."""
+
+  def __call__(self, logits_BC, rng):
+    del rng
+    return jnp.argmax(logits_BC, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """A token drawn from softmax(logits / temperature), restricted to the `top_k` most likely
+  tokens and to the smallest set whose probability reaches `top_p` (nucleus), when given."""
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float | None = None
+
+  def __post_init__(self):
+    checks.check_positive_real("temperature", self.temperature)
+    if self.top_k is not None:
+      checks.check_int("top_k", self.top_k)
+    if self.top_p is not None:
+      checks.check_real("top_p", self.top_p, above=0, below=1.0000001)
+
+  def __call__(self, logits_BC, rng):
+    return jax.random.categorical(rng, self.restrict(logits_BC), axis=-1).astype(jnp.int32)
+
+  def restrict(self, logits_BC):
+    """The logits the draw sees: scaled, and -inf outside the top-k / top-p set."""
+    logits_BC = logits_BC / self.temperature
+    if self.top_k is not None:
+      kth = jax.lax.top_k(logits_BC, min(self.top_k, logits_BC.shape[-1]))[0][:, -1:]
+      logits_BC = jnp.where(logits_BC < kth, -jnp.inf, logits_BC)
+    if self.top_p is not None:
+      order = jnp.argsort(-logits_BC, axis=-1)
+      probs = jax.nn.softmax(jnp.take_along_axis(logits_BC, order, axis=-1), axis=-1)
+      before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+      cut_sorted = before >= self.top_p  # the most likely token always stays
+      cut = jnp.zeros_like(cut_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(
+          cut_sorted)
+      logits_BC = jnp.where(cut, -jnp.inf, logits_BC)
+    return logits_BC
+
+
+def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_tokens: int,
+             sampler=Greedy(), stop_tokens=(), pad_id: int = 0, rng=None):
+  """Continue each prompt: tokens [B, max_new_tokens] int32 (pad_id after a stop token).
+
+  Args:
+    model: a decodable linen module (see the module docstring); params its variables.
+    context: tuple of `init_cache`'s positional arguments (the prompts for an LM, the source
+      for the Transformer).
+    prompts: [B, L] int, right-padded; prompt_lengths [B] (default: all L).
+    max_new_tokens: static; sampler: `Greedy()` or `Sampling(temperature, top_k, top_p)`.
+    stop_tokens: ids that end a row (emitted, then pad_id); rng: a key, for sampling (the
+      same key gives the same tokens).
+  """
+  prompts, prompt_lengths = _check(prompts, prompt_lengths, max_new_tokens)
+  if isinstance(sampler, Sampling) and rng is None:
+    raise ValueError("sampling needs rng (a jax.random.key): the same key gives the same tokens")
+  rng = jax.random.key(0) if rng is None else rng
+  return _generate(model, params, tuple(context), prompts, prompt_lengths, rng,
+                   max_new_tokens, sampler, tuple(stop_tokens), pad_id)
+
+
+def _check(prompts, prompt_lengths, max_new_tokens):
+  checks.check_tokens("prompts", prompts)
+  checks.check_int("max_new_tokens", max_new_tokens)
+  if not isinstance(prompts, jax.core.Tracer):
+    checks.check_int("prompt length L", prompts.shape[1])
+  if prompt_lengths is None:
+    prompt_lengths = jnp.full((prompts.shape[0],), prompts.shape[1], jnp.int32)
+  lengths = jnp.asarray(prompt_lengths)
+  if lengths.shape != (prompts.shape[0],) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"prompt_lengths must be integer [B] = ({prompts.shape[0]},), got "
+                     f"{lengths.dtype} {tuple(lengths.shape)}")
+  if not isinstance(lengths, jax.core.Tracer) and not (
+      np.all(np.asarray(lengths) >= 1) and np.all(np.asarray(lengths) <= prompts.shape[1])):
+    raise ValueError(f"prompt_lengths must be in [1, L={prompts.shape[1]}], got {lengths}")
+  return jnp.asarray(prompts, jnp.int32), lengths.astype(jnp.int32)
+
+
+def _prefill(model, params, context, prompts, lengths, max_new_tokens):
+  """(cache, last logits [B, C]): the prompts run in one call, each row at its own positions."""
+  length = prompts.shape[1]
+  # The last new token is never fed back: the cache needs room for L + N - 1 tokens.
+  cache = model.apply(params, *context, max_length=length + max_new_tokens - 1,
+                      method=type(model).init_cache)
+  ar = jnp.arange(length, dtype=jnp.int32)
+  positions = jnp.where(ar < lengths[:, None], ar, -1)
+  logits, cache = model.apply(params, prompts, cache, positions, method=type(model).logits)
+  return cache, jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+
+
+def _step(model, params, tokens_B, cache, logits, more):
+  """Logits [B, C] of the next token after `tokens_B`, and the cache; unchanged (`logits`,
+  `cache`) unless `more` tokens are to come."""
+  def run():
+    new_logits, new_cache = model.apply(params, tokens_B[:, None], cache,
+                                        method=type(model).logits)
+    return new_logits[:, 0].astype(logits.dtype), new_cache
+  return jax.lax.cond(more, run, lambda: (logits, cache))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
+def _generate(model, params, context, prompts, lengths, rng, max_new_tokens, sampler,
+              stop_tokens, pad_id):
+  cache, logits = _prefill(model, params, context, prompts, lengths, max_new_tokens)
+  batch = prompts.shape[0]
+  tokens_BN = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
+  done_B = jnp.zeros((batch,), bool)
+  stop = jnp.asarray(stop_tokens, jnp.int32)
+
+  def body(state):
+    n, tokens_BN, done_B, logits, cache = state
+    next_B = jnp.where(done_B, pad_id, sampler(logits, jax.random.fold_in(rng, n)))
+    tokens_BN = tokens_BN.at[:, n].set(next_B)
+    done_B = done_B | jnp.isin(next_B, stop)
+    logits, cache = _step(model, params, next_B, cache, logits, n + 1 < max_new_tokens)
+    return n + 1, tokens_BN, done_B, logits, cache
+
+  cond = lambda state: (state[0] < max_new_tokens) & ~jnp.all(state[2])
+  return jax.lax.while_loop(cond, body, (0, tokens_BN, done_B, logits, cache))[1]
+
+
+def length_penalty(length, alpha: float):
+  """GNMT's ((5 + length) / 6)^alpha, by which a sequence's log-prob is divided."""
+  return ((5.0 + length) / 6.0) ** alpha
+
+
+def generate_beam(model, params, context, prompts, prompt_lengths=None, *,
+                  max_new_tokens: int, beam_size: int = 4, alpha: float = 0.6, stop_tokens=(),
+                  pad_id: int = 0):
+  """Beam search with the GNMT length penalty; the best beam's tokens [B, max_new_tokens].
+
+  Same arguments as `generate`; a beam ends at a stop token (emitted) and then scores only pad.
+  `beam_size=1` is greedy decoding."""
+  prompts, prompt_lengths = _check(prompts, prompt_lengths, max_new_tokens)
+  checks.check_int("beam_size", beam_size)
+  return _beam(model, params, tuple(context), prompts, prompt_lengths, max_new_tokens,
+               beam_size, float(alpha), tuple(stop_tokens), pad_id)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9))
+def _beam(model, params, context, prompts, lengths, max_new_tokens, beam_size, alpha,
+          stop_tokens, pad_id):
+  """(best tokens [B, N], their penalised scores [B])."""
+  batch, w = prompts.shape[0], beam_size
+  cache, logits_BC = _prefill(model, params, context, prompts, lengths, max_new_tokens)
+  cache = jax.tree.map(lambda x: jnp.repeat(x, w, axis=0), cache)  # each row's W beams
+  step_lp = jnp.repeat(jax.nn.log_softmax(logits_BC), w, axis=0)  # [B·W, C]
+  tokens_BWN = jnp.full((batch, w, max_new_tokens), pad_id, jnp.int32)
+  # Only beam 0 is live at the start, so the W beams don't begin as W copies of one.
+  logprob_BW = jnp.tile(jnp.array([0.0] + [-1e9] * (w - 1)), (batch, 1))
+  done_BW = jnp.zeros((batch, w), bool)
+  score_BW = jnp.zeros((batch, w))  # penalised score, final once a beam is done
+  stop = jnp.asarray(stop_tokens, jnp.int32)
+
+  def body(state):
+    n, tokens_BWN, logprob_BW, done_BW, score_BW, step_lp, cache = state
+    vocab = step_lp.shape[-1]
+    step_lp_BWC = step_lp.reshape(batch, w, vocab)
+    # A finished beam has one continuation, pad, at no cost, and keeps its score.
+    only_pad_C = jnp.full((vocab,), -jnp.inf).at[pad_id].set(0.0)
+    step_lp_BWC = jnp.where(done_BW[..., None], only_pad_C, step_lp_BWC)
+    cand_lp = (logprob_BW[..., None] + step_lp_BWC).reshape(batch, w * vocab)  # [B, W·C]
+    is_pad = (jnp.arange(w * vocab) % vocab == pad_id)[None, :]
+    done_score = jnp.where(is_pad, jnp.repeat(score_BW, vocab, axis=1), -jnp.inf)
+    cand_score = jnp.where(jnp.repeat(done_BW, vocab, axis=1), done_score,
+                           cand_lp / length_penalty(n + 1.0, alpha))
+    score_BW, flat_BW = jax.lax.top_k(cand_score, w)
+    beam_BW, token_BW = flat_BW // vocab, (flat_BW % vocab).astype(jnp.int32)
+    logprob_BW = jnp.take_along_axis(cand_lp, flat_BW, axis=1)
+    was_done_BW = jnp.take_along_axis(done_BW, beam_BW, axis=1)
+    tokens_BWN = jnp.take_along_axis(tokens_BWN, beam_BW[..., None], axis=1)
+    tokens_BWN = tokens_BWN.at[:, :, n].set(token_BW)
+    done_BW = was_done_BW | jnp.isin(token_BW, stop)
+    cache = jax.tree.map(functools.partial(_gather_beams, beam_BW), cache)
+    logits, cache = _step(model, params, token_BW.reshape(-1), cache, step_lp,
+                          n + 1 < max_new_tokens)
+    return (n + 1, tokens_BWN, logprob_BW, done_BW, score_BW, jax.nn.log_softmax(logits),
+            cache)
+
+  cond = lambda state: (state[0] < max_new_tokens) & ~jnp.all(state[3])
+  _, tokens_BWN, _, _, score_BW, _, _ = jax.lax.while_loop(
+      cond, body, (0, tokens_BWN, logprob_BW, done_BW, score_BW, step_lp, cache))
+  best_B = jnp.argmax(score_BW, axis=1)
+  return (jnp.take_along_axis(tokens_BWN, best_B[:, None, None], axis=1)[:, 0],
+          jnp.take_along_axis(score_BW, best_B[:, None], axis=1)[:, 0])
+
+
+def _gather_beams(beam_BW, x):
+  """Reorder a cache leaf [B·W, ...] by the chosen parent beams."""
+  batch, w = beam_BW.shape
+  x = x.reshape(batch, w, *x.shape[1:])
+  idx = beam_BW.reshape(batch, w, *([1] * (x.ndim - 2)))
+  return jnp.take_along_axis(x, idx, axis=1).reshape(batch * w, *x.shape[2:])
+
+
+# The encoder-decoder's conveniences: decode from its bos token, stop at its eos.
+
 def greedy_decode(config: TransformerConfig | Transformer, params, src, *, max_len: int):
   """Greedy decoding: src [B, S] int -> tokens [B, max_len] int32. `config` may be the model."""
-  config = _check(config, src, max_len)
-  return _greedy(config, params, src, max_len)
+  model, src = _transformer(config, src, max_len)
+  return generate(model, {"params": params}, (src,), _bos(model, src), max_new_tokens=max_len,
+                  stop_tokens=(model.config.eos_id,), pad_id=model.config.pad_id)
 
 
 def beam_search(config: TransformerConfig | Transformer, params, src, *, max_len: int,
@@ -31,19 +242,14 @@ def beam_search(config: TransformerConfig | Transformer, params, src, *, max_len
 
   src [B, S] int -> tokens [B, max_len] int32. `beam_size=1` is greedy decoding.
   """
-  config = _check(config, src, max_len)
-  checks.check_int("beam_size", beam_size)
-  tokens, _ = _beam(config, params, src, max_len, beam_size, float(alpha))
-  return tokens
+  model, src = _transformer(config, src, max_len)
+  return generate_beam(model, {"params": params}, (src,), _bos(model, src),
+                       max_new_tokens=max_len, beam_size=beam_size, alpha=alpha,
+                       stop_tokens=(model.config.eos_id,), pad_id=model.config.pad_id)
 
 
-def length_penalty(length, alpha: float):
-  """GNMT's ((5 + length) / 6)^alpha, by which a sequence's log-prob is divided."""
-  return ((5.0 + length) / 6.0) ** alpha
-
-
-def _check(config, src, max_len) -> TransformerConfig:
-  """The config (from a model too), after checking the arguments."""
+def _transformer(config, src, max_len):
+  """The inference model (no dropout) for `config` (or a model), after checking the arguments."""
   config = config.config if isinstance(config, Transformer) else config
   if not isinstance(config, TransformerConfig):
     raise TypeError(
@@ -52,100 +258,8 @@ def _check(config, src, max_len) -> TransformerConfig:
   if not isinstance(src, jax.core.Tracer):  # under jit the ids are traced: the caller's job
     checks.check_token_ids("src", src, config.vocab_size)
   checks.check_int("max_len", max_len, highest=config.max_len)
-  return config
+  return Transformer(config.replace(dropout_rate=0.0, attention_dropout_rate=0.0)), src
 
 
-def _start(config, params, src, max_len, copies: int):
-  """Encode src, repeat it `copies` times per example, and make an empty decoder cache."""
-  config = config.replace(dropout_rate=0.0, attention_dropout_rate=0.0)
-  memory, src_valid = Transformer(config).apply({"params": params}, src,
-                                                method=Transformer.encode)
-  memory = jnp.repeat(memory, copies, axis=0)
-  src_valid = jnp.repeat(src_valid, copies, axis=0)
-  decoder = Transformer(config.replace(decode=True))
-  dummy = jnp.zeros((memory.shape[0], max_len), jnp.int32)
-  shapes = jax.eval_shape(
-      lambda: decoder.init(jax.random.key(0), dummy, memory, src_valid, method=Transformer.decode))
-  cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
-  return decoder, memory, src_valid, cache
-
-
-def _step(decoder, params, cache, tokens_B1, memory, src_valid):
-  """One decoder step: log-probs [B, C] of the next token and the updated cache."""
-  logits_B1C, mutated = decoder.apply(
-      {"params": params, "cache": cache}, tokens_B1, memory, src_valid,
-      method=Transformer.decode, mutable=["cache"])
-  return jax.nn.log_softmax(logits_B1C[:, -1]), mutated["cache"]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _greedy(config, params, src, max_len):
-  decoder, memory, src_valid, cache = _start(config, params, src, max_len, 1)
-  batch = src.shape[0]
-  tokens_BL = jnp.full((batch, max_len), config.pad_id, jnp.int32)
-  last_B = jnp.full((batch,), config.bos_id, jnp.int32)
-  done_B = jnp.zeros((batch,), bool)
-
-  def body(state):
-    t, tokens_BL, last_B, done_B, cache = state
-    logprobs_BC, cache = _step(decoder, params, cache, last_B[:, None], memory, src_valid)
-    # A finished sequence emits pad from the step after its eos on.
-    next_B = jnp.where(done_B, config.pad_id, jnp.argmax(logprobs_BC, -1).astype(jnp.int32))
-    tokens_BL = tokens_BL.at[:, t].set(next_B)
-    return t + 1, tokens_BL, next_B, done_B | (next_B == config.eos_id), cache
-
-  cond = lambda state: (state[0] < max_len) & ~jnp.all(state[3])
-  return jax.lax.while_loop(cond, body, (0, tokens_BL, last_B, done_B, cache))[1]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _beam(config, params, src, max_len, beam_size, alpha):
-  """Returns (best tokens [B, L], their penalised scores [B])."""
-  batch, w = src.shape[0], beam_size
-  decoder, memory, src_valid, cache = _start(config, params, src, max_len, w)
-  tokens_BWL = jnp.full((batch, w, max_len), config.pad_id, jnp.int32)
-  # Only beam 0 is live at the start, so the W beams don't begin as W copies of one.
-  logprob_BW = jnp.tile(jnp.array([0.0] + [-1e9] * (w - 1)), (batch, 1))
-  done_BW = jnp.zeros((batch, w), bool)
-  score_BW = jnp.zeros((batch, w))  # penalised score, final once a beam is done
-
-  def body(state):
-    t, tokens_BWL, logprob_BW, done_BW, score_BW, cache = state
-    last_BW = jnp.where(t == 0, config.bos_id, tokens_BWL[:, :, jnp.maximum(t - 1, 0)])
-    step_lp, cache = _step(decoder, params, cache, last_BW.reshape(-1, 1), memory, src_valid)
-    vocab = step_lp.shape[-1]
-    step_lp_BWC = step_lp.reshape(batch, w, vocab)
-    # A finished beam has one continuation, pad, at no cost, and keeps its score.
-    only_pad_C = jnp.full((vocab,), -jnp.inf).at[config.pad_id].set(0.0)
-    step_lp_BWC = jnp.where(done_BW[..., None], only_pad_C, step_lp_BWC)
-    cand_lp = (logprob_BW[..., None] + step_lp_BWC).reshape(batch, w * vocab)  # [B, W·C]
-    is_pad = (jnp.arange(w * vocab) % vocab == config.pad_id)[None, :]
-    done_score = jnp.where(is_pad, jnp.repeat(score_BW, vocab, axis=1), -jnp.inf)
-    cand_score = jnp.where(jnp.repeat(done_BW, vocab, axis=1), done_score,
-                           cand_lp / length_penalty(t + 1.0, alpha))
-    score_BW, flat_BW = jax.lax.top_k(cand_score, w)
-    beam_BW, token_BW = flat_BW // vocab, (flat_BW % vocab).astype(jnp.int32)
-    logprob_BW = jnp.take_along_axis(cand_lp, flat_BW, axis=1)
-    was_done_BW = jnp.take_along_axis(done_BW, beam_BW, axis=1)
-    tokens_BWL = jnp.take_along_axis(tokens_BWL, beam_BW[..., None], axis=1)
-    tokens_BWL = tokens_BWL.at[:, :, t].set(token_BW)
-    done_BW = was_done_BW | (token_BW == config.eos_id)
-    cache = jax.tree.map(functools.partial(_gather_beams, beam_BW), cache)
-    return t + 1, tokens_BWL, logprob_BW, done_BW, score_BW, cache
-
-  cond = lambda state: (state[0] < max_len) & ~jnp.all(state[3])
-  _, tokens_BWL, _, _, score_BW, _ = jax.lax.while_loop(
-      cond, body, (0, tokens_BWL, logprob_BW, done_BW, score_BW, cache))
-  best_B = jnp.argmax(score_BW, axis=1)
-  return (jnp.take_along_axis(tokens_BWL, best_B[:, None, None], axis=1)[:, 0],
-          jnp.take_along_axis(score_BW, best_B[:, None], axis=1)[:, 0])
-
-
-def _gather_beams(beam_BW, x):
-  """Reorder a cache leaf [B·W, ...] by the chosen parent beams; scalars (indices) pass through."""
-  if x.ndim == 0:
-    return x
-  batch, w = beam_BW.shape
-  x = x.reshape(batch, w, *x.shape[1:])
-  idx = beam_BW.reshape(batch, w, *([1] * (x.ndim - 2)))
-  return jnp.take_along_axis(x, idx, axis=1).reshape(batch * w, *x.shape[2:])
+def _bos(model: Transformer, src):
+  return jnp.full((src.shape[0], 1), model.config.bos_id, jnp.int32)

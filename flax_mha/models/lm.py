@@ -14,6 +14,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
 from flax_mha.nn.linen import SelfAttention
@@ -45,6 +46,8 @@ class LMConfig:
   rotary_max_wavelength: float = 10_000.0  # RoPE base
   logit_soft_cap: float | None = 50.0  # attention logits capped as in Gemma 2
   normalize_qk: bool = False          # LayerNorm on queries and keys (flax.linen's normalize_qk)
+  learned_sinks: bool = False         # a learned sink logit per head joins each softmax (gpt-oss)
+  sink_tokens: int = 0                # local layers keep the first n tokens visible (StreamingLLM)
   dropout_rate: float = 0.0           # on block outputs
   dtype: Any = jnp.float32            # computation dtype; params stay float32
   attention_implementation: Any = None  # see flax_mha.dot_product_attention
@@ -59,6 +62,7 @@ class LMConfig:
                        f"num_heads={self.num_heads}")
     if self.local_window is not None:
       checks.check_int("LMConfig.local_window", self.local_window, lowest=0)
+    checks.check_int("LMConfig.sink_tokens", self.sink_tokens, lowest=0)
     checks.check_rate("LMConfig.dropout_rate", self.dropout_rate)
 
   def is_local(self, layer: int) -> bool:
@@ -71,23 +75,31 @@ class Block(nn.Module):
   config: LMConfig
   local: bool
 
-  @nn.compact
-  def __call__(self, x, segment_ids, positions, *, train: bool):
+  def attention(self):
     cfg = self.config
-    attention = SelfAttention(
+    return SelfAttention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype,
         use_bias=False, normalize_qk=cfg.normalize_qk, logit_soft_cap=cfg.logit_soft_cap,
         rotary_max_wavelength=cfg.rotary_max_wavelength,
         local_window_size=(cfg.local_window, 0) if self.local else None,
+        sink_tokens=cfg.sink_tokens if self.local else 0, learned_sinks=cfg.learned_sinks,
         implementation=cfg.attention_implementation, name="attention")
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions, *, train: bool, cache=None):
+    """x [B, L, D] -> [B, L, D]; with `cache` (this layer's KVCache): (x, updated cache)."""
+    cfg = self.config
     drop = nn.Dropout(cfg.dropout_rate, deterministic=not train)
-    h = attention(nn.LayerNorm(dtype=cfg.dtype, name="attention_norm")(x), is_causal=True,
-                  segment_ids=segment_ids, positions=positions)
+    h = self.attention()(nn.LayerNorm(dtype=cfg.dtype, name="attention_norm")(x),
+                         is_causal=cache is None, segment_ids=segment_ids, positions=positions,
+                         cache=cache)
+    if cache is not None:
+      h, cache = h
     x = x + drop(h)
     h = nn.LayerNorm(dtype=cfg.dtype, name="mlp_norm")(x)
     h = nn.Dense(cfg.d_ff, dtype=cfg.dtype, name="mlp_in")(h)
     h = nn.Dense(cfg.d_model, dtype=cfg.dtype, name="mlp_out")(nn.gelu(h))
-    return x + drop(h)
+    return x + drop(h) if cache is None else (x + drop(h), cache)
 
 
 class DecoderLM(nn.Module):
@@ -95,6 +107,11 @@ class DecoderLM(nn.Module):
 
   segment_ids: int, 0 for padding; tokens attend causally within their own segment.
   positions: int, each token's position within its segment (rotary angles).
+
+  Generation (`flax_mha.models.decoding`): `init_cache(tokens, max_length)` makes one KV cache
+  per layer (rolling, of the window's size, for local layers) and `logits(tokens, cache,
+  positions)` runs T new tokens of one document per row at their positions (default: each
+  row's next ones; -1 marks padding) and returns (logits [B, T, C], cache).
 
   Token ids must lie in [0, vocab_size); they are not checked inside `jit` (values are traced).
   An id >= vocab_size embeds as NaN (flax's `nn.Embed`), and attention's weights-times-values
@@ -105,20 +122,46 @@ class DecoderLM(nn.Module):
   config: LMConfig
 
   @nn.compact
-  def __call__(self, tokens, segment_ids, positions, *, train: bool = False):
+  def __call__(self, tokens, segment_ids, positions, *, train: bool = False, cache=None):
     cfg = self.config
     checks.check_tokens("tokens", tokens)
-    checks.check_tokens("segment_ids", segment_ids)
-    checks.check_tokens("positions", positions)
-    if not tokens.shape == segment_ids.shape == positions.shape:
-      raise ValueError("tokens, segment_ids and positions must share one shape [B, L], got "
-                       f"{tokens.shape}, {segment_ids.shape} and {positions.shape}")
+    if cache is None:
+      checks.check_tokens("segment_ids", segment_ids)
+      checks.check_tokens("positions", positions)
+      if not tokens.shape == segment_ids.shape == positions.shape:
+        raise ValueError("tokens, segment_ids and positions must share one shape [B, L], got "
+                         f"{tokens.shape}, {segment_ids.shape} and {positions.shape}")
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed",
                      embedding_init=nn.initializers.normal(stddev=1.0))
     x = embed(tokens).astype(cfg.dtype) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
+    caches = []
     for i in range(cfg.num_layers):
-      x = Block(cfg, local=cfg.is_local(i), name=f"block_{i}")(x, segment_ids, positions,
-                                                               train=train)
+      block = Block(cfg, local=cfg.is_local(i), name=f"block_{i}")
+      if cache is None:
+        x = block(x, segment_ids, positions, train=train)
+      else:
+        x, layer_cache = block(x, None, positions, train=train, cache=cache[i])
+        caches.append(layer_cache)
     x = nn.LayerNorm(dtype=cfg.dtype, name="final_norm")(x)
-    logits_BLC = embed.attend(x) / jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
-    return logits_BLC.astype(jnp.float32)
+    logits_BLC = (embed.attend(x) / jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))).astype(
+        jnp.float32)
+    return logits_BLC if cache is None else (logits_BLC, tuple(caches))
+
+  def logits(self, tokens, cache, positions=None):
+    """(logits [B, T, C], cache) of T new tokens per row, one document per row (see above)."""
+    if positions is None:
+      positions = cache_lib.next_positions(cache[0], tokens.shape[1])
+    return self(tokens, None, positions, cache=cache)
+
+  def init_cache(self, tokens, max_length: int, dtype=None):
+    """Empty caches, one per layer, for a batch like `tokens` [B, ...] and sequences of up to
+    `max_length` tokens (a local layer's cache keeps only its window and sink tokens)."""
+    cfg = self.config
+    checks.check_int("max_length", max_length)
+    k = cfg.d_model // cfg.num_heads
+    return tuple(
+        cache_lib.KVCache.create(
+            tokens.shape[0], max_length, cfg.num_kv_heads, k, k, dtype or cfg.dtype,
+            window=cfg.local_window if cfg.is_local(i) else None,
+            sink_tokens=cfg.sink_tokens if cfg.is_local(i) else 0)
+        for i in range(cfg.num_layers))

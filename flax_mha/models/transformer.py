@@ -18,10 +18,10 @@ import functools
 from typing import Any, Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha import masks as masks_lib
 from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
@@ -67,8 +67,6 @@ class TransformerConfig:
   # signature: passed through to flax_mha.dot_product_attention, which checks it.
   attention_implementation: str | Callable | None = None
   attention_cls: Any = MultiHeadAttention      # swappable for baselines (same call signature)
-  decode: bool = False               # KV-cache decoding (set by flax_mha.models.decoding, as in flax's
-                                     # wmt: a config field, since `Transformer.decode` is a method)
 
   def __post_init__(self):
     positive = ("vocab_size", "d_model", "num_encoder_layers", "num_decoder_layers", "d_ff",
@@ -106,29 +104,22 @@ def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
 
 
 class AddPositions(nn.Module):
-  """x [B, L, D] + positions; in decode mode the offset is the number of tokens seen so far."""
+  """x [B, L, D] + the position table at arange(L), or at `positions` [B, L] (generation: each
+  row's own positions; a negative one, padding, reads position 0)."""
   config: TransformerConfig
-  decode: bool = False
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, positions=None):
     cfg = self.config
     length = x.shape[-2]
-    if length > cfg.max_len:
+    if positions is None and length > cfg.max_len:
       raise ValueError(f"sequence length {length} exceeds TransformerConfig.max_len={cfg.max_len}")
     if cfg.learned_positions:
       table = self.param("pos_embedding", nn.initializers.normal(0.02), (cfg.max_len, cfg.d_model))
     else:
       table = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model))
-    start = 0
-    if self.decode:
-      initialised = self.has_variable("cache", "position")
-      position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
-      if initialised:
-        start = position.value
-        position.value = start + length
-    positions = jax.lax.dynamic_slice_in_dim(table, start, length)
-    return x + positions.astype(x.dtype)
+    rows = table[:length] if positions is None else table[jnp.maximum(positions, 0)]
+    return x + rows.astype(x.dtype)
 
 
 class FeedForward(nn.Module):
@@ -156,11 +147,11 @@ class Residual(nn.Module):
     return norm(x + drop(sublayer(x)))
 
 
-def _attention(cfg: TransformerConfig, name: str, decode: bool = False):
+def _attention(cfg: TransformerConfig, name: str):
   return cfg.attention_cls(
       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
       dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype,
-      implementation=cfg.attention_implementation, decode=decode, name=name)
+      implementation=cfg.attention_implementation, name=name)
 
 
 class EncoderLayer(nn.Module):
@@ -180,17 +171,28 @@ class DecoderLayer(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, memory, self_mask, cross_mask, *, train: bool, sow_weights: bool):
+  def __call__(self, x, memory, self_mask, cross_mask, *, train: bool, sow_weights: bool,
+               cache=None):
+    """x [B, T, D] -> [B, T, D]; with `cache` (its self-attention KVCache): (x, cache)."""
     cfg = self.config
-    self_attn = _attention(cfg, "self_attention", decode=cfg.decode)
+    self_attn = _attention(cfg, "self_attention")
     cross_attn = _attention(cfg, "cross_attention")
-    x = Residual(cfg, name="self_attention_block")(
-        x, lambda y: self_attn(y, mask=self_mask, is_causal=True, deterministic=not train,
-                               sow_weights=sow_weights), train=train)
+    caches = []
+
+    def self_attention(y):
+      if cache is None:
+        return self_attn(y, mask=self_mask, is_causal=True, deterministic=not train,
+                         sow_weights=sow_weights)
+      y, new_cache = self_attn(y, deterministic=not train, cache=cache)
+      caches.append(new_cache)
+      return y
+
+    x = Residual(cfg, name="self_attention_block")(x, self_attention, train=train)
     x = Residual(cfg, name="cross_attention_block")(
         x, lambda y: cross_attn(y, memory, mask=cross_mask, deterministic=not train,
                                 sow_weights=sow_weights), train=train)
-    return Residual(cfg, name="ffn_block")(x, FeedForward(cfg, name="ffn"), train=train)
+    x = Residual(cfg, name="ffn_block")(x, FeedForward(cfg, name="ffn"), train=train)
+    return x if cache is None else (x, caches[0])
 
 
 class Stack(nn.Module):
@@ -199,19 +201,27 @@ class Stack(nn.Module):
   layer: Any                 # EncoderLayer or DecoderLayer
   num_layers: int
   embed: nn.Module
-  decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens, *layer_args, train: bool, sow_weights: bool):
+  def __call__(self, tokens, *layer_args, train: bool, sow_weights: bool, caches=None,
+               positions=None):
+    """The stack's output [B, L, D]; with `caches` (one per layer): (output, caches)."""
     cfg = self.config
     x = self.embed(tokens).astype(cfg.dtype) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
-    x = AddPositions(cfg, decode=self.decode, name="positions")(x)
+    x = AddPositions(cfg, name="positions")(x, positions)
     x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+    new_caches = []
     for i in range(self.num_layers):
-      x = self.layer(cfg, name=f"layer_{i}")(x, *layer_args, train=train, sow_weights=sow_weights)
+      layer = self.layer(cfg, name=f"layer_{i}")
+      if caches is None:
+        x = layer(x, *layer_args, train=train, sow_weights=sow_weights)
+      else:
+        x, layer_cache = layer(x, *layer_args, train=train, sow_weights=sow_weights,
+                               cache=caches[i])
+        new_caches.append(layer_cache)
     if cfg.pre_layer_norm:
       x = nn.LayerNorm(dtype=cfg.dtype, name="final_norm")(x)
-    return x
+    return x if caches is None else (x, tuple(new_caches))
 
 
 class Transformer(nn.Module):
@@ -234,8 +244,7 @@ class Transformer(nn.Module):
     if not cfg.share_embeddings:
       self.logits_dense = nn.Dense(cfg.vocab_size, dtype=cfg.dtype, name="logits")
     self.encoder = Stack(cfg, EncoderLayer, cfg.num_encoder_layers, self.src_embed)
-    self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers, self.tgt_embed,
-                         decode=cfg.decode)
+    self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers, self.tgt_embed)
 
   def __call__(self, src, tgt_in, *, train: bool = False, sow_weights: bool = False):
     memory, src_valid = self.encode(src, train=train, sow_weights=sow_weights)
@@ -249,18 +258,41 @@ class Transformer(nn.Module):
     return self.encoder(src, mask, train=train, sow_weights=sow_weights), src_valid
 
   def decode(self, tgt_in, memory, src_valid, *, train: bool = False, sow_weights: bool = False):
-    """tgt_in [B, T] int (shifted right), memory [B, S, D] -> logits [B, T, C] float32.
-
-    In decode mode (config.decode) tgt_in holds only the new tokens; the cache holds the rest.
-    """
+    """tgt_in [B, T] int (shifted right), memory [B, S, D] -> logits [B, T, C] float32."""
     checks.check_tokens("tgt_in", tgt_in)
     cfg = self.config
     # Padding sits at the end of targets, so the causal mask already hides it from real queries;
-    # the key-padding mask is for the (unused) rows of pad queries. The cache handles decode.
-    self_mask = None if cfg.decode else (tgt_in != cfg.pad_id)[:, None, None, :]
-    cross_mask = src_valid[:, None, None, :]
-    x_BTD = self.decoder(
-        tgt_in, memory, self_mask, cross_mask, train=train, sow_weights=sow_weights)
-    logits_BTC = (self.tgt_embed.attend(x_BTD) if cfg.share_embeddings
+    # the key-padding mask is for the (unused) rows of pad queries.
+    self_mask = (tgt_in != cfg.pad_id)[:, None, None, :]
+    x_BTD = self.decoder(tgt_in, memory, self_mask, src_valid[:, None, None, :], train=train,
+                         sow_weights=sow_weights)
+    return self._logits(x_BTD)
+
+  def init_cache(self, src, max_length: int, dtype=None):
+    """The decoding state for `flax_mha.models.decoding`: the source encoded once, and one
+    self-attention KV cache per decoder layer for targets of up to `max_length` tokens."""
+    cfg = self.config
+    checks.check_int("max_length", max_length, highest=cfg.max_len)
+    memory, src_valid = self.encode(src)
+    g = cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads
+    k = cfg.d_model // cfg.num_heads
+    layers = tuple(cache_lib.KVCache.create(src.shape[0], max_length, g, k, k, dtype or cfg.dtype)
+                   for _ in range(cfg.num_decoder_layers))
+    return {"memory": memory, "src_valid": src_valid, "layers": layers}
+
+  def logits(self, tokens, cache, positions=None):
+    """(logits [B, T, C], cache) of T new target tokens per row at `positions` (default: each
+    row's next ones), attending to the cached ones and the encoded source."""
+    checks.check_tokens("tokens", tokens)
+    if positions is None:
+      positions = cache_lib.next_positions(cache["layers"][0], tokens.shape[1])
+    x_BTD, layers = self.decoder(tokens, cache["memory"], None,
+                                 cache["src_valid"][:, None, None, :], train=False,
+                                 sow_weights=False, caches=cache["layers"], positions=positions)
+    return self._logits(x_BTD), dict(cache, layers=layers)
+
+  def _logits(self, x_BTD):
+    """The output projection: the shared embedding's transpose, or its own dense layer."""
+    logits_BTC = (self.tgt_embed.attend(x_BTD) if self.config.share_embeddings
                   else self.logits_dense(x_BTD))
     return logits_BTC.astype(jnp.float32)
