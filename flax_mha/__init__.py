@@ -4,10 +4,11 @@ The package is layered, each folder importing only from the ones above it:
 
   flax_mha/            the public pure API (no flax): `attention` (dot_product_attention,
                        dispatch, checks of its arguments), `masks`, `mods` (mask and score
-                       terms), `rotary`, `checks` (the argument checks every layer shares),
+                       terms), `rotary`, `cache` (the KV cache as data), `paged`
+                       (paged_attention), `checks` (the argument checks every layer shares),
                        `interop` (torch weights), `sharding` (meshes and placement)
   flax_mha/kernels/    the implementations behind `implementation=`: reference (the oracle),
-                       xla, rows, chunked, cudnn, ring (sequence-parallel), with their helpers
+                       xla, rows, chunked, decode, cudnn, ring (sequence-parallel), helpers
   flax_mha/nn/         the front ends: `linen` (MultiHeadAttention, SelfAttention) and `nnx`
   flax_mha/models/     the Transformer, the decoder-only LM and decoding
 
@@ -33,10 +34,12 @@ count. Sizes without a letter above get their own, never a reused one.
 
 import importlib
 
+from flax_mha import cache
 from flax_mha import checks
 from flax_mha import interop
 from flax_mha import masks
 from flax_mha import mods
+from flax_mha import paged
 from flax_mha import rotary
 from flax_mha import sharding
 from flax_mha.attention import IMPLEMENTATIONS
@@ -51,6 +54,7 @@ from flax_mha.masks import combine_masks
 from flax_mha.masks import make_attention_mask
 from flax_mha.masks import padding_mask
 from flax_mha.masks import segment_mask
+from flax_mha.paged import paged_attention
 from flax_mha.rotary import apply_rotary
 
 __version__ = "0.1.0"

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from flax_mha import checks
+from flax_mha import paged
 from flax_mha.attention import dot_product_attention
 
 
@@ -76,7 +77,7 @@ class KVCache:
     return self.key.shape[1]
 
 
-def next_positions(cache: KVCache, num_tokens: int):
+def next_positions(cache, num_tokens: int):
   """[B, T] positions of the next `num_tokens` tokens of each row."""
   return cache.length[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)
 
@@ -96,10 +97,10 @@ def _slots(cache: KVCache, positions_BT):
   return jnp.where(kept, slot, c)
 
 
-def _check_room(cache: KVCache, positions_BT) -> None:
-  """A full cache refuses positions at or beyond its capacity: a ValueError when the positions
-  are known (eagerly), an error raised from inside the computation otherwise."""
-  if cache.window is not None:
+def _check_room(cache, positions_BT) -> None:
+  """A full or paged cache refuses positions at or beyond its capacity: a ValueError when the
+  positions are known (eagerly), an error raised from inside the computation otherwise."""
+  if getattr(cache, "window", None) is not None:
     return
   c = cache.capacity
 
@@ -130,7 +131,7 @@ def update(cache: KVCache, key_BTGK, value_BTGV, positions_BT) -> KVCache:
       length=length)
 
 
-def attend(query_BTHK, key_BTGK, value_BTGV, cache: KVCache, positions_BT=None, **options):
+def attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT=None, **options):
   """(out [B, T, H, V], updated cache): the T new tokens attend causally to everything the
   cache holds and to themselves (by position), then are written.
 
@@ -138,9 +139,16 @@ def attend(query_BTHK, key_BTGK, value_BTGV, cache: KVCache, positions_BT=None, 
   prompt in the batch): not written, seeing and seen by nothing. `options` are
   `dot_product_attention`'s (scale, logit_soft_cap, sinks, local_window_size for a full cache,
   implementation, ...); a rolling cache brings its own window (cache.window, 0) and sink tokens.
+  A `PagedKVCache` writes into its rows' pages and reads them in place (`flax_mha.paged`).
   """
   if positions_BT is None:
     positions_BT = next_positions(cache, query_BTHK.shape[1])
+  if isinstance(cache, PagedKVCache):  # write first, then read each row's pages in place
+    cache = update_pages(cache, key_BTGK, value_BTGV, positions_BT)
+    out = paged.attend_pages(query_BTHK, cache.k_pages.astype(query_BTHK.dtype),
+                             cache.v_pages.astype(query_BTHK.dtype), cache.page_indices,
+                             positions_BT, cache.length, **options)
+    return out, cache
   if cache.window is None:  # write first: the cache then holds every key the chunk may see
     cache = update(cache, key_BTGK, value_BTGV, positions_BT)
     keys, values, kv_pos = cache.key, cache.value, cache.positions
@@ -156,3 +164,48 @@ def attend(query_BTHK, key_BTGK, value_BTGV, cache: KVCache, positions_BT=None, 
                               values.astype(query_BTHK.dtype), is_causal=True,
                               q_positions=positions_BT, kv_positions=kv_pos, **options)
   return out, cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+  """One layer's cache in pages of a shared pool (`flax_mha.paged`): row b's position p lives in
+  page page_indices[b, p // page], slot p % page. The host decides which pages a row owns (a
+  continuous-batching loop hands a finished row's pages to the next prompt)."""
+  k_pages: Any  # [P, page, G, K]
+  v_pages: Any  # [P, page, G, V]
+  page_indices: Any  # [B, n] int32
+  length: Any  # [B] int32
+
+  @classmethod
+  def create(cls, num_pages: int, page_size: int, page_indices, num_kv_heads: int,
+             head_dim: int, v_head_dim: int | None = None, dtype=jnp.float32) -> "PagedKVCache":
+    """An empty pool of `num_pages` pages of `page_size` tokens, rows owning `page_indices`."""
+    for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+      checks.check_int(name, value)
+    v_head_dim = head_dim if v_head_dim is None else checks.check_int("v_head_dim", v_head_dim)
+    page_indices = jnp.asarray(page_indices, jnp.int32)
+    return cls(jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype),
+               jnp.zeros((num_pages, page_size, num_kv_heads, v_head_dim), dtype),
+               page_indices, jnp.zeros((page_indices.shape[0],), jnp.int32))
+
+  @property
+  def capacity(self) -> int:
+    """Tokens a row can hold: its pages times the page size."""
+    return self.page_indices.shape[1] * self.k_pages.shape[1]
+
+
+def update_pages(cache: PagedKVCache, key_BTGK, value_BTGV, positions_BT) -> PagedKVCache:
+  """`cache` with the new keys and values written into their rows' pages (negative positions:
+  padding, not written); a position past a row's pages raises."""
+  _check_room(cache, positions_BT)
+  page = cache.k_pages.shape[1]
+  valid = positions_BT >= 0
+  safe = jnp.where(valid, positions_BT, 0)
+  rows = jnp.arange(positions_BT.shape[0])[:, None]
+  pages = jnp.where(valid, cache.page_indices[rows, safe // page], cache.k_pages.shape[0])
+  write = lambda pool, new: pool.at[pages, safe % page].set(new.astype(pool.dtype), mode="drop")
+  length = jnp.maximum(cache.length, jnp.max(positions_BT, axis=1) + 1)
+  return dataclasses.replace(cache, k_pages=write(cache.k_pages, key_BTGK),
+                             v_pages=write(cache.v_pages, value_BTGV), length=length)

@@ -48,22 +48,42 @@ def _visit_order(ctx):
   return order.astype(jnp.int32), (n_full + n_partial).astype(jnp.int32)
 
 
-def forward(q, k, v, bias, mask, rng, mods, cfg: chunked._Config, splits: int):  # pylint: disable=protected-access
-  """out [B, T, H, V] and lse [B, H, T] in the softmax dtype, as chunked's forward."""
-  ctx = chunked._context(q, k, bias, mask, rng, mods, cfg, 0, 0)  # pylint: disable=protected-access
-  tl, g, acc = ctx.tl, ctx.groups, _shared.softmax_dtype(q.dtype)
+def forward(q, k, v, bias, mask, rng, mods, cfg: chunked._Config, splits: int,  # pylint: disable=protected-access
+            page_indices=None, lengths=None):
+  """out [B, T, H, V] and lse [B, H, T] in the softmax dtype, as chunked's forward.
+
+  k, v: the cache [B, S, G, K] and [B, S, G, V]; or, with `page_indices` [B, n] (paged: row b's
+  positions j·page .. (j+1)·page - 1 live in page page_indices[b, j]) and `lengths` [B], the
+  page pools [pages, page, G, K] and [pages, page, G, V], cfg.block_k being the page size.
+  """
+  if page_indices is None:
+    b, s, g, _ = k.shape
+  else:
+    (b, n_pages), (page, g) = page_indices.shape, k.shape[1:3]
+    s = n_pages * page
+  shape_BSGK = jax.ShapeDtypeStruct((b, s, g, k.shape[-1]), k.dtype)
+  ctx = chunked._context(q, shape_BSGK, bias, mask, rng, mods, cfg, 0, 0)  # pylint: disable=protected-access
+  tl, acc = ctx.tl, _shared.softmax_dtype(q.dtype)
   q_0 = _tiling.blocks(q, 1, tl.bq, g)[0]  # [B, G, R, Q, K]: all T queries are one tile
-  # Blocks of the cache in its own layout, [B, n_k, P, G, K] (a free reshape): each trip's
-  # product transposes only its block, in cache, never the whole cache.
-  blocked = lambda x: jnp.pad(x, ((0, 0), (0, tl.n_k * tl.bk - tl.s), (0, 0), (0, 0))).reshape(
-      x.shape[0], tl.n_k, tl.bk, g, x.shape[-1])
-  k_blocks, v_blocks = blocked(k), blocked(v)
+  if page_indices is None:
+    # Blocks of the cache in its own layout, [B, n_k, P, G, K] (a free reshape): each trip's
+    # product transposes only its block, in cache, never the whole cache.
+    blocked = lambda x: jnp.pad(x, ((0, 0), (0, tl.n_k * tl.bk - s), (0, 0), (0, 0))).reshape(
+        b, tl.n_k, tl.bk, g, x.shape[-1])
+    k_blocks, v_blocks = blocked(k), blocked(v)
+    fetch = lambda j: (k_blocks[:, j], v_blocks[:, j])
+  else:  # a block is a page: each row's j-th page, gathered from the pools; values past a
+    # row's length zeroed (hidden already: whatever a reused page holds cannot leak as 0 · NaN)
+    def fetch(j):
+      held = (j * tl.bk + jnp.arange(tl.bk) < lengths[:, None])[:, :, None, None]
+      return k[page_indices[:, j]], jnp.where(held, v[page_indices[:, j]], 0)
   order, count = _visit_order(ctx)
 
   def one(carry, j, live):
     """One partition's step on key block j (a no-op unless `live`)."""
-    raw = jnp.einsum("BGRQK,BPGK->BGRQP", q_0, k_blocks[:, j], preferred_element_type=acc)
-    v_j = v_blocks[:, j].transpose(0, 2, 1, 3)  # [B, G, P, V]
+    k_j, v_j = fetch(j)  # [B, P, G, K], [B, P, G, V]
+    raw = jnp.einsum("BGRQK,BPGK->BGRQP", q_0, k_j, preferred_element_type=acc)
+    v_j = v_j.transpose(0, 2, 1, 3)  # [B, G, P, V]
     new = chunked.forward_tile(carry, 0, j, raw, v_j, ctx, True)
     return jax.tree.map(lambda a, b: jnp.where(live, a, b), new, carry)
 
@@ -146,3 +166,41 @@ def make_attention(block_k: int | None = None, splits: int | None = None):
 
 
 attention = make_attention()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def paged(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, splits):
+  """(out [B, T, H, V], lse [B, H, T]) over paged keys and values (see `forward`; cfg.block_k
+  is the page size); the lse carries no gradient. Gradients reach the query, the pages and the
+  float leaves of `mods` (sinks, score tables)."""
+  del cfg_bwd
+  out, lse = forward(query, k_pages, v_pages, None, None, None, mods, cfg, splits, page_indices,
+                     lengths)
+  return out.astype(query.dtype), lse
+
+
+def _paged_fwd(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, splits):
+  del cfg_bwd
+  out, lse = forward(query, k_pages, v_pages, None, None, None, mods, cfg, splits, page_indices,
+                     lengths)
+  out = out.astype(query.dtype)
+  return (out, lse), (query, k_pages, v_pages, page_indices, lengths, mods, out, lse)
+
+
+def _paged_bwd(cfg, cfg_bwd, splits, residuals, cotangents):
+  """The chunked backward over the rows' pages gathered in order, scattered back to the pools."""
+  del cfg, splits
+  query, k_pages, v_pages, page_indices, lengths, mods, out, lse = residuals
+  b, n = page_indices.shape
+  held = (jnp.arange(n * k_pages.shape[1]) < lengths[:, None])[:, :, None, None]
+  gather = lambda pages: jnp.where(held, pages[page_indices].reshape(
+      b, n * pages.shape[1], *pages.shape[2:]), 0)
+  dq, dk, dv, _, _, _, dmods = chunked.attention_bwd(
+      cfg_bwd, (query, gather(k_pages), gather(v_pages), None, None, None, mods, out, lse),
+      cotangents)
+  scatter = lambda pages, d: jnp.zeros_like(pages).at[page_indices].add(
+      d.reshape(b, n, *pages.shape[1:]).astype(pages.dtype))
+  return dq, scatter(k_pages, dk), scatter(v_pages, dv), None, None, dmods
+
+
+paged.defvjp(_paged_fwd, _paged_bwd)

@@ -117,25 +117,27 @@ def check_cache_call(cache, *, keys_from_q: bool, inputs_q, q_segment_ids, kv_se
                      kv_positions, bias, mask, window, sink_tokens: int) -> None:
   """What a call with `cache=` takes: self-attention of [B, T, D] inputs, positions rather
   than segment ids or a bias, a mask only over a full cache, the module's own window."""
-  if not isinstance(cache, cache_lib.KVCache):
-    raise TypeError(f"cache must be a flax_mha.cache.KVCache (see the module's new_cache), got "
-                    f"{type(cache).__name__}")
+  if not isinstance(cache, (cache_lib.KVCache, cache_lib.PagedKVCache)):
+    raise TypeError(f"cache must be a flax_mha.cache.KVCache (see the module's new_cache) or "
+                    f"PagedKVCache, got {type(cache).__name__}")
   if not keys_from_q:
     raise ValueError("cache= caches self-attention: pass inputs_q only (keys and values come "
                      "from it)")
-  if inputs_q.ndim != 3 or inputs_q.shape[0] != cache.key.shape[0]:
-    raise ValueError(f"with cache=, inputs_q must be [B, T, D] with the cache's batch "
-                     f"B={cache.key.shape[0]}, got shape {tuple(inputs_q.shape)}")
+  rows = cache.length.shape[0]
+  if inputs_q.ndim != 3 or inputs_q.shape[0] != rows:
+    raise ValueError(f"with cache=, inputs_q must be [B, T, D] with the cache's batch B={rows}, "
+                     f"got shape {tuple(inputs_q.shape)}")
   for name, x in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids),
                   ("bias", bias), ("kv_positions", kv_positions)):
     if x is not None:
       raise ValueError(f"{name} is not taken with cache= (one document per row: positions "
                        "say where each token is, a negative one marks padding)")
-  if mask is not None and cache.window is not None:
-    raise ValueError("mask is not taken with a rolling cache (its slots move): mark padding "
-                     "with negative positions")
-  if cache.window is not None and (window is None or cache.window != window[0] or
-                                   cache.sink_tokens != sink_tokens):
+  rolling = getattr(cache, "window", None)
+  if mask is not None and (rolling is not None or isinstance(cache, cache_lib.PagedKVCache)):
+    raise ValueError("mask is only taken with a full KVCache (a rolling or paged cache's slots "
+                     "move): mark padding with negative positions")
+  if rolling is not None and (window is None or cache.window != window[0] or
+                              cache.sink_tokens != sink_tokens):
     raise ValueError(f"a rolling cache of window {cache.window} and sink_tokens "
                      f"{cache.sink_tokens} must come from the same layer: this one has "
                      f"local_window_size={window}, sink_tokens={sink_tokens}")
@@ -145,7 +147,7 @@ def attend_cached(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT, mask, *
                   sink_tokens: int, implementation, dropout_rate: float, dropout_rng,
                   **options):
   """(output [B, T, H, V], updated cache) of both front ends' cached step (flax_mha.cache)."""
-  if cache.window is None and window is not None:  # a window over a full cache: positions
+  if getattr(cache, "window", None) is None and window is not None:  # compared by position
     options.update(local_window_size=window, sink_tokens=sink_tokens)
   options.update(dropout_rate=dropout_rate if dropout_rng is not None else 0.0,
                  dropout_rng=dropout_rng)

@@ -1,0 +1,127 @@
+"""Attention over a paged KV cache: one pool of fixed-size pages shared by every sequence.
+
+  out = paged_attention(query [B, T, H, K], k_pages [P, page, G, K], v_pages [P, page, G, V],
+                        lengths [B], page_indices [B, n])
+
+Row b's cache is its pages page_indices[b, 0 .. n-1] in order (position p in page
+page_indices[b, p // page], slot p % page), holding lengths[b] tokens; its T queries are the
+last T of them, at positions lengths[b] - T .. lengths[b] - 1, causal by default (the names of
+JAX's TPU `paged_attention`, the layout of `dot_product_attention`: pages replace S). A batch of
+sequences of very different lengths then holds memory for the tokens it has, rounded up to
+pages, not B x the longest. For a few queries the decode kernel walks each row's pages in
+place (`flax_mha.kernels.decode`); other implementations see the rows' pages gathered into a
+contiguous cache. Equal to `dot_product_attention` over that contiguous cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from flax_mha import _options
+from flax_mha import checks
+from flax_mha.attention import dot_product_attention
+from flax_mha.kernels import chunked
+from flax_mha.kernels import decode
+
+# Up to this many queries per row, the decode kernel walks the pages in place; beyond (a long
+# prefill), the pages are gathered and the chunked kernel runs.
+PAGED_MAX_QUERIES = 64
+
+
+def paged_attention(query, k_pages, v_pages, lengths, page_indices, *, is_causal: bool = True,
+                    scale: float | None = None, local_window_size=None,
+                    logit_soft_cap: float | None = None, sinks=None, sink_tokens: int = 0,
+                    return_residual: bool = False, implementation=None):
+  """Attention of each row's last T tokens over its paged cache (see the module docstring).
+
+  Args:
+    query: [B, T, H, K] floating; k_pages [P, page, G, K], v_pages [P, page, G, V], same dtype.
+    lengths: int [B], tokens held per row (T <= length <= n·page).
+    page_indices: int [B, n], the pages of each row in order. Slots past a row's length are
+      hidden and their values zeroed, whatever a reused page holds there.
+    is_causal, scale, local_window_size, logit_soft_cap, sinks, sink_tokens, return_residual:
+      as in `dot_product_attention` (positions: the rows' own).
+    implementation: None (the decode kernel over the pages for up to PAGED_MAX_QUERIES queries,
+      else the pages gathered and the chunked kernel), "decode", or any implementation of
+      `dot_product_attention` over the gathered pages.
+
+  Returns:
+    [B, T, H, V] (and with `return_residual` the lse [B, T, H]).
+  """
+  b, t = query.shape[:2]
+  lengths = _check_lengths(lengths, b)
+  q_positions = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)
+  return attend_pages(query, k_pages, v_pages, page_indices, q_positions, lengths,
+                      is_causal=is_causal, scale=scale, local_window_size=local_window_size,
+                      logit_soft_cap=logit_soft_cap, sinks=sinks, sink_tokens=sink_tokens,
+                      return_residual=return_residual, implementation=implementation)
+
+
+def attend_pages(query, k_pages, v_pages, page_indices, q_positions, kv_lengths, *,
+                 is_causal: bool = True, scale=None, return_residual: bool = False,
+                 implementation=None, **options):
+  """`paged_attention` with the queries' positions given (q_positions [B, T]; negative: padding,
+  seeing nothing): what a paged KV cache's prefill of prompts of different lengths needs."""
+  _check_pages(query, k_pages, v_pages, page_indices)
+  (b, t, h, k_dim), (n, page) = query.shape, (page_indices.shape[1], k_pages.shape[1])
+  s = n * page
+  slot = jnp.arange(s, dtype=jnp.int32)
+  kv_positions = jnp.where(slot < kv_lengths[:, None], slot, -1)
+  in_place = implementation == "decode" or (implementation is None and t <= PAGED_MAX_QUERIES)
+  if in_place and options.get("dropout_rate", 0.0) == 0.0:
+    options.pop("dropout_rate", None)
+    options.pop("dropout_rng", None)
+    mods, _ = _options.build((b,), t, s, h, query.dtype, is_causal, q_positions=q_positions,
+                             kv_positions=kv_positions, **options)
+    checks.check_scale(scale)
+    scale = 1.0 / math.sqrt(k_dim) if scale is None else float(scale)
+    cfg = chunked._Config(scale, 0.0, t, page)  # pylint: disable=protected-access
+    cfg_bwd = chunked._Config(scale, 0.0, *chunked.default_blocks(t, s, k_dim, False))  # pylint: disable=protected-access
+    out, lse_BHT = decode.paged(query, k_pages, v_pages, page_indices, kv_lengths, mods, cfg,
+                                cfg_bwd, decode.SPLITS)
+    lse_BTH = jax.lax.stop_gradient(lse_BHT.transpose(0, 2, 1))
+    return (out, lse_BTH) if return_residual else out
+  # Slots past a row's length are hidden; their values are zeroed too, so that whatever a
+  # reused page holds there (even NaN) cannot leak through a weight of 0.
+  gather = lambda pages: jnp.where((kv_positions >= 0)[:, :, None, None],
+                                   pages[page_indices].reshape(b, s, *pages.shape[2:]), 0)
+  return dot_product_attention(
+      query, gather(k_pages), gather(v_pages), is_causal=is_causal, scale=scale,
+      q_positions=q_positions, kv_positions=kv_positions, return_residual=return_residual,
+      implementation="chunked" if implementation is None else implementation, **options)
+
+
+def _check_lengths(lengths, batch: int):
+  if not hasattr(lengths, "dtype") or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"lengths must be an integer array [B], got "
+                    f"{getattr(lengths, 'dtype', type(lengths).__name__)}")
+  if tuple(lengths.shape) != (batch,):
+    raise ValueError(f"lengths must have shape [B] = ({batch},), got {tuple(lengths.shape)}")
+  return jnp.asarray(lengths, jnp.int32)
+
+
+def _check_pages(query, k_pages, v_pages, page_indices) -> None:
+  checks.check_array("query", query, 4, "[B, T, H, K]")
+  checks.check_array("k_pages", k_pages, 4, "[P, page, G, K]")
+  checks.check_array("v_pages", v_pages, 4, "[P, page, G, V]")
+  for name, x, rank in (("query", query, 4), ("k_pages", k_pages, 4), ("v_pages", v_pages, 4)):
+    if x.ndim != rank:
+      raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+  if not query.dtype == k_pages.dtype == v_pages.dtype:
+    raise TypeError(f"query, k_pages and v_pages must share one dtype, got {query.dtype}, "
+                    f"{k_pages.dtype} and {v_pages.dtype}")
+  checks.check_agree("k_pages [P, page, G, K] and v_pages [P, page, G, V]", (k_pages, v_pages),
+                     slice(0, 3), "agree on P, page and G")
+  checks.check_agree("query [B, T, H, K] and k_pages [P, page, G, K]", (query, k_pages),
+                     slice(-1, None), "share the head dim K")
+  checks.check_heads(query.shape[2], k_pages.shape[2], names=("query heads H",
+                                                              "key/value heads G"))
+  if (not hasattr(page_indices, "dtype") or not jnp.issubdtype(page_indices.dtype, jnp.integer)
+      or page_indices.ndim != 2 or page_indices.shape[0] != query.shape[0]):
+    raise ValueError(f"page_indices must be integer [B, n] with B={query.shape[0]}, got "
+                     f"{getattr(page_indices, 'dtype', None)} "
+                     f"{tuple(getattr(page_indices, 'shape', ()))}")
+
