@@ -165,3 +165,20 @@ class DecoderLM(nn.Module):
             window=cfg.local_window if cfg.is_local(i) else None,
             sink_tokens=cfg.sink_tokens if cfg.is_local(i) else 0)
         for i in range(cfg.num_layers))
+
+  def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int,
+                       pages_per_row: int, dtype=None):
+    """Caches for serving (`flax_mha.models.serving`): the global layers' keys and values in a
+    pool of `num_pages` pages of `page_size` tokens (each row owning up to `pages_per_row`,
+    assigned by the host), the local layers' in rolling caches of their window."""
+    cfg = self.config
+    k = cfg.d_model // cfg.num_heads
+    table = jnp.zeros((batch_size, pages_per_row), jnp.int32)
+    return tuple(
+        cache_lib.KVCache.create(batch_size, pages_per_row * page_size, cfg.num_kv_heads, k, k,
+                                 dtype or cfg.dtype, window=cfg.local_window,
+                                 sink_tokens=cfg.sink_tokens)
+        if cfg.is_local(i) else
+        cache_lib.PagedKVCache.create(num_pages, page_size, table, cfg.num_kv_heads, k, k,
+                                      dtype or cfg.dtype)
+        for i in range(cfg.num_layers))
