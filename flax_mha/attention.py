@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flax_mha import checks
+from flax_mha import mods as mods_lib
 from flax_mha.kernels import _shared
 from flax_mha import _options
 from flax_mha.kernels import chunked
@@ -46,6 +47,12 @@ SMALL_LOGITS_ROWS_CAUSAL = 128 * 128
 SMALL_LOGITS = 512 * 512
 SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
 ROWS_MAX_KEYS = 16384  # a "rows" tile holds >= 128 query rows x S keys: chunked's tiles beyond
+# Up to DECODE_MAX_QUERIES queries over at least DECODE_MIN_KEYS keys of a cache (positions or
+# key lengths: the decode kernel skips the blocks that hold nothing visible), or over at least
+# DECODE_MIN_KEYS_DENSE keys otherwise, `None` runs "decode" (keys split, merged by lse).
+DECODE_MAX_QUERIES = 32
+DECODE_MIN_KEYS = 1024
+DECODE_MIN_KEYS_DENSE = 8192
 
 
 def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
@@ -53,12 +60,13 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
   """What `implementation=None` runs, decided at trace time from static shapes and the backend.
 
   1. On a GPU, "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
-  2. Without dropout and mods (a bias, a mask and is_causal are fine): "xla" up to
+  2. A few queries over many keys (generation): "decode" (DECODE_* above).
+  3. Without dropout and mods (a bias, a mask and is_causal are fine): "xla" up to
      SMALL_LOGITS_ROWS logits per (batch, head) (SMALL_LOGITS_ROWS_CAUSAL when causal), "rows"
      beyond (query-row blocks with an exact softmax, the fastest on CPU), "chunked" past
      ROWS_MAX_KEYS keys. A dense mask that hides most of [T, S] (documents, bands) is faster
      as segment ids or a window, which chunked skips tile by tile.
-  3. With dropout or mods: "xla" for small problems (T·S up to SMALL_LOGITS, or
+  4. With dropout or mods: "xla" for small problems (T·S up to SMALL_LOGITS, or
      SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64), where one fused XLA graph has the
      least overhead, and "chunked" beyond, which is faster there and needs memory linear in S.
   Every choice computes the same function (see `flax_mha.kernels.reference`).
@@ -66,6 +74,11 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
   del bias, mask  # every implementation takes them
   if cudnn.unsupported_reason(query, key, value, dropout_rate, mods) is None:
     return "cudnn"
+  cache_like = mods is not None and any(
+      isinstance(t, (mods_lib.Positions, mods_lib.SeqLengths)) for t in mods.masks)
+  min_keys = DECODE_MIN_KEYS if cache_like else DECODE_MIN_KEYS_DENSE
+  if query.shape[1] <= DECODE_MAX_QUERIES and key.shape[1] >= min_keys:
+    return "decode"
   logits = query.shape[1] * key.shape[1]
   if rows.unsupported_reason(dropout_rate, mods) is None:
     if logits <= (SMALL_LOGITS_ROWS_CAUSAL if is_causal else SMALL_LOGITS_ROWS):
