@@ -7,7 +7,7 @@ Both models are the same `flax_mha.models.transformer.Transformer`, once with th
 `flax_mha.MultiHeadAttention` and once with `flax.linen.MultiHeadDotProductAttention` swapped in
 (`TransformerConfig.attention_cls`). They train on the same batches with the same jitted step,
 in one process; timed windows alternate between the two so load on the machine hits both alike.
-Prints a markdown table of tokens/s (non-pad source + target tokens): median over the windows.
+Prints a markdown table of tokens/s (the runner's count: non-pad source + target tokens): median over the windows.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import data, train
-from experiments.tasks import PAD, get_task
+from experiments import train
+from experiments.seq2seq import Seq2SeqRunner
+from flax_mha.models.transformer import Transformer
 
 
 class LinenAttention(nn.Module):
@@ -51,21 +52,19 @@ class LinenAttention(nn.Module):
 
 def benchmark(config, windows: int, steps_per_window: int) -> list[dict]:
   """Median tokens/s of each attention over `windows` timed windows, after a warm-up window."""
-  task = get_task(config.task.name, **config.task.kwargs)
-  batches = [data.train_batch(task, config.seed, step, config.train.batch_size,
-                              config.train.bucket_window, config.train.length_buckets)
-             for step in range(steps_per_window)]
-  tokens = sum(int(np.sum(b["src"] != PAD) + np.sum(b["tgt_out"] != PAD)) for b in batches)
+  runner = Seq2SeqRunner(config)
+  batches = [runner.train_batch(step) for step in range(steps_per_window)]
+  tokens = sum(runner.num_tokens(b) for b in batches)
   tx = train.make_optimizer(config.train)
-  base = train.model_config(config, task)
+  base = runner.model.config
   runs = {}
   for name, cfg in (("flax_mha.MultiHeadAttention", base),
                     ("flax.linen.MultiHeadDotProductAttention",
                      base.replace(attention_cls=LinenAttention))):
-    model = train.Transformer(cfg)
-    state = train.init_state(config, task, model, tx)
-    step_fn = jax.jit(functools.partial(train.train_step, model=model, tx=tx,
-                                        label_smoothing=config.train.label_smoothing))
+    variant = Seq2SeqRunner(config, model=Transformer(cfg))
+    state = train.init_state(variant, tx)
+    step_fn = jax.jit(functools.partial(train.train_step, runner=variant, model=variant.model,
+                                        tx=tx, label_smoothing=config.train.label_smoothing))
     runs[name] = {"step_fn": step_fn, "state": state, "rates": [],
                   "params": sum(x.size for x in jax.tree.leaves(state.params))}
 
