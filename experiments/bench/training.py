@@ -1,19 +1,19 @@
 """Training throughput: the Transformer on flax_mha's attention vs on flax.linen's.
 
-  python -m experiments.benchmark_training --config configs/dates.py
-  python -m experiments.benchmark_training --config configs/dates.py:tiny --windows 3
+  python -m experiments.bench.training --config configs/dates.py
+  python -m experiments.bench.training --config configs/dates.py:tiny --windows 3
 
 Both models are the same `flax_mha.models.transformer.Transformer`, once with the default
 `flax_mha.MultiHeadAttention` and once with `flax.linen.MultiHeadDotProductAttention` swapped in
 (`TransformerConfig.attention_cls`). They train on the same batches with the same jitted step,
 in one process; timed windows alternate between the two so load on the machine hits both alike.
-Prints a markdown table of tokens/s (the runner's count: non-pad source + target tokens): median over the windows.
+Prints a markdown table of tokens/s (the runner's count: non-pad source + target tokens), the
+median over the windows.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any
 
 import flax.linen as nn
@@ -24,6 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import train
+from experiments.bench import timing
 from experiments.seq2seq import Seq2SeqRunner
 from flax_mha.models.transformer import Transformer
 
@@ -65,26 +66,22 @@ def benchmark(config, windows: int, steps_per_window: int) -> list[dict]:
     state = train.init_state(variant, tx)
     step_fn = jax.jit(functools.partial(train.train_step, runner=variant, model=variant.model,
                                         tx=tx, label_smoothing=config.train.label_smoothing))
-    runs[name] = {"step_fn": step_fn, "state": state, "rates": [],
+    runs[name] = {"step_fn": step_fn, "state": state,
                   "params": sum(x.size for x in jax.tree.leaves(state.params))}
 
-  def window(run, timed: bool):
-    start = time.perf_counter()
+  def window(run):
+    """One pass through `batches`, always from the initial state (the step donates nothing)."""
     state = run["state"]
     for batch in batches:
       state, metrics = run["step_fn"](state, batch)
     jax.block_until_ready((state, metrics))
-    if timed:
-      run["rates"].append(tokens / (time.perf_counter() - start))
 
-  for run in runs.values():
-    window(run, timed=False)  # compiles every shape the window's batches have
-  for _ in range(windows):
-    for run in runs.values():
-      window(run, timed=True)
+  passes = {name: functools.partial(window, run) for name, run in runs.items()}
+  seconds = timing.round_robin(passes, windows, warmups=1)  # the warm-up compiles every shape
+  rates = {name: tokens / np.array(seconds[name]) for name in runs}
   return [{"attention": name, "params": run["params"],
-           "tokens_per_second": float(np.median(run["rates"])),
-           "min": float(np.min(run["rates"])), "max": float(np.max(run["rates"]))}
+           "tokens_per_second": float(np.median(rates[name])),
+           "min": float(np.min(rates[name])), "max": float(np.max(rates[name]))}
           for name, run in runs.items()]
 
 
@@ -104,8 +101,9 @@ def markdown(rows: list[dict], config) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  config = flags.FLAGS.config
-  print(markdown(benchmark(config, flags.FLAGS.windows, flags.FLAGS.steps_per_window), config))
+  config, args = flags.FLAGS.config, flags.FLAGS
+  windows, steps = (1, 1) if args.smoke else (args.windows, args.steps_per_window)
+  print(markdown(benchmark(config, windows, steps), config))
 
 
 if __name__ == "__main__":
@@ -114,4 +112,6 @@ if __name__ == "__main__":
       lock_config=True)
   flags.DEFINE_integer("windows", 5, "timed windows per attention")
   flags.DEFINE_integer("steps_per_window", 16, "training steps per window")
+  flags.DEFINE_bool("smoke", False, "1 window of 1 step: that the command runs, no figures "
+                    "(with a config's tiny variant, the least it can compile)")
   app.run(main)
