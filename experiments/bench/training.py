@@ -18,7 +18,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
