@@ -39,7 +39,7 @@ test-min: $(MIN_STAMP)
 	$(MIN_VENV)/bin/python -m pytest -q -n 2
 
 bench: $(STAMP)
-	$(BIN)/python -m experiments.benchmark_attention
+	$(BIN)/python -m experiments.bench.attention
 
 clean:
 	rm -rf $(VENV) runs

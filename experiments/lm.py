@@ -1,8 +1,7 @@
-"""The decoder-only language model's side of the runner: batches, loss, generation, evaluation.
+"""The decoder-only language model's runner: packed batches, loss on the answer, generation.
 
-`experiments.train` trains either model with the same loop, checkpoints and metrics; this module
-holds what differs for `flax_mha.models.lm.DecoderLM` (packed documents with segment ids, an answer
-generated after the prompt `source BOS`).
+Each (source, target) pair is a document `source BOS target EOS`, packed with others into rows
+with segment ids (experiments.lm_data); the answer is generated after the prompt `source BOS`.
 """
 
 from __future__ import annotations
@@ -11,39 +10,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from experiments import lm_data
 from experiments.losses import cross_entropy
-from experiments.tasks import Task
+from experiments.runner import Runner
+from experiments.tasks import PAD, Task
 from flax_mha.checks import check_token_ids
+from flax_mha.models import lm as lm_model
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 
-def model_config(config, task: Task) -> LMConfig:
+def model_config(config: ml_collections.ConfigDict, task: Task) -> LMConfig:
   return LMConfig(vocab_size=task.vocab.size, **config.model)
-
-
-def init_batch(config, task: Task) -> dict[str, np.ndarray]:
-  return lm_data.train_batch(task, config.seed, 0, 2, config.train.length)
-
-
-def train_batch(config, task: Task, step: int) -> dict[str, np.ndarray]:
-  """Training batch `step` (0-based): packed documents, a pure function of (seed, step)."""
-  return lm_data.train_batch(task, config.seed, step, config.train.batch_size,
-                             config.train.length)
-
-
-def apply(model: DecoderLM, params, batch, **kwargs):
-  return model.apply({"params": params}, batch["tokens"], batch["segment_ids"],
-                     batch["positions"], **kwargs)
-
-
-def loss_terms(logits_BLC, batch, label_smoothing: float):
-  """(sum of losses, sum of correct argmaxes, number of answer tokens) over the weighted tokens."""
-  weights_BL = batch["weights"]
-  targets_BL = jnp.where(weights_BL > 0, batch["targets"], 0)  # pad (0) where not scored
-  return cross_entropy(logits_BLC, targets_BL, label_smoothing)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -65,38 +45,60 @@ def generate(model: DecoderLM, params, prompts_BL, prompt_lengths_B, max_new: in
   return jax.lax.fori_loop(0, max_new, step, prompts_BL)
 
 
-class Evaluator:
-  """Held-out metrics: teacher-forced loss / token accuracy on packed held-out documents, and
-  exact match of the greedy answer to each held-out prompt."""
+class LMRunner(Runner):
+  """Batches of packed rows: tokens, targets (the next token), weights (1 on the answer's
+  targets), segment_ids and positions, all [B, L] (experiments.lm_data.pack)."""
+  param_axes = lm_model.PARAM_AXES
+  token_names = ("tokens", "targets")
 
-  def __init__(self, config, task: Task, model: DecoderLM):
-    self.task, self.model = task, model
-    self.pairs = lm_data.eval_pairs(task, config.seed, config.eval.num_examples)
-    docs = [lm_data.document(task, s, t) for s, t in self.pairs]
-    self.packed = lm_data.pack(docs, lm_data.rows_needed(docs, config.train.length),
-                               config.train.length)
-    longest = max(len(t) for _, t in self.pairs) + 1  # the answer and its EOS
-    self.max_new = longest
-    self.length = max(len(task.vocab.encode(s)) for s, _ in self.pairs) + 1 + longest
-    self.batch_size = config.eval.batch_size
-    self._loss = jax.jit(lambda p, b: loss_terms(apply(model, p, b), b, 0.0))
+  def __init__(self, config: ml_collections.ConfigDict):
+    if config.mesh.seq > 1:
+      raise ValueError(
+          f"config.mesh.seq={config.mesh.seq}: the LM's packed documents (segment ids) cannot be "
+          "split over a sequence mesh yet (ring attention takes no segment ids); use mesh.seq=1 "
+          "and mesh.data / mesh.model")
+    super().__init__(config)
+    self.model = DecoderLM(model_config(config, self.task))
+    # Teacher-forced evaluation on the held-out documents packed like training rows; exact
+    # match of the greedy answer to each held-out prompt.
+    self.pairs = lm_data.eval_pairs(self.task, config.seed, config.eval.num_examples)
+    docs = [lm_data.document(self.task, s, t) for s, t in self.pairs]
+    length = config.train.length
+    self.eval_batches = [lm_data.pack(docs, lm_data.rows_needed(docs, length), length)]
+    self.max_new = max(len(t) for _, t in self.pairs) + 1  # the longest answer and its EOS
+    self.prompt_room = max(len(self.task.vocab.encode(s)) for s, _ in self.pairs) + 1
+    self.decode_batch_size = config.eval.batch_size
+
+  def _train_batch(self, step: int) -> dict[str, np.ndarray]:
+    return lm_data.train_batch(self.task, self.config.seed, step, self.config.train.batch_size,
+                               self.config.train.length)
+
+  def init_batch(self) -> dict[str, np.ndarray]:
+    return lm_data.train_batch(self.task, self.config.seed, 0, 2, self.config.train.length)
+
+  @staticmethod
+  def inputs(batch) -> tuple:
+    return batch["tokens"], batch["segment_ids"], batch["positions"]
+
+  @staticmethod
+  def loss_terms(logits_BLC, batch, label_smoothing: float):
+    """cross_entropy over the weighted tokens: the answer's."""
+    weights_BL = batch["weights"]
+    targets_BL = jnp.where(weights_BL > 0, batch["targets"], 0)  # pad (0) where not scored
+    return cross_entropy(logits_BLC, targets_BL, label_smoothing)
+
+  @staticmethod
+  def num_tokens(batch) -> int:
+    """Tokens of the packed documents, pad excluded (targets are the same tokens shifted)."""
+    return int(np.sum(batch["tokens"] != PAD))
 
   def decode(self, params) -> list[str]:
-    """Greedy answers to the held-out prompts, in order."""
-    out = []
-    for i in range(0, len(self.pairs), self.batch_size):
-      chunk = self.pairs[i:i + self.batch_size]
-      chunk = chunk + [chunk[-1]] * (self.batch_size - len(chunk))  # one shape: one compilation
-      prompts, lengths = lm_data.prompts(self.task, chunk, self.length)
+    out, size = [], self.decode_batch_size
+    for i in range(0, len(self.pairs), size):
+      chunk = self.pairs[i:i + size]
+      chunk = chunk + [chunk[-1]] * (size - len(chunk))  # one shape: one compilation
+      prompts, lengths = lm_data.prompts(self.task, chunk, self.prompt_room + self.max_new)
       check_token_ids("prompts", prompts, self.task.vocab.size)
       tokens = np.asarray(generate(self.model, params, prompts, lengths, self.max_new))
       out += [self.task.vocab.decode(row[n:]) for row, n in zip(tokens, lengths)]
     return out[:len(self.pairs)]
-
-  def __call__(self, params) -> dict[str, float]:
-    loss, correct, count = jax.device_get(self._loss(params, self.packed))
-    hyps = self.decode(params)
-    exact = np.mean([h == t for h, (_, t) in zip(hyps, self.pairs)])
-    return {"eval/loss": float(loss / count), "eval/token_accuracy": float(correct / count),
-            "eval/exact_match": float(exact)}
-

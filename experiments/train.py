@@ -1,13 +1,17 @@
-"""Train and evaluate a Transformer on a transduction task (the layout of flax's wmt example).
+"""Train and evaluate a model on a transduction task: the loop (the layout of flax's wmt example).
 
   python -m experiments.train --config configs/dates.py --workdir runs/dates
   python -m experiments.train --config configs/num2words_de.py --workdir runs/x \
       --config.train.steps=2000
 
+This module is the loop, logging, summary and the mesh; what depends on the model kind (batches,
+loss, evaluation, generation, parameter layout, plots) is its runner's: experiments.seq2seq for
+the Transformer, experiments.lm for the decoder-only LM (config.kind="lm"), picked by make_runner.
+
 A killed run restarted with the same workdir resumes from its last checkpoint and ends with the
 metrics an uninterrupted run would have: batches are a pure function of (seed, step) and the
 dropout key of step k is fold_in(state.rng, k). A checkpoint that cannot be read (a save cut short,
-a truncated folder) is skipped for the one before it and moved to <workdir>/checkpoints_unreadable.
+a truncated folder) is skipped for the one before it (experiments.checkpoints).
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -24,26 +27,19 @@ import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
-import orbax.checkpoint as ocp
-import sacrebleu
 import tqdm
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import data, lm, metrics, plots
-from experiments.losses import cross_entropy
-from experiments.tasks import BOS, EOS, PAD, Task, get_task
+from experiments import checkpoints, metrics, plots
+from experiments.lm import LMRunner
+from experiments.runner import Runner
+from experiments.seq2seq import Seq2SeqRunner
 from flax_mha import checks
 from flax_mha import sharding
-from flax_mha.models.decoding import greedy_decode
 # The module's function (flax_mha re-exports the name ring_attention for another function).
 from flax_mha.kernels.ring import attention as ring_implementation
-from flax_mha.models import lm as lm_model
-from flax_mha.models import transformer
-from flax_mha.models.lm import DecoderLM
-from flax_mha.models.transformer import Transformer, TransformerConfig
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -80,7 +76,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
   Catches, before anything is built or written, the values that would otherwise train nothing
   (steps <= 0), divide by zero mid-run (log_every, checkpoint_every, eval.every = 0) or train
-  at a meaningless learning rate. Architecture keys are checked by the model's config.
+  at a meaningless learning rate. Architecture keys are checked by the model's config, keys
+  only one model kind reads by its runner (make_runner).
   """
   for key, lowest in _INT_KEYS.items():
     checks.check_int(f"config.{key}", _get(config, key), lowest)
@@ -90,16 +87,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if not buckets or not all(isinstance(b, int) and b >= 1 for b in buckets):
     raise ValueError(
         f"config.train.length_buckets must be a non-empty sequence of positive ints, got {buckets}")
-  if is_lm(config) and config.mesh.seq > 1:
-    raise ValueError(
-        f"config.mesh.seq={config.mesh.seq}: the LM's packed documents (segment ids) cannot be "
-        "split over a sequence mesh yet (ring attention takes no segment ids); use mesh.seq=1 "
-        "and mesh.data / mesh.model")
-
-
-def model_config(config: ml_collections.ConfigDict, task: Task) -> TransformerConfig:
-  return TransformerConfig(vocab_size=task.vocab.size, pad_id=PAD, bos_id=BOS, eos_id=EOS,
-                           **config.model)
 
 
 def learning_rate_schedule(peak_lr: float, warmup_steps: int):
@@ -127,63 +114,26 @@ def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransforma
                   eps=1e-9, weight_decay=train.weight_decay))
 
 
-def is_lm(config) -> bool:
-  """Whether the config trains the decoder-only LM (configs/lm.py) rather than the Transformer."""
-  return config.get("kind", "seq2seq") == "lm"
+RUNNERS = {"seq2seq": Seq2SeqRunner, "lm": LMRunner}
 
 
-def make_model(config, task: Task):
-  if is_lm(config):
-    return DecoderLM(lm.model_config(config, task))
-  return Transformer(model_config(config, task))
+def make_runner(config: ml_collections.ConfigDict) -> Runner:
+  """The runner of config.kind: "seq2seq" (the default) or "lm" (configs/lm.py). The one place
+  that tells the model kinds apart; a runner checks the config keys only its kind reads."""
+  kind = config.get("kind", "seq2seq")
+  if kind not in RUNNERS:
+    raise ValueError(f"config.kind must be one of {sorted(RUNNERS)}, got {kind!r}")
+  return RUNNERS[kind](config)
 
 
-def model_param_axes(config):
-  """The logical axes the model declares for its parameters (flax_mha.sharding)."""
-  return lm_model.PARAM_AXES if is_lm(config) else transformer.PARAM_AXES
-
-
-def model_inputs(batch) -> tuple:
-  """The model's positional inputs: (src, tgt_in), or the LM's (tokens, segment_ids, positions)."""
-  if "tokens" in batch:
-    return batch["tokens"], batch["segment_ids"], batch["positions"]
-  return batch["src"], batch["tgt_in"]
-
-
-def loss_terms(logits, batch, label_smoothing: float):
-  """cross_entropy over what the batch scores: the target tokens, or the LM's answer tokens."""
-  if "tokens" in batch:
-    return lm.loss_terms(logits, batch, label_smoothing)
-  return cross_entropy(logits, batch["tgt_out"], label_smoothing)
-
-
-def next_batch(config, task: Task, step: int):
-  """Training batch `step` (0-based) of either model: a pure function of (seed, step), its
-  token ids checked against the vocabulary (inside jit a bad id would be a silent NaN)."""
-  if is_lm(config):
-    batch = lm.train_batch(config, task, step)
-  else:
-    batch = data.train_batch(task, config.seed, step, config.train.batch_size,
-                             config.train.bucket_window, config.train.length_buckets)
-  for name in ("src", "tgt_in", "tgt_out", "tokens", "targets"):
-    if name in batch:
-      checks.check_token_ids(f"batch {step} {name}", batch[name], task.vocab.size)
-  return batch
-
-
-def num_tokens(batch) -> int:
-  """Real (non-pad) input tokens of a batch: src + tgt_in, or the LM's tokens."""
-  names = ("tokens",) if "tokens" in batch else ("src", "tgt_in")
-  return int(sum(np.sum(batch[name] != PAD) for name in names))
-
-
-def train_step(state: TrainState, batch, *, model, tx, label_smoothing: float):
+def train_step(state: TrainState, batch, *, runner: Runner, model, tx, label_smoothing: float):
+  """One optimizer step of `model` (the runner's, or its ring-attention twin) on `batch`."""
   dropout_rng = jax.random.fold_in(state.rng, state.step)
 
   def loss_fn(params):
-    logits = model.apply({"params": params}, *model_inputs(batch), train=True,
+    logits = model.apply({"params": params}, *runner.inputs(batch), train=True,
                          rngs={"dropout": dropout_rng})
-    loss, correct, count = loss_terms(logits, batch, label_smoothing)
+    loss, correct, count = runner.loss_terms(logits, batch, label_smoothing)
     return loss / count, (correct, count)
 
   (loss, (correct, count)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -194,144 +144,23 @@ def train_step(state: TrainState, batch, *, model, tx, label_smoothing: float):
                      "grad_norm": optax.global_norm(grads)}
 
 
-def eval_step(params, batch, *, model):
-  logits = model.apply({"params": params}, batch["src"], batch["tgt_in"])
-  return cross_entropy(logits, batch["tgt_out"], 0.0)
-
-
-class Evaluator:
-  """Held-out metrics: teacher-forced loss/token accuracy, greedy exact match, BLEU/chrF."""
-
-  def __init__(self, config, task: Task, model, cfg: TransformerConfig):
-    self.task = task
-    self.pairs, self.batches = data.eval_batches(
-        task, config.seed, config.eval.num_examples, config.eval.batch_size,
-        config.train.length_buckets)
-    self._eval_step = jax.jit(functools.partial(eval_step, model=model))
-    max_len = self.batches[0]["tgt_out"].shape[1]
-    self._decode = jax.jit(lambda params, src: greedy_decode(cfg, params, src, max_len=max_len))
-
-  def decode(self, params) -> list[str]:
-    """Greedy decodings of the held-out sources, in order."""
-    tokens = [np.asarray(self._decode(params, b["src"])) for b in self.batches]
-    return [self.task.vocab.decode(row) for row in np.concatenate(tokens)][:len(self.pairs)]
-
-  def __call__(self, params) -> dict[str, float]:
-    sums = np.sum([jax.device_get(self._eval_step(params, b)) for b in self.batches], axis=0)
-    loss, correct, count = sums
-    hyps = self.decode(params)
-    refs = [t for _, t in self.pairs]
-    out = {"eval/loss": float(loss / count), "eval/token_accuracy": float(correct / count),
-           "eval/exact_match": float(np.mean([h == r for h, r in zip(hyps, refs)]))}
-    if self.task.text_target:
-      out["eval/bleu"] = sacrebleu.corpus_bleu(hyps, [refs]).score
-      out["eval/chrf"] = sacrebleu.corpus_chrf(hyps, [refs]).score
-    return out
-
-
-def _labels(text: str) -> list[str]:
-  return ["␣" if c == " " else c for c in text]
-
-
-def plot_attention(model, params, task: Task, src: str, hyp: str, workdir: str) -> None:
-  """Cross-attention (last decoder layer) and encoder self-attention (last layer) per head."""
-  src_ids = np.array([task.vocab.encode(src)], np.int32)
-  tgt_in = np.array([[BOS, *task.vocab.encode(hyp)]], np.int32)
-  _, state = model.apply({"params": params}, src_ids, tgt_in, sow_weights=True,
-                         mutable=["intermediates"])
-  inter = flax.traverse_util.flatten_dict(state["intermediates"], sep="/")
-
-  def last(kind: str) -> np.ndarray:
-    name = max(k for k in inter if kind in k and "attention_weights" in k)
-    return np.asarray(inter[name][0])[0]  # sown as a 1-tuple; batch element 0 -> [H, T, S]
-
-  plots.attention_maps(last("cross_attention"), _labels(hyp) + ["</s>"], _labels(src),
-                       f"cross-attention: {src!r} -> {hyp!r}",
-                       os.path.join(workdir, "cross_attention.png"))
-  plots.attention_maps(last("encoder"), _labels(src), _labels(src),
-                       f"encoder self-attention: {src!r}",
-                       os.path.join(workdir, "encoder_self_attention.png"))
-
-
-def _checkpoint_args(state, train_seconds=None):
-  if train_seconds is None:  # restore: `state` is the target
-    return ocp.args.Composite(state=ocp.args.StandardRestore(state), meta=ocp.args.JsonRestore())
-  return ocp.args.Composite(state=ocp.args.StandardSave(state),
-                            meta=ocp.args.JsonSave({"train_seconds": train_seconds}))
-
-
-UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir: checkpoints a restart skipped
-
-
-def _first_line(error: Exception, limit: int = 200) -> str:
-  text = str(error).strip().split("\n")[0]
-  text = text if len(text) <= limit else text[:limit] + "..."
-  return f"{type(error).__name__}: {text}"
-
-
-def _set_aside(path: str, aside_dir: str) -> str:
-  """Move `path` into `aside_dir` under a name not yet taken; return the new path."""
-  os.makedirs(aside_dir, exist_ok=True)
-  dest = base = os.path.join(aside_dir, os.path.basename(path))
-  n = 1
-  while os.path.exists(dest):
-    dest, n = f"{base}.{n}", n + 1
-  os.rename(path, dest)
-  return dest
-
-
-def restore_newest_readable(manager, state: TrainState, aside_dir: str):
-  """(state, train_seconds) from the newest checkpoint that restores; (state, 0.0) if none exist.
-
-  A run killed while saving, or a folder emptied or truncated later, leaves a checkpoint that
-  cannot be read. Restarts skip it for the next older one and move it into `aside_dir` (kept
-  for inspection): otherwise orbax, which never saves a step at or below its newest one, would
-  keep the broken folder in place of the new save. Prints one line per skipped checkpoint.
-  Raises RuntimeError naming the checkpoint directory when checkpoints exist but none restores.
-  """
-  skipped = []
-  for step in sorted(manager.all_steps(), reverse=True):
-    path = os.path.join(str(manager.directory), str(step))
-    try:
-      restored = manager.restore(step, args=_checkpoint_args(state))
-    except Exception as e:  # broad: orbax raises a bare Exception for corrupt array data
-      skipped.append((path, _first_line(e)))
-      continue
-    for bad_path, reason in skipped:
-      dest = _set_aside(bad_path, aside_dir)
-      print(f"skipped unreadable checkpoint {bad_path} ({reason}); moved to {dest}",
-            file=sys.stderr, flush=True)
-    if skipped:
-      manager.reload()  # forget the moved steps, so that the run saves them afresh
-    return restored.state, restored.meta["train_seconds"]
-  if skipped:
-    details = "; ".join(f"{path}: {reason}" for path, reason in skipped)
-    raise RuntimeError(
-        f"no readable checkpoint in {manager.directory} (each failed to restore; a changed model "
-        f"config also causes this): {details}. Move that directory away to train from scratch.")
-  return state, 0.0
-
-
-def init_state(config, task: Task, model, tx) -> TrainState:
-  param_rng, dropout_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed), 3)
-  if is_lm(config):
-    example = lm.init_batch(config, task)
-  else:
-    example = data.train_batch(task, config.seed, 0, 2, 1, config.train.length_buckets)
-  params = jax.jit(model.init)({"params": param_rng, "dropout": dropout_rng},
-                               *model_inputs(example))["params"]
+def init_state(runner: Runner, tx) -> TrainState:
+  param_rng, dropout_rng, train_rng = jax.random.split(jax.random.PRNGKey(runner.config.seed), 3)
+  params = jax.jit(runner.model.init)({"params": param_rng, "dropout": dropout_rng},
+                                      *runner.inputs(runner.init_batch()))["params"]
   return TrainState(step=jnp.array(0, jnp.int32), params=params, opt_state=tx.init(params),
                     rng=train_rng)
 
 
-def shard_and_compile(config, state: TrainState, model, tx):
+def shard_and_compile(runner: Runner, state: TrainState, tx):
   """`state` laid out on the config's (data, model, seq) mesh, and the jitted step for it.
 
-  Parameters and Adam moments follow flax_mha.sharding's tables; batches are split over 'data';
-  with seq > 1 the training model's attention is ring attention over 'seq' (evaluation and
-  decoding use the model as configured). A 1 x 1 x 1 mesh is the single-device run; the same
-  seed gives the same losses on any mesh.
+  Parameters and Adam moments follow the model's declared axes (runner.param_axes); batches are
+  split over 'data'; with seq > 1 the training model's attention is ring attention over 'seq'
+  (evaluation and decoding use the model as configured). A 1 x 1 x 1 mesh is the single-device
+  run; the same seed gives the same losses on any mesh.
   """
+  config, model = runner.config, runner.model
   mesh_cfg = config.mesh
   if config.train.batch_size % mesh_cfg.data:
     raise ValueError(f"train.batch_size={config.train.batch_size} must be a multiple of "
@@ -343,10 +172,10 @@ def shard_and_compile(config, state: TrainState, model, tx):
   if mesh_cfg.seq > 1:
     model = type(model)(dataclasses.replace(model.config,
                                             attention_implementation=ring_implementation))
-  param_axes = model_param_axes(config) + ((r"(^|/)rng$", (None,)),)  # the state's raw key
+  param_axes = runner.param_axes + ((r"(^|/)rng$", (None,)),)  # the state's raw key
   state = sharding.shard_params(state, mesh, param_axes)
   state_shardings = sharding.shardings_for(state, mesh, param_axes)
-  jitted = jax.jit(functools.partial(train_step, model=model, tx=tx,
+  jitted = jax.jit(functools.partial(train_step, runner=runner, model=model, tx=tx,
                                      label_smoothing=config.train.label_smoothing),
                    in_shardings=(state_shardings, sharding.batch_sharding(mesh, ndim=2)),
                    out_shardings=(state_shardings, None), donate_argnums=0)
@@ -358,19 +187,20 @@ def shard_and_compile(config, state: TrainState, model, tx):
   return state, step_fn
 
 
-def train_loop(config, task: Task, state: TrainState, train_seconds: float, step_fn,
-               evaluator: Evaluator, manager, writer: metrics.MetricWriter):
+def train_loop(runner: Runner, state: TrainState, train_seconds: float, step_fn, manager,
+               writer: metrics.MetricWriter):
   """Steps state.step + 1 .. config.train.steps with logging, evaluation and checkpoints.
 
   Returns (state, train_seconds, last evaluation metrics or {} when no step was left).
   train_seconds counts training only (compilation included), not evaluation or checkpoints.
   """
+  config = runner.config
   steps = config.train.steps
   eval_metrics, window_tokens, window_start = {}, 0, time.perf_counter()
-  with tqdm.tqdm(total=steps, initial=int(state.step), desc=task.name, unit="step") as bar:
+  with tqdm.tqdm(total=steps, initial=int(state.step), desc=runner.task.name, unit="step") as bar:
     for step in range(int(state.step) + 1, steps + 1):
-      batch = next_batch(config, task, step - 1)
-      window_tokens += num_tokens(batch)
+      batch = runner.train_batch(step - 1)
+      window_tokens += runner.num_tokens(batch)
       state, train_metrics = step_fn(state, batch)
       bar.update()
       log = step % config.train.log_every == 0 or step == steps
@@ -389,11 +219,11 @@ def train_loop(config, task: Task, state: TrainState, train_seconds: float, step
         postfix["tok/s"] = f"{window_tokens / elapsed:.0f}"
         window_tokens = 0
       if evaluate:
-        eval_metrics = evaluator(state.params)
+        eval_metrics = runner.evaluate(state.params)
         writer.write(step, eval_metrics)
         postfix["exact"] = f"{eval_metrics['eval/exact_match']:.3f}"
       if save:
-        manager.save(step, args=_checkpoint_args(state, train_seconds))
+        checkpoints.save(manager, step, state, train_seconds)
       bar.set_postfix(postfix)
       window_start = time.perf_counter()
   return state, train_seconds, eval_metrics
@@ -402,36 +232,27 @@ def train_loop(config, task: Task, state: TrainState, train_seconds: float, step
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Train (resuming from <workdir>'s last checkpoint), evaluate, plot; return the summary."""
   check_config(config)
+  runner = make_runner(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  task = get_task(config.task.name, **config.task.kwargs)
-  model = make_model(config, task)
   tx = make_optimizer(config.train)
-  state = init_state(config, task, model, tx)
-  if is_lm(config):
-    evaluator = lm.Evaluator(config, task, model)
-  else:
-    evaluator = Evaluator(config, task, model, model.config)
-  state, step_fn = shard_and_compile(config, state, model, tx)
-  options = ocp.CheckpointManagerOptions(max_to_keep=2)
-  with ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), options=options) as manager:
-    state, train_seconds = restore_newest_readable(
-        manager, state, os.path.join(workdir, UNREADABLE_DIR))
+  state, step_fn = shard_and_compile(runner, init_state(runner, tx), tx)
+  with checkpoints.open_manager(workdir) as manager:
+    state, train_seconds = checkpoints.restore_newest_readable(
+        manager, state, os.path.join(workdir, checkpoints.UNREADABLE_DIR))
     writer = metrics.MetricWriter(workdir, resume_step=int(state.step))
     try:
       state, train_seconds, eval_metrics = train_loop(
-          config, task, state, train_seconds, step_fn, evaluator, manager, writer)
+          runner, state, train_seconds, step_fn, manager, writer)
     finally:
       writer.close()
   if not eval_metrics:  # restarted after the last step: report the restored state
-    eval_metrics = evaluator(state.params)
+    eval_metrics = runner.evaluate(state.params)
 
   plots.learning_curves(metrics.read_rows(workdir), os.path.join(workdir, "learning_curves.png"))
-  if not is_lm(config):
-    plot_attention(model, state.params, task, evaluator.pairs[0][0],
-                   evaluator.decode(state.params)[0], workdir)
+  runner.finish(state.params, workdir)
   summary = {
-      "task": task.name,
+      "task": runner.task.name,
       "steps": int(state.step),
       "train_seconds": train_seconds,
       "steps_per_second": int(state.step) / train_seconds if train_seconds else None,

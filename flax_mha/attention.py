@@ -39,8 +39,8 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 # Up to this many logits per (batch, head), `implementation=None` runs the plain XLA graph, and
 # beyond, "rows" where it applies (no dropout or mods; at most ROWS_MAX_KEYS keys) or the
 # chunked loops (memory-lean, take everything). Each crossover is where the two are level on a
-# 2-core CPU, float32, forward+backward: `python -m experiments.benchmark_attention` (plain),
-# `python -m experiments.benchmark_blocks --masked` (mask and bias) and `benchmark_blocks` (with
+# 2-core CPU, float32, forward+backward: `python -m experiments.bench.attention` (plain),
+# `python -m experiments.bench.blocks --masked` (mask and bias) and `experiments.bench.blocks` (with
 # dropout: chunked's causal tile skipping moves its crossover down for causal K <= 64).
 SMALL_LOGITS_ROWS = 256 * 256
 SMALL_LOGITS_ROWS_CAUSAL = 128 * 128

@@ -1,4 +1,8 @@
-"""The decoder-only LM: packing, document isolation, position restarts, generation, a tiny run."""
+"""The decoder-only LM: packing, document isolation, position restarts, generation, a tiny run.
+
+The tiny run trains under tests/test_train.py's StepClock (1 s per batch drawn), so its tokens/s
+are exact numbers to check.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,10 @@ import pytest
 
 from configs import lm as lm_config
 from experiments import lm, lm_data, metrics, train
+from experiments.lm import LMRunner
 from experiments.tasks import BOS, EOS, PAD, get_task
 from flax_mha.models.lm import DecoderLM, LMConfig
+from tests.test_train import assert_tokens_per_second, spy_on_evaluate, step_clock
 
 TASK = get_task("reverse", heldout_percent=10, min_len=1, max_len=9)
 
@@ -57,8 +63,8 @@ def test_a_document_sees_only_itself_wherever_it_is_packed(implementation):
   alone = lm_data.pack([doc], 1, 24)
   packed = lm_data.pack([other, doc], 1, 24)
   changed = lm_data.pack([lm_data.document(TASK, "qrs", "srq"), doc], 1, 24)
-  params = model.init(jax.random.key(0), *train.model_inputs(alone))["params"]
-  logits = lambda batch: np.asarray(lm.apply(model, params, batch))[0]
+  params = model.init(jax.random.key(0), *LMRunner.inputs(alone))["params"]
+  logits = lambda batch: np.asarray(model.apply({"params": params}, *LMRunner.inputs(batch)))[0]
   n, start = len(doc[0]), len(other[0])
   np.testing.assert_allclose(logits(packed)[start:start + n], logits(alone)[:n], atol=2e-5)
   np.testing.assert_allclose(logits(changed)[start:start + n], logits(packed)[start:start + n],
@@ -81,13 +87,68 @@ def test_generate_equals_step_by_step_argmax():
     assert got[row, :n + 4].tolist() == tokens
 
 
-def test_tiny_config_trains(tmp_path):
+def tiny_config():
   config = lm_config.get_config("tiny")
-  config.train.steps = 30
-  summary = train.train_and_evaluate(config, str(tmp_path))
-  losses = [r["train/loss"] for r in metrics.read_rows(str(tmp_path)) if "train/loss" in r]
-  assert losses[-1] < 0.9 * losses[0]
-  assert summary["steps"] == 30 and 0.0 <= summary["eval_exact_match"] <= 1.0
+  config.train.steps = 60  # enough to beat a uniform guess on held-out answers
+  config.eval.every = 30
+  return config
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """(workdir, summary, [(params, metrics) of each evaluation]) of the tiny LM's run."""
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    step_clock(monkeypatch, lm_data)
+    evaluations = spy_on_evaluate(monkeypatch, LMRunner)
+    workdir = str(tmp_path_factory.mktemp("lm"))
+    return workdir, train.train_and_evaluate(tiny_config(), workdir), evaluations
+
+
+def test_tiny_config_learns_the_answers_tokens(trained):
+  """Held-out loss on the answers under a uniform guess over the vocabulary (it starts above)."""
+  workdir, summary, _ = trained
+  uniform = np.log(get_task("dates").vocab.size)
+  losses = [r["train/loss"] for r in metrics.read_rows(workdir) if "train/loss" in r]
+  assert summary["steps"] == 60 and len(losses) == 12
+  assert losses[0] > uniform and losses[-1] < uniform and summary["eval_loss"] < uniform
+
+
+def test_tokens_per_second_counts_each_real_token_once(trained):
+  """Real tokens: the packed documents' tokens, counted by their segment ids (0 is padding)."""
+  workdir, _, _ = trained
+  config = tiny_config()
+  task = get_task(config.task.name, **config.task.kwargs)
+
+  def real_tokens(step):
+    batch = lm_data.train_batch(task, config.seed, step, config.train.batch_size,
+                                config.train.length)
+    return int(np.count_nonzero(batch["segment_ids"]))
+
+  assert_tokens_per_second(workdir, real_tokens, config.train.log_every)
+
+
+def test_exact_match_is_that_of_independent_greedy_answers(trained):
+  """The last evaluation's answers, redone by appending one argmax at a time to `source BOS`
+  (no segments: causality alone hides the PAD after the prefix)."""
+  _, summary, evaluations = trained
+  params, reported = evaluations[-1]
+  runner = LMRunner(tiny_config())
+  vocab = runner.task.vocab
+  prompts = [[*vocab.encode(s), BOS] for s, _ in runner.pairs]
+  new = max(len(t) for _, t in runner.pairs) + 1
+  tokens_BL = np.full((len(prompts), max(map(len, prompts)) + new), PAD, np.int32)
+  for row, prompt in zip(tokens_BL, prompts):
+    row[:len(prompt)] = prompt
+  positions_BL = np.broadcast_to(np.arange(tokens_BL.shape[1]), tokens_BL.shape)
+  apply = jax.jit(runner.model.apply)
+  for t in range(new):
+    logits = apply({"params": params}, tokens_BL, np.ones_like(tokens_BL), positions_BL)
+    for row, prompt in enumerate(prompts):
+      tokens_BL[row, len(prompt) + t] = np.argmax(logits[row, len(prompt) + t - 1])
+  answers = [vocab.decode(row[len(p):]) for row, p in zip(tokens_BL, prompts)]
+  assert runner.decode(params) == answers
+  exact = np.mean([a == t for a, (_, t) in zip(answers, runner.pairs)])
+  assert reported["eval/exact_match"] == summary["eval_exact_match"] == exact
 
 
 @pytest.mark.parametrize("kwargs,match", [

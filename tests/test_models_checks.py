@@ -19,7 +19,9 @@ from flax import nnx
 import flax_mha
 from configs import dates as dates_config
 from configs import lm as lm_config
-from experiments import lm_data, train
+from experiments import data, lm_data, train
+from experiments.lm import LMRunner
+from experiments.seq2seq import Seq2SeqRunner
 from experiments.tasks import PAD, get_task
 from flax_mha import sharding
 from flax_mha.models.decoding import beam_search, greedy_decode
@@ -51,20 +53,20 @@ def test_out_of_vocabulary_token_poisons_other_documents_inside_jit():
 @pytest.mark.parametrize("past_end", [True, False])
 def test_runner_refuses_out_of_vocabulary_ids_naming_them(monkeypatch, past_end):
   config = dates_config.get_config("tiny")
-  task = get_task(config.task.name, **config.task.kwargs)
-  bad = task.vocab.size if past_end else -1
-  real = train.data.train_batch
+  runner = train.make_runner(config)
+  bad = runner.task.vocab.size if past_end else -1
+  real = data.train_batch
 
   def poisoned(*args, **kwargs):
     batch = real(*args, **kwargs)
     batch["src"][1, 2] = bad
     return batch
 
-  monkeypatch.setattr(train.data, "train_batch", poisoned)
+  monkeypatch.setattr(data, "train_batch", poisoned)
   with pytest.raises(ValueError, match=re.escape(
       f"batch 3 src holds token id {bad} at position (1, 2), outside the vocabulary "
-      f"[0, {task.vocab.size})")):
-    train.next_batch(config, task, 3)
+      f"[0, {runner.task.vocab.size})")):
+    runner.train_batch(3)
 
 
 def test_generation_refuses_out_of_vocabulary_prompts():
@@ -80,10 +82,10 @@ def test_generation_refuses_out_of_vocabulary_prompts():
 
 def test_lm_tokens_per_second_counts_each_real_token_once():
   batch = _packed()
-  assert train.num_tokens(batch) == int(np.sum(batch["tokens"] != PAD)) == 14
+  assert LMRunner.num_tokens(batch) == int(np.sum(batch["tokens"] != PAD)) == 14
   seq2seq = {"src": np.array([[5, 6, 0]]), "tgt_in": np.array([[1, 7, 0]]),
              "tgt_out": np.array([[7, 2, 0]])}
-  assert train.num_tokens(seq2seq) == 4
+  assert Seq2SeqRunner.num_tokens(seq2seq) == 4
 
 
 def test_lm_mlp_kernels_have_a_sharding_rule():

@@ -1,4 +1,9 @@
-"""End-to-end training of the tiny configs: metrics, plots, checkpoints, exact resume, decoding."""
+"""End-to-end training of the tiny configs: metrics, plots, checkpoints, exact resume, decoding.
+
+train.py's clock is replaced here by one that moves 1 s per training batch drawn and stands still
+otherwise, so timings are exact: tokens/s is a window's real tokens over its steps, and a resumed
+run's rows and summary equal an uninterrupted run's, timings included.
+"""
 
 import json
 import os
@@ -14,13 +19,13 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import algorithmic, dates, dates_long, num2words_de
-from experiments import data, metrics, train
+from experiments import checkpoints, data, metrics, seq2seq, tasks, train
+from experiments.tasks import BOS, PAD
 from tests.multidevice.run import run_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUMMARY_KEYS = {"task", "steps", "train_seconds", "eval_token_accuracy", "eval_exact_match",
-                "params"}
-TIMING_KEYS = {"train_seconds", "steps_per_second", "train/tokens_per_second"}
+SUMMARY_KEYS = {"task", "steps", "train_seconds", "steps_per_second", "eval_loss",
+                "eval_token_accuracy", "eval_exact_match", "params"}
 
 
 def tiny_config(steps=20):
@@ -31,15 +36,51 @@ def tiny_config(steps=20):
   return config
 
 
-def _untimed(row):
-  return {k: v for k, v in row.items() if k not in TIMING_KEYS}
+class StepClock:
+  """Stands in for train.py's `time`: 1 s passes per training batch drawn, none otherwise."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def perf_counter(self):
+    return self.now
 
 
-def _truncate_files(folder):
-  """Cut every file under `folder` to 0 bytes: a checkpoint whose save never completed."""
-  for root, _, files in os.walk(folder):
-    for name in files:
-      os.truncate(os.path.join(root, name), 0)
+def step_clock(monkeypatch, batch_module):
+  """Install a StepClock in train.py that `batch_module.train_batch` advances."""
+  clock, draw = StepClock(), batch_module.train_batch
+
+  def ticking(*args, **kwargs):
+    clock.now += 1.0
+    return draw(*args, **kwargs)
+
+  monkeypatch.setattr(train, "time", clock)
+  monkeypatch.setattr(batch_module, "train_batch", ticking)
+  return clock
+
+
+def spy_on_evaluate(monkeypatch, runner_class) -> list:
+  """A list that receives (params, metrics) of every evaluation of `runner_class`'s runs."""
+  calls, evaluate = [], runner_class.evaluate
+
+  def spied(self, params):
+    metrics_ = evaluate(self, params)
+    calls.append((params, metrics_))
+    return metrics_
+
+  monkeypatch.setattr(runner_class, "evaluate", spied)
+  return calls
+
+
+def assert_tokens_per_second(workdir, real_tokens, log_every):
+  """Each logged tokens/s is the real tokens of the steps since the last row over those steps
+  (the StepClock's seconds). `real_tokens(step)`: a count made independently of the runner."""
+  rows = [r for r in metrics.read_rows(workdir) if "train/tokens_per_second" in r]
+  assert [r["step"] for r in rows] == list(range(log_every, rows[-1]["step"] + 1, log_every))
+  for row in rows:
+    window = range(row["step"] - log_every, row["step"])  # 0-based batch numbers
+    want = sum(real_tokens(step) for step in window) / log_every
+    assert row["train/tokens_per_second"] == pytest.approx(want, rel=1e-12), row["step"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,25 +95,45 @@ def compilation_cache(tmp_path_factory):
     jax.config.update(name, value)
 
 
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+  return step_clock(monkeypatch, data)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp("copy"))
-  return workdir, train.train_and_evaluate(tiny_config(), workdir)
+  """(workdir, summary, [(params, metrics) of each evaluation]) of the tiny copy run."""
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    step_clock(monkeypatch, data)
+    evaluations = spy_on_evaluate(monkeypatch, seq2seq.Seq2SeqRunner)
+    workdir = str(tmp_path_factory.mktemp("copy"))
+    return workdir, train.train_and_evaluate(tiny_config(), workdir), evaluations
+
+
+def _truncate_files(folder):
+  """Cut every file under `folder` to 0 bytes: a checkpoint whose save never completed."""
+  for root, _, files in os.walk(folder):
+    for name in files:
+      os.truncate(os.path.join(root, name), 0)
 
 
 def test_loss_goes_down(trained):
-  workdir, _ = trained
+  workdir, _, _ = trained
   losses = [r["train/loss"] for r in metrics.read_rows(workdir) if "train/loss" in r]
-  uniform = np.log(train.get_task("copy").vocab.size)  # the loss of a uniform guess, roughly
+  uniform = np.log(train.make_runner(tiny_config()).task.vocab.size)  # a uniform guess's loss
   assert len(losses) == 4 and losses[-1] < 0.95 * losses[0] and losses[-1] < 0.8 * uniform
 
 
 def test_summary_metrics_and_plots_written(trained):
-  workdir, summary = trained
+  """The summary holds the last evaluation and the clock's 20 s (1 s a step), nothing else."""
+  workdir, summary, evaluations = trained
   with open(os.path.join(workdir, "summary.json")) as f:
     assert json.load(f) == summary
-  assert SUMMARY_KEYS <= set(summary) and summary["steps"] == 20 and summary["task"] == "copy"
-  assert 0.0 <= summary["eval_exact_match"] <= summary["eval_token_accuracy"] <= 1.0
+  assert set(summary) == SUMMARY_KEYS and summary["steps"] == 20 and summary["task"] == "copy"
+  assert (summary["train_seconds"], summary["steps_per_second"]) == (20.0, 1.0)
+  assert summary["params"] == sum(x.size for x in jax.tree.leaves(evaluations[-1][0]))
+  assert {f"eval_{k[5:]}": v for k, v in evaluations[-1][1].items()} == {
+      k: v for k, v in summary.items() if k.startswith("eval_")}
   rows = metrics.read_rows(workdir)
   assert [r["step"] for r in rows if "eval/exact_match" in r] == [10, 20]
   for name in ("learning_curves.png", "cross_attention.png", "encoder_self_attention.png"):
@@ -83,9 +144,64 @@ def test_summary_metrics_and_plots_written(trained):
 
 def test_checkpoint_round_trip(trained):
   """A finished workdir restores its final state: re-evaluating it reproduces the summary."""
-  workdir, summary = trained
+  workdir, summary, _ = trained
   again = train.train_and_evaluate(tiny_config(), workdir)
-  assert _untimed(again) == _untimed(summary)
+  assert again == summary  # train_seconds too: it is saved with the state
+
+
+def test_tokens_per_second_counts_each_real_token_once(trained):
+  """Real tokens: each source character, BOS and each target character (read back as text)."""
+  workdir, _, _ = trained
+  config = tiny_config()
+  task = tasks.get_task(config.task.name, **config.task.kwargs)
+
+  def real_tokens(step):
+    batch = data.train_batch(task, config.seed, step, config.train.batch_size,
+                             config.train.bucket_window, config.train.length_buckets)
+    return sum(len(task.vocab.decode(src)) + 1 + len(task.vocab.decode(tgt))
+               for src, tgt in zip(batch["src"], batch["tgt_out"]))
+
+  assert_tokens_per_second(workdir, real_tokens, config.train.log_every)
+
+
+def greedy_by_recomputation(model, params, src_BS, length):
+  """Greedy answers computed without the KV cache: the whole target prefix re-read each step
+  (causal, so the PAD after it is never seen). src_BS [B, S] -> tokens [B, length]."""
+  apply = jax.jit(model.apply)
+  tgt_BT = np.full((src_BS.shape[0], length + 1), PAD, np.int32)
+  tgt_BT[:, 0] = BOS
+  for t in range(length):
+    logits = apply({"params": params}, src_BS, tgt_BT[:, :-1])
+    tgt_BT[:, t + 1] = np.argmax(logits[:, t], axis=-1)
+  return tgt_BT[:, 1:]
+
+
+def test_exact_match_is_that_of_independent_greedy_decoding(trained):
+  """The last evaluation's greedy answers and exact match, redone from its parameters."""
+  _, summary, evaluations = trained
+  params, reported = evaluations[-1]
+  runner = train.make_runner(tiny_config())
+  sources = [runner.task.vocab.encode(s) for s, _ in runner.pairs]
+  src_BS = np.full((len(sources), runner.eval_batches[0]["src"].shape[1]), PAD, np.int32)
+  for row, ids in zip(src_BS, sources):
+    row[:len(ids)] = ids
+  length = runner.eval_batches[0]["tgt_out"].shape[1]  # the runner's answer budget
+  tokens = greedy_by_recomputation(runner.model, params, src_BS, length)
+  answers = [runner.task.vocab.decode(row) for row in tokens]  # up to EOS
+  assert runner.decode(params) == answers
+  refs = [t for _, t in runner.pairs]
+  exact = np.mean([a == r for a, r in zip(answers, refs)])
+  assert reported["eval/exact_match"] == summary["eval_exact_match"] == exact
+
+
+def test_exact_match_counts_answers_equal_to_the_target(trained, monkeypatch):
+  """A quarter of the answers right (the model's own answers are wrong): exact match 0.25."""
+  _, _, evaluations = trained
+  runner = train.make_runner(tiny_config())
+  refs = [t for _, t in runner.pairs]
+  answers = [r if i % 4 == 0 else r + "x" for i, r in enumerate(refs)]
+  monkeypatch.setattr(runner, "decode", lambda params: answers)
+  assert runner.evaluate(evaluations[-1][0])["eval/exact_match"] == 0.25
 
 
 class Killed(Exception):
@@ -94,7 +210,7 @@ class Killed(Exception):
 
 def test_killed_and_resumed_run_equals_uninterrupted(trained, tmp_path, monkeypatch):
   """Killed at step 13 (checkpoint at 10), restarted: same metrics as one uninterrupted run."""
-  uninterrupted_dir, uninterrupted = trained
+  uninterrupted_dir, uninterrupted, _ = trained
   batch_fn = data.train_batch
 
   def dies_at_13(task, seed, step, *args):
@@ -108,43 +224,41 @@ def test_killed_and_resumed_run_equals_uninterrupted(trained, tmp_path, monkeypa
   assert max(r["step"] for r in metrics.read_rows(str(tmp_path))) == 10
   monkeypatch.setattr(data, "train_batch", batch_fn)
   resumed = train.train_and_evaluate(tiny_config(), str(tmp_path))
-  assert _untimed(resumed) == _untimed(uninterrupted)
-  assert ([_untimed(r) for r in metrics.read_rows(str(tmp_path))]
-          == [_untimed(r) for r in metrics.read_rows(uninterrupted_dir)])
+  assert resumed == uninterrupted
+  assert metrics.read_rows(str(tmp_path)) == metrics.read_rows(uninterrupted_dir)
 
 
 def test_resume_skips_unreadable_checkpoints(trained, tmp_path, capsys):
   """Newest checkpoint truncated and an empty later one: resume from 10, same final metrics."""
-  uninterrupted_dir, uninterrupted = trained
+  uninterrupted_dir, uninterrupted, _ = trained
   workdir = str(tmp_path / "run")
   shutil.copytree(uninterrupted_dir, workdir)
-  checkpoints = os.path.join(workdir, "checkpoints")
-  _truncate_files(os.path.join(checkpoints, "20"))
-  os.makedirs(os.path.join(checkpoints, "30"))
+  saved = os.path.join(workdir, "checkpoints")
+  _truncate_files(os.path.join(saved, "20"))
+  os.makedirs(os.path.join(saved, "30"))
   capsys.readouterr()
   resumed = train.train_and_evaluate(tiny_config(), workdir)
   skipped = [line for line in capsys.readouterr().err.splitlines()
              if line.startswith("skipped unreadable checkpoint")]
-  assert [line.split()[3] for line in skipped] == [os.path.join(checkpoints, "30"),
-                                                    os.path.join(checkpoints, "20")]
-  assert sorted(os.listdir(os.path.join(workdir, train.UNREADABLE_DIR))) == ["20", "30"]
-  assert _untimed(resumed) == _untimed(uninterrupted)
-  assert ([_untimed(r) for r in metrics.read_rows(workdir)]
-          == [_untimed(r) for r in metrics.read_rows(uninterrupted_dir)])
+  assert [line.split()[3] for line in skipped] == [os.path.join(saved, "30"),
+                                                    os.path.join(saved, "20")]
+  assert sorted(os.listdir(os.path.join(workdir, checkpoints.UNREADABLE_DIR))) == ["20", "30"]
+  assert resumed == uninterrupted
+  assert metrics.read_rows(workdir) == metrics.read_rows(uninterrupted_dir)
   again = train.train_and_evaluate(tiny_config(), workdir)  # step 20 was saved afresh
   assert "skipped unreadable" not in capsys.readouterr().err
-  assert _untimed(again) == _untimed(resumed)
+  assert again == resumed
 
 
 def test_no_readable_checkpoint_raises(trained, tmp_path):
   workdir = str(tmp_path / "run")
   shutil.copytree(trained[0], workdir)
-  checkpoints = os.path.join(workdir, "checkpoints")
+  saved = os.path.join(workdir, "checkpoints")
   for step in ("10", "20"):
-    _truncate_files(os.path.join(checkpoints, step))
-  with pytest.raises(RuntimeError, match=f"no readable checkpoint in {re.escape(checkpoints)}"):
+    _truncate_files(os.path.join(saved, step))
+  with pytest.raises(RuntimeError, match=f"no readable checkpoint in {re.escape(saved)}"):
     train.train_and_evaluate(tiny_config(), workdir)
-  assert sorted(os.listdir(checkpoints)) == ["10", "20"]  # left for the user to inspect
+  assert sorted(os.listdir(saved)) == ["10", "20"]  # left for the user to inspect
 
 
 def test_learning_rate_schedule():
@@ -193,6 +307,15 @@ def test_bad_config_values_raise_before_anything_runs(tmp_path, key, value, mess
   assert not workdir.exists()
 
 
+def test_unknown_model_kind_raises_before_anything_runs(tmp_path):
+  config = tiny_config()
+  config.kind = "gpt"
+  with pytest.raises(ValueError, match=re.escape(
+      "config.kind must be one of ['lm', 'seq2seq'], got 'gpt'")):
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
 def test_bad_config_value_fails_from_the_command_line(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "experiments.train", "--config", "configs/dates.py:tiny",
@@ -212,11 +335,9 @@ def test_attention_dropout_rate_reaches_the_model(monkeypatch):
   config_flags.DEFINE_config_file("config", None, "experiment config", flag_values=flag_values,
                                   lock_config=True)
   flag_values(argv)
-  config = flag_values.config
-  task = train.get_task(config.task.name, **config.task.kwargs)
-  cfg = train.model_config(config, task)
+  cfg = train.make_runner(flag_values.config).model.config
   assert (cfg.attention_dropout_rate, cfg.dropout_rate) == (0.1, 0.1)
-  default = train.model_config(dates.get_config("tiny"), task)
+  default = train.make_runner(dates.get_config("tiny")).model.config
   assert (default.attention_dropout_rate, default.dropout_rate) == (0.0, 0.1)  # as before
 
 
@@ -234,14 +355,11 @@ def test_text_target_reports_bleu_and_chrf(tmp_path):
 def test_greedy_decodings_are_vocabulary_strings(trained):
   del trained  # run after it: the compilation cache then holds the decoder
   config = tiny_config()
-  task = train.get_task(config.task.name, **config.task.kwargs)
-  cfg = train.model_config(config, task)
-  model = train.Transformer(cfg)
-  evaluator = train.Evaluator(config, task, model, cfg)
-  state = train.init_state(config, task, model, train.make_optimizer(config.train))
-  hyps = evaluator.decode(state.params)
-  assert len(hyps) == len(evaluator.pairs) == config.eval.num_examples
-  assert all(task.vocab.decode(task.vocab.encode(h)) == h for h in hyps)
+  runner = train.make_runner(config)
+  state = train.init_state(runner, train.make_optimizer(config.train))
+  hyps = runner.decode(state.params)
+  assert len(hyps) == len(runner.pairs) == config.eval.num_examples
+  assert all(runner.task.vocab.decode(runner.task.vocab.encode(h)) == h for h in hyps)
 
 
 @pytest.mark.parametrize("module,arg", [
@@ -250,8 +368,8 @@ def test_greedy_decodings_are_vocabulary_strings(trained):
     (algorithmic, "addition")])
 def test_configs_build_their_task(module, arg):
   config = module.get_config(arg)
-  task = train.get_task(config.task.name, **config.task.kwargs)
-  assert train.model_config(config, task).vocab_size == task.vocab.size
+  task = tasks.get_task(config.task.name, **config.task.kwargs)
+  assert seq2seq.model_config(config, task).vocab_size == task.vocab.size
   with pytest.raises(ValueError):
     module.get_config("no_such_variant")
 

@@ -375,12 +375,12 @@ _attention.defvjp(_attention_fwd, attention_bwd)
 def default_blocks(t: int, s: int, k: int, is_causal: bool,
                    window: int | None = None) -> tuple[int, int]:
   """(block_q, block_k) for a shape: the fastest of a sweep on a 2-core CPU in float32
-  (`python -m experiments.benchmark_blocks` re-runs it).
+  (`python -m experiments.bench.blocks` re-runs it).
 
   Large tiles mean few loop trips; causal tiles above the diagonal are skipped, so smaller tiles
   skip more of the causal work at short lengths. A local window of `window` keys (left + right
   + 1) skips tiles outside its band, and tiles of at most a quarter of it keep the band's ragged
-  edges a small part of the work (`python -m experiments.benchmark_sparsity`).
+  edges a small part of the work (`python -m experiments.bench.sparsity`).
   """
   if window is not None and window < min(t, s):
     block = 128 if window <= 1024 else 256 if window <= 4096 else 512

@@ -36,7 +36,7 @@ from flax_mha import checks
 from flax_mha.kernels import _shared
 
 # Logits per tile (units · rows · keys), forward and backward: the fastest of a sweep on a 2-core
-# CPU in float32 (`python -m experiments.benchmark_blocks --rows` re-runs the sweep).
+# CPU in float32 (`python -m experiments.bench.blocks --rows` re-runs the sweep).
 TILE_FORWARD = 2**21
 TILE_FORWARD_CAUSAL = 2**19
 TILE_BACKWARD = 2**18

@@ -2,7 +2,7 @@
 
 Same semantics as the oracle (`flax_mha.kernels.reference`), tested against it; the differences are
 layout and fusion choices for XLA:CPU (the oracle-vs-xla speed is a column of
-`python -m experiments.benchmark_attention`):
+`python -m experiments.bench.attention`):
 - the scale multiplies the query [T, K] rather than the logits [T, S] when nothing else touches
   the logits (XLA:CPU fuses a logit scale into a mask or bias pass, not into the product);
 - plain multi-head attention (G == H) uses a 4-d product rather than the grouped 5-d one;

@@ -1,30 +1,31 @@
 """Training throughput: the Transformer on flax_mha's attention vs on flax.linen's.
 
-  python -m experiments.benchmark_training --config configs/dates.py
-  python -m experiments.benchmark_training --config configs/dates.py:tiny --windows 3
+  python -m experiments.bench.training --config configs/dates.py
+  python -m experiments.bench.training --config configs/dates.py:tiny --windows 3
 
 Both models are the same `flax_mha.models.transformer.Transformer`, once with the default
 `flax_mha.MultiHeadAttention` and once with `flax.linen.MultiHeadDotProductAttention` swapped in
 (`TransformerConfig.attention_cls`). They train on the same batches with the same jitted step,
 in one process; timed windows alternate between the two so load on the machine hits both alike.
-Prints a markdown table of tokens/s (non-pad source + target tokens): median over the windows.
+Prints a markdown table of tokens/s (the runner's count: non-pad source + target tokens), the
+median over the windows.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import data, train
-from experiments.tasks import PAD, get_task
+from experiments import train
+from experiments.bench import timing
+from experiments.seq2seq import Seq2SeqRunner
+from flax_mha.models.transformer import Transformer
 
 
 class LinenAttention(nn.Module):
@@ -51,41 +52,35 @@ class LinenAttention(nn.Module):
 
 def benchmark(config, windows: int, steps_per_window: int) -> list[dict]:
   """Median tokens/s of each attention over `windows` timed windows, after a warm-up window."""
-  task = get_task(config.task.name, **config.task.kwargs)
-  batches = [data.train_batch(task, config.seed, step, config.train.batch_size,
-                              config.train.bucket_window, config.train.length_buckets)
-             for step in range(steps_per_window)]
-  tokens = sum(int(np.sum(b["src"] != PAD) + np.sum(b["tgt_out"] != PAD)) for b in batches)
+  runner = Seq2SeqRunner(config)
+  batches = [runner.train_batch(step) for step in range(steps_per_window)]
+  tokens = sum(runner.num_tokens(b) for b in batches)
   tx = train.make_optimizer(config.train)
-  base = train.model_config(config, task)
+  base = runner.model.config
   runs = {}
   for name, cfg in (("flax_mha.MultiHeadAttention", base),
                     ("flax.linen.MultiHeadDotProductAttention",
                      base.replace(attention_cls=LinenAttention))):
-    model = train.Transformer(cfg)
-    state = train.init_state(config, task, model, tx)
-    step_fn = jax.jit(functools.partial(train.train_step, model=model, tx=tx,
-                                        label_smoothing=config.train.label_smoothing))
-    runs[name] = {"step_fn": step_fn, "state": state, "rates": [],
+    variant = Seq2SeqRunner(config, model=Transformer(cfg))
+    state = train.init_state(variant, tx)
+    step_fn = jax.jit(functools.partial(train.train_step, runner=variant, model=variant.model,
+                                        tx=tx, label_smoothing=config.train.label_smoothing))
+    runs[name] = {"step_fn": step_fn, "state": state,
                   "params": sum(x.size for x in jax.tree.leaves(state.params))}
 
-  def window(run, timed: bool):
-    start = time.perf_counter()
+  def window(run):
+    """One pass through `batches`, always from the initial state (the step donates nothing)."""
     state = run["state"]
     for batch in batches:
       state, metrics = run["step_fn"](state, batch)
     jax.block_until_ready((state, metrics))
-    if timed:
-      run["rates"].append(tokens / (time.perf_counter() - start))
 
-  for run in runs.values():
-    window(run, timed=False)  # compiles every shape the window's batches have
-  for _ in range(windows):
-    for run in runs.values():
-      window(run, timed=True)
+  passes = {name: functools.partial(window, run) for name, run in runs.items()}
+  seconds = timing.round_robin(passes, windows, warmups=1)  # the warm-up compiles every shape
+  rates = {name: tokens / np.array(seconds[name]) for name in runs}
   return [{"attention": name, "params": run["params"],
-           "tokens_per_second": float(np.median(run["rates"])),
-           "min": float(np.min(run["rates"])), "max": float(np.max(run["rates"]))}
+           "tokens_per_second": float(np.median(rates[name])),
+           "min": float(np.min(rates[name])), "max": float(np.max(rates[name]))}
           for name, run in runs.items()]
 
 
@@ -105,8 +100,9 @@ def markdown(rows: list[dict], config) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  config = flags.FLAGS.config
-  print(markdown(benchmark(config, flags.FLAGS.windows, flags.FLAGS.steps_per_window), config))
+  config, args = flags.FLAGS.config, flags.FLAGS
+  windows, steps = (1, 1) if args.smoke else (args.windows, args.steps_per_window)
+  print(markdown(benchmark(config, windows, steps), config))
 
 
 if __name__ == "__main__":
@@ -115,4 +111,6 @@ if __name__ == "__main__":
       lock_config=True)
   flags.DEFINE_integer("windows", 5, "timed windows per attention")
   flags.DEFINE_integer("steps_per_window", 16, "training steps per window")
+  flags.DEFINE_bool("smoke", False, "1 window of 1 step: that the command runs, no figures "
+                    "(with a config's tiny variant, the least it can compile)")
   app.run(main)

@@ -2,9 +2,9 @@
 behind `flax_mha.kernels.chunked.default_blocks`, `flax_mha.kernels.rows`' TILE_* budgets and
 `flax_mha.attention.SMALL_LOGITS*`.
 
-  python -m experiments.benchmark_blocks [--quick]          # chunked blocks (dropout, mods)
-  python -m experiments.benchmark_blocks --rows [--quick]   # rows tile budgets (plain calls)
-  python -m experiments.benchmark_blocks --masked [--quick] # rows vs chunked vs xla, masked
+  python -m experiments.bench.blocks [--quick]          # chunked blocks (dropout, mods)
+  python -m experiments.bench.blocks --rows [--quick]   # rows tile budgets (plain calls)
+  python -m experiments.bench.blocks --masked [--quick] # rows vs chunked vs xla, masked
 
 Float32, H=8, B·N = 4096, on this machine's CPU: for each (D, N, causal) the chunked kernel with
 square blocks of 128, 256 and 512 rows (forward+backward), or "rows" with forward tile budgets
@@ -22,7 +22,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from experiments.benchmark_attention import _median_seconds
+from experiments.bench import timing
 from flax_mha import attention as attention_lib
 from flax_mha.kernels import chunked
 from flax_mha.kernels import rows
@@ -35,8 +35,7 @@ def _timed(fn, q, k, v, causal, backward=True, bias=None, mask=None):
   call = lambda q, k, v: fn(q, k, v, bias, mask, is_causal=causal, scale=q.shape[-1]**-0.5,
                             dropout_rate=0.0, dropout_rng=None)
   loss = lambda q, k, v: jnp.sum(call(q, k, v))
-  run = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if backward else call)
-  return lambda: jax.block_until_ready(run(q, k, v))
+  return timing.blocking(timing.qkv_grad(loss) if backward else call, q, k, v)
 
 
 def _chunked_peers(n, causal, d, q, k, v):
@@ -82,7 +81,7 @@ def sweep(grid, peers, runs=5, tokens=4096):
     fns, default = peers(n, causal, d, q, k, v)
     if n <= 2048 and "xla" not in fns:
       fns["xla"] = _timed(xla.attention, q, k, v, causal)
-    ms = {name: 1e3 * t for name, t in _median_seconds(fns, runs).items()}
+    ms = {name: 1e3 * t for name, t in timing.median_seconds(fns, runs).items()}
     cells = ", ".join(f"{name} {t:.1f}" for name, t in ms.items())
     fwd_bwd = {name: t for name, t in ms.items() if "rows fwd " not in name}
     best = min(fwd_bwd, key=fwd_bwd.get)
@@ -92,15 +91,19 @@ def sweep(grid, peers, runs=5, tokens=4096):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="D=64, N in (256, 512, 1024)")
+  size = parser.add_mutually_exclusive_group()
+  size.add_argument("--quick", action="store_true", help="D=64, N in (256, 512, 1024)")
+  size.add_argument("--smoke", action="store_true",
+                    help="D=16, N=128 causal, one round: that the command runs, no figures")
   group = parser.add_mutually_exclusive_group()
   group.add_argument("--rows", action="store_true", help="sweep rows' tiles, not chunked's")
   group.add_argument("--masked", action="store_true", help="rows/chunked/xla with mask and bias")
   args = parser.parse_args()
-  ns = (256, 512, 1024) if args.quick else (256, 512, 1024, 2048, 4096)
-  ds = (64,) if args.quick else (64, 128)
-  sweep([(d, n, c) for d in ds for n in ns for c in (False, True)],
-        _rows_peers if args.rows else _masked_peers if args.masked else _chunked_peers)
+  ds, ns = ((64,), (256, 512, 1024)) if args.quick else ((64, 128), (256, 512, 1024, 2048, 4096))
+  grid = [(d, n, c) for d in ds for n in ns for c in (False, True)]
+  sweep([(16, 128, True)] if args.smoke else grid,
+        _rows_peers if args.rows else _masked_peers if args.masked else _chunked_peers,
+        runs=1 if args.smoke else 5)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Attention speed and memory: flax_mha's implementations against jax.nn, flax.linen and torch.
 
-  python -m experiments.benchmark_attention [--quick]   # CPU, float32 -> docs/benchmark_cpu.*
-  python -m experiments.benchmark_attention --part memory --out docs/benchmark_cpu_memory.md
-  python -m experiments.benchmark_attention --device gpu --dtype bfloat16 --json gpu.json
+  python -m experiments.bench.attention [--quick]   # CPU, float32 -> docs/benchmark_cpu.*
+  python -m experiments.bench.attention --part memory --out docs/benchmark_cpu_memory.md
+  python -m experiments.bench.attention --device gpu --dtype bfloat16 --json gpu.json
 
 Speed: forward and forward+backward, H=8, B·N = 4096 (B >= 1), causal and not; every peer in its
 native layout (transposes outside the timing), 2 warm-ups each, then 5 rounds that time every
@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads its OpenMP runtime
 
@@ -28,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import flax_mha
+from experiments.bench import timing
 from flax_mha import attention as attention_lib
 from flax_mha.kernels import chunked
 from flax_mha.kernels import rows as rows_lib
@@ -59,11 +58,9 @@ def _jax_peers(device):
 
 
 def _jax_callables(fn, q, k, v, causal):
-  fwd = jax.jit(lambda q, k, v: fn(q, k, v, causal))
-  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, causal).astype(jnp.float32)),
-                          argnums=(0, 1, 2)))
-  return (lambda: jax.block_until_ready(fwd(q, k, v)),
-          lambda: jax.block_until_ready(grad(q, k, v)))
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v, causal).astype(jnp.float32))
+  return (timing.blocking(lambda q, k, v: fn(q, k, v, causal), q, k, v),
+          timing.blocking(timing.qkv_grad(loss), q, k, v))
 
 
 def _torch_callables(q, k, v, causal, device):
@@ -97,8 +94,7 @@ def _torch_callables(q, k, v, causal, device):
 def _matmul_callables(device, n=2048):
   """name -> fn() of an n x n float32 product in jnp and torch: the matmul peak's probes."""
   a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-  product = jax.jit(lambda a: a @ a)
-  fns = {"peak jax": lambda: jax.block_until_ready(product(a))}
+  fns = {"peak jax": timing.blocking(lambda a: a @ a, a)}
   try:
     import torch  # pylint: disable=import-outside-toplevel
   except ImportError:
@@ -107,20 +103,6 @@ def _matmul_callables(device, n=2048):
     ta = torch.tensor(a.__array__())
     fns["peak torch"] = lambda: torch.mm(ta, ta)
   return fns
-
-
-def _median_seconds(fns: dict, runs: int) -> dict:
-  """name -> median seconds of fns[name](), timed round-robin after two warm-ups each."""
-  for fn in fns.values():
-    fn()
-    fn()
-  times = {name: [] for name in fns}
-  for _ in range(runs):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
-  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _skip(name, n, device):
@@ -147,7 +129,7 @@ def speed(grid, dtype, device, runs, tokens=4096):
       peers["torch"] = torch_fns
     calls = {(name, i): fn for name, fns in peers.items() for i, fn in enumerate(fns)}
     calls.update({(name, 0): fn for name, fn in _matmul_callables(device).items()})
-    medians = _median_seconds(calls, runs)
+    medians = timing.median_seconds(calls, runs)
     peak = max(2 * 2048**3 / medians[name, 0] / 1e9 for name in ("peak jax", "peak torch")
                if (name, 0) in medians)
     times = {name: (medians[name, 0], medians[name, 1]) for name in peers}
@@ -170,14 +152,13 @@ def temp_bytes(fn, n, h, d=64):
   x = jax.ShapeDtypeStruct((1, n, h, d), jnp.float32)
   loss = lambda q, k, v: jnp.sum(fn(q, k, v, None, None, is_causal=True, scale=d**-0.5,
                                     dropout_rate=0.0, dropout_rng=None))
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  return timing.grad_memory(loss, x, x, x).temp_size_in_bytes
 
 
-def memory(quick):
+def memory(sizes, cap):
+  """Temp bytes at each (N, H) of `sizes`, and the largest N (H=8) within 20 GiB, searched by
+  doubling from the first N up to `cap` (compile time grows with N: the search stops there)."""
   impls = {"chunked": chunked.attention, "rows": rows_lib.attention, "xla": xla.attention}
-  sizes = [(1024, 8), (4096, 8)] if quick else [(1024, 8), (4096, 8), (8192, 8), (32768, 8),
-                                                 (131072, 1)]
   rows = []
   for n, h in sizes:
     for name, fn in impls.items():
@@ -185,11 +166,10 @@ def memory(quick):
         continue
       rows.append(dict(impl=name, N=n, H=h, temp_gib=temp_bytes(fn, n, h) / GIB))
   largest = {}
-  cap = 2**18 if quick else 2**20  # compile time grows with N: stop searching there
   for name, fn in impls.items():  # doubling N at H=8 until the temp bytes pass 20 GiB
     if name == "rows":
       continue  # None runs rows up to attention_lib.ROWS_MAX_KEYS keys: the table shows it
-    n = 1024
+    n = sizes[0][0]
     while n < cap and temp_bytes(fn, n * 2, 8) <= 20 * GIB:
       n *= 2
     largest[name] = f">= {n}" if n == cap else str(n)
@@ -201,7 +181,7 @@ def markdown(speed_rows, mem_rows, largest, device, dtype):
   scale = 1e-3 if device == "gpu" else 1.0
   peers = sorted({r["impl"] for r in speed_rows} - {"default"})
   lines = [f"# Attention benchmark ({device}, {dtype})", "",
-           "Generated by `python -m experiments.benchmark_attention`. H=8, B·N=4096 (B>=1) unless "
+           "Generated by `python -m experiments.bench.attention`. H=8, B·N=4096 (B>=1) unless "
            "--tokens says otherwise. "
            f"Cells: fwd / fwd+bwd {unit}; `default` is `implementation=None` (the name it picks "
            "in brackets); ratios are default's speed-up over each peer (fwd+bwd, same process; "
@@ -267,9 +247,24 @@ def plot(speed_rows, path, device):
   fig.savefig(path, dpi=120)
 
 
+# Run size -> (speed grid of (D, N, causal); memory sizes (N, H); the cap of the largest-N
+# search; timed rounds).
+SIZES = {
+    "full": ([(d, n, c) for d in (64, 128) for n in (128, 512, 1024, 2048, 4096, 8192)
+              for c in (False, True)],
+             [(1024, 8), (4096, 8), (8192, 8), (32768, 8), (131072, 1)], 2**20, 5),
+    "quick": ([(64, n, c) for n in (128, 512) for c in (False, True)],
+              [(1024, 8), (4096, 8)], 2**18, 5),
+    "smoke": ([(16, 64, True)], [(128, 2)], 256, 1),
+}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small grid, < 1 minute")
+  size = parser.add_mutually_exclusive_group()
+  size.add_argument("--quick", action="store_true", help="small grid, < 1 minute")
+  size.add_argument("--smoke", action="store_true",
+                    help="tiny shapes, one round: that the command runs, no figures")
   parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
   parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on GPU by default")
   parser.add_argument("--tokens", type=int, default=4096,
@@ -280,14 +275,10 @@ def main():
   parser.add_argument("--out", default=None, help="markdown path (default docs/benchmark_<dev>.md)")
   args = parser.parse_args()
   dtype = args.dtype or ("bfloat16" if args.device == "gpu" else "float32")
-  if args.quick:
-    grid = [(64, n, c) for n in (128, 512) for c in (False, True)]
-  else:
-    grid = [(d, n, c) for d in (64, 128) for n in (128, 512, 1024, 2048, 4096, 8192)
-            for c in (False, True)]
-  speed_rows = (speed(grid, jnp.dtype(dtype), args.device, runs=5, tokens=args.tokens)
+  grid, mem_sizes, cap, runs = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
+  speed_rows = (speed(grid, jnp.dtype(dtype), args.device, runs=runs, tokens=args.tokens)
                 if args.part != "memory" else [])
-  mem_rows, largest = (memory(args.quick) if args.device == "cpu" and args.part != "speed"
+  mem_rows, largest = (memory(mem_sizes, cap) if args.device == "cpu" and args.part != "speed"
                        else ([], {}))
   out = args.out or f"docs/benchmark_{args.device}.md"
   os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

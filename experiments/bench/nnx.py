@@ -1,7 +1,7 @@
 """Training-step time of a small NNX model on three attention modules, in one process.
 
-  python -m experiments.benchmark_nnx            # 5 timed windows of 20 steps per variant
-  python -m experiments.benchmark_nnx --quick    # seconds: 3 windows of 3 steps
+  python -m experiments.bench.nnx            # 5 timed windows of 20 steps per variant
+  python -m experiments.bench.nnx --quick    # seconds: 3 windows of 3 steps
 
 The model: token embedding -> 2 x (pre-LN causal self-attention + pre-LN MLP, residual) ->
 logits; D=128, H=4 heads, T=64, batch 32, vocabulary 256, adam; one jitted step (split/merge
@@ -10,16 +10,16 @@ around `jax.jit`, state donated). The variants differ in the attention module on
   bridge flax_mha.SelfAttention (linen) through nnx.bridge.ToNNX
   flax   flax.nnx.MultiHeadAttention
 All start from the same parameters (their trees are equal), so their first losses must agree:
-the script checks that. After a compiling window each, timed windows run the variants in turn
-(the order rotating) so load on a shared machine hits all alike, after one untimed round; it
+the script checks that. After a compiling window each and one untimed window more, timed windows
+run the variants in turn (the order rotating) so load on a shared machine hits all alike; it
 prints the median ms/step and the median of each window's ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 
 import flax_mha
+from experiments.bench import timing
 from flax_mha.nn import nnx as flax_mha_nnx
 
 D, H, T, BATCH, VOCAB, LAYERS = 128, 4, 64, 32, 256, 2  # VOCAB: C in the dimension key
@@ -92,14 +93,14 @@ def build(name: str, params=None):
 
 
 def benchmark(windows: int, steps: int) -> dict[str, list[float]]:
-  """ms/step of every variant in each timed window."""
+  """ms/step of every variant in each timed window (a window: one pass through `steps` batches)."""
   batches = [jax.random.randint(jax.random.key(i), (BATCH, T + 1), 0, VOCAB)
              for i in range(steps)]
   runs, params = {}, None
   for name in VARIANTS:
     step, state, model_params = build(name, params)
     params = model_params if params is None else params  # every variant starts from "nnx"'s
-    runs[name] = {"step": step, "state": state, "ms": []}
+    runs[name] = {"step": step, "state": state}
   first = {}
   for name, run in runs.items():  # warm-up: compile, and the first loss of each variant
     for i, batch in enumerate(batches):
@@ -110,31 +111,28 @@ def benchmark(windows: int, steps: int) -> dict[str, list[float]]:
   print("first losses " + ", ".join(f"{n} {v:.6f}" for n, v in first.items()))
   if spread > 1e-4:
     raise RuntimeError(f"variants differ on the same parameters: {first}")
-  names = list(runs)
-  for w in range(-1, windows):  # window -1: one untimed round, so every variant starts warm
-    for name in names[w % len(names):] + names[:w % len(names)]:
-      ms = _window(runs[name], batches)
-      if w >= 0:
-        runs[name]["ms"].append(ms)
-  return {name: run["ms"] for name, run in runs.items()}
 
+  def window(run):
+    """One pass through `batches`, to its last loss."""
+    for batch in batches:
+      run["state"], loss = run["step"](run["state"], batch)
+    jax.block_until_ready(loss)
 
-def _window(run, batches) -> float:
-  """ms/step over one pass through `batches`."""
-  start = time.perf_counter()
-  for batch in batches:
-    run["state"], loss = run["step"](run["state"], batch)
-  jax.block_until_ready(loss)
-  return 1e3 * (time.perf_counter() - start) / len(batches)
+  passes = {name: functools.partial(window, run) for name, run in runs.items()}
+  seconds = timing.round_robin(passes, windows, warmups=1, rotate=True)
+  return {name: [1e3 * t / len(batches) for t in times] for name, times in seconds.items()}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="3 windows of 3 steps")
+  size = parser.add_mutually_exclusive_group()
+  size.add_argument("--quick", action="store_true", help="3 windows of 3 steps")
+  size.add_argument("--smoke", action="store_true",
+                    help="1 window of 1 step: that the command runs, no figures")
   parser.add_argument("--windows", type=int, default=5)
   parser.add_argument("--steps", type=int, default=20, help="training steps per window")
   args = parser.parse_args()
-  windows, steps = (3, 3) if args.quick else (args.windows, args.steps)
+  windows, steps = (1, 1) if args.smoke else (3, 3) if args.quick else (args.windows, args.steps)
   print(f"{jax.devices()[0].device_kind}: D={D} H={H} T={T} batch={BATCH} layers={LAYERS}, "
         f"{windows} windows x {steps} steps")
   ms = benchmark(windows, steps)
@@ -148,6 +146,7 @@ def main():
     print(f"| {name} | {m:.2f} | {cells} | {ratio(name, 'flax'):.3f} | "
           f"{ratio(name, 'nnx'):.3f} |")
   print("ratios: the median over windows of (ms/step) / (the same window's ms/step of flax, nnx)")
+
 
 if __name__ == "__main__":
   main()

@@ -1,6 +1,6 @@
 """Per-device memory of ring attention (forward + backward) vs sequence length, on 8 devices.
 
-    python -m experiments.benchmark_ring [--lengths 4096,8192,...] [--devices 8]
+    python -m experiments.bench.ring [--lengths 4096,8192,...] [--devices 8]
 
 Compiles (never runs) `grad(sum(attention))` for B=1, H=8, K=V=64, float32, causal, and reads
 XLA's `compile().memory_analysis()`: temp + argument bytes of ONE device. Compared with the same
@@ -20,6 +20,7 @@ import jax  # noqa: E402  (after XLA_FLAGS: the device count is read once, at im
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from experiments.bench import timing  # noqa: E402
 from flax_mha import sharding  # noqa: E402
 from flax_mha.kernels import chunked, reference  # noqa: E402
 from flax_mha.kernels.ring import ring_attention  # noqa: E402
@@ -30,8 +31,7 @@ MIB = 2**20
 
 def peak_mib(fn, *args) -> float:
   """temp + argument MiB of one device for the compiled gradient of sum(fn(q, k, v))."""
-  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
-  stats = grad.lower(*args).compile().memory_analysis()
+  stats = timing.grad_memory(lambda q, k, v: jnp.sum(fn(q, k, v)), *args)
   return (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / MIB
 
 
@@ -53,12 +53,15 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--lengths", default="4096,8192,16384,32768,65536")
   parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--smoke", action="store_true",
+                      help="T=256 only: that the command runs, no figures")
   args = parser.parse_args()
+  lengths = "256" if args.smoke else args.lengths
   print(f"B={B}, H={H}, K=V={K}, float32, causal, forward+backward; MiB per device "
         f"(XLA memory_analysis: temp + arguments)\n")
   print(f"| T | ring, {args.devices} devices | chunked, 1 device | plain, 1 device |")
   print("|---:|---:|---:|---:|")
-  for t in map(int, args.lengths.split(",")):
+  for t in map(int, lengths.split(",")):
     mib = measure(t, args.devices)
     print(f"| {t} | {mib['ring']:,.1f} | {mib['chunked']:,.1f} | {mib['plain']:,.1f} |",
           flush=True)

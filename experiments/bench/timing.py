@@ -1,0 +1,57 @@
+"""How the benchmarks measure: peers timed round-robin in one process, and compiled memory.
+
+Timing every peer once per round, in turn, in one process makes load on a shared machine hit
+all alike, so ratios between peers mean something even when absolute times move.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+
+
+def round_robin(fns: dict[Any, Callable[[], Any]], rounds: int, *, warmups: int = 2,
+                rotate: bool = False) -> dict[Any, list[float]]:
+  """name -> the seconds of each timed call of fns[name]().
+
+  Each fn is first called `warmups` times untimed (compilation, caches); then each round calls
+  every fn once, in dict order, or with `rotate` starting one fn later each round (so no fn
+  always runs right after the same other one).
+  """
+  for fn in fns.values():
+    for _ in range(warmups):
+      fn()
+  names = list(fns)
+  times = {name: [] for name in names}
+  for round_index in range(rounds):
+    shift = round_index % len(names) if rotate else 0
+    for name in names[shift:] + names[:shift]:
+      start = time.perf_counter()
+      fns[name]()
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
+def median_seconds(fns: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, float]:
+  """name -> median seconds of fns[name](), timed round-robin after two warm-ups each."""
+  return {name: statistics.median(t) for name, t in round_robin(fns, rounds).items()}
+
+
+def blocking(fn: Callable, *args) -> Callable[[], Any]:
+  """`fn` jitted and applied to `args`, as a call of no arguments that waits for the result."""
+  jitted = jax.jit(fn)
+  return lambda: jax.block_until_ready(jitted(*args))
+
+
+def qkv_grad(loss: Callable) -> Callable:
+  """The gradient of a scalar `loss(q, k, v, ...)` with respect to q, k and v."""
+  return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def grad_memory(loss: Callable, *args):
+  """XLA's memory analysis of jit(qkv_grad(loss)) compiled for `args` (arrays or
+  jax.ShapeDtypeStruct), never run."""
+  return jax.jit(qkv_grad(loss)).lower(*args).compile().memory_analysis()

@@ -1,0 +1,124 @@
+"""Every `python -m experiments.` command that README.md, docs/*.md and flax_mha's comments cite
+runs, so a cited command cannot rot unnoticed.
+
+The commands are read from those files: a newly cited one is covered without touching this file.
+A benchmark runs with --smoke (tiny shapes, one round, no figures) in place of --quick, on a
+config's tiny variant; a training run on the tiny variant for 2 steps. Each runs in a subprocess
+in a scratch directory, so what a command writes (docs/benchmark_cpu.md, runs/...) lands there,
+never in the repository; the runs share a jax compilation cache. A command with a placeholder
+(`configs/<name>.py`) is not one to run; a GPU command is skipped where jax sees no GPU.
+
+Commands of SLOW_MODULES compile whole training steps (15-30 s each on the 2-core machine) and
+are marked slow (`make test-slow`); tests/test_train.py trains the same runner in every run.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import jax
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CITING = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
+          *sorted(str(p.relative_to(REPO)) for p in (REPO / "flax_mha").rglob("*.py"))]
+SLOW_MODULES = ("experiments.train", "experiments.bench.training", "experiments.bench.nnx")
+TRAIN_SMOKE = ["--config.train.steps=2", "--config.train.log_every=1",
+               "--config.train.checkpoint_every=2", "--config.eval.every=2",
+               "--config.eval.num_examples=4", "--config.eval.batch_size=4"]
+
+
+def _code_spans(name: str, text: str) -> list[str]:
+  """Fenced blocks (continued lines joined) and inline `code` spans, whitespace folded; in
+  Python files, spans within one line (a stray backtick then spoils one line, not the file)."""
+  if name.endswith(".py"):
+    spans = [span for line in text.splitlines() for span in re.findall(r"`([^`]+)`", line)]
+  else:
+    spans = []
+    for block in re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S):
+      spans += block.replace("\\\n", " ").splitlines()
+    spans += re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+  return [" ".join(span.split()) for span in spans]
+
+
+def cited_commands() -> list[str]:
+  """Each `python -m experiments.` command cited, from its first word (an environment
+  variable's, if any) to its end; one of those that differ by --quick only."""
+  commands = []
+  for name in CITING:
+    for span in _code_spans(name, (REPO / name).read_text()):
+      words = span.replace(".venv/bin/python", "python").split() + [""]
+      for i in range(len(words) - 2):
+        if words[i:i + 2] == ["python", "-m"] and re.fullmatch(r"experiments(\.\w+)+",
+                                                               words[i + 2]):
+          env = [w for w in words[:i] if re.fullmatch(r"[A-Z_]+=\S+", w)]
+          command = " ".join(env + words[i:-1])
+          if "<" not in command and _smoke_key(command) not in map(_smoke_key, commands):
+            commands.append(command)
+  return commands
+
+
+def _smoke_key(command: str) -> str:
+  """What a command runs as a smoke test: --quick makes no difference there."""
+  return " ".join(w for w in command.split() if w != "--quick")
+
+
+def _tiny(args: list[str], workdir: pathlib.Path) -> list[str]:
+  """`--config configs/x.py[:arg]` -> the config's tiny variant (`:tiny`, `:arg,tiny`);
+  `--workdir` -> `workdir`."""
+  out = list(args)
+  for i, word in enumerate(out[:-1]):
+    if word == "--config":
+      path, _, arg = out[i + 1].partition(":")
+      out[i + 1] = f"{path}:{arg},tiny" if arg else f"{path}:tiny"
+    elif word == "--workdir":
+      out[i + 1] = str(workdir)
+  return out
+
+
+def smoke_argv(command: str, scratch: pathlib.Path) -> tuple[dict, list[str]]:
+  """(environment additions, argv) of the smoke run of `command`."""
+  words = shlex.split(command)
+  env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S+", w))
+  words = words[len(env):]
+  module, args = words[2], _tiny(words[3:], scratch / "run")
+  if module == "experiments.train":
+    args += TRAIN_SMOKE
+  else:
+    args = [a for a in args if a != "--quick"] + ["--smoke"]
+  return env, [sys.executable, "-m", module, *args]
+
+
+COMMANDS = cited_commands()
+MODULES = sorted({c.split("python -m ")[1].split()[0] for c in COMMANDS})
+
+
+def test_every_benchmark_is_cited():
+  """Each module of experiments/bench (but the timing helper) has a cited command."""
+  bench = {f"experiments.bench.{p.stem}" for p in (REPO / "experiments" / "bench").glob("*.py")}
+  missing = bench - {"experiments.bench.__init__", "experiments.bench.timing"} - set(MODULES)
+  assert not missing, f"no command cited in README.md, docs/ or flax_mha/: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("module", [
+    pytest.param(m, marks=[pytest.mark.slow] if m in SLOW_MODULES else [], id=m) for m in MODULES])
+def test_cited_commands_run(module, tmp_path):
+  """The module's cited commands, one after the other: later ones reuse the programs the first
+  compiled (a shared jax compilation cache)."""
+  commands = [c for c in COMMANDS if f"python -m {module} " in f"{c} "]
+  if jax.default_backend() != "gpu":  # GPU commands wait for a machine with one
+    commands = [c for c in commands if "--device gpu" not in c]
+  (tmp_path / "configs").symlink_to(REPO / "configs")  # the cited paths are the repository's
+  for command in commands:
+    extra_env, argv = smoke_argv(command, tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **extra_env)
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"{command}\nran as {shlex.join(argv)}, failed:\n" + (
+        result.stderr[-4000:])
