@@ -16,8 +16,9 @@ import numpy as np
 from experiments import lm_data
 from experiments.losses import cross_entropy
 from experiments.runner import Runner
-from experiments.tasks import PAD, Task
+from experiments.tasks import BOS, EOS, PAD, Task
 from flax_mha.checks import check_token_ids
+from flax_mha.models import decoding
 from flax_mha.models import lm as lm_model
 from flax_mha.models.lm import DecoderLM, LMConfig
 
@@ -27,10 +28,11 @@ def model_config(config: ml_collections.ConfigDict, task: Task) -> LMConfig:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def generate(model: DecoderLM, params, prompts_BL, prompt_lengths_B, max_new: int):
-  """Greedy continuation of each prompt (recomputing the prefix each step): tokens [B, L] with
-  the answer written after the prompt; positions past the prompt plus what was generated are
-  their own padding segment (0), invisible to the rest."""
+def generate_by_recompute(model: DecoderLM, params, prompts_BL, prompt_lengths_B, max_new: int):
+  """Greedy continuation of each prompt recomputing the whole prefix every step (no cache: the
+  baseline of `python -m experiments.bench.generation`): tokens [B, L] with the answer written
+  after the prompt; positions past the prompt plus what was generated are their own padding
+  segment (0), invisible to the rest."""
   length = prompts_BL.shape[1]
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), prompts_BL.shape)
 
@@ -65,7 +67,7 @@ class LMRunner(Runner):
     docs = [lm_data.document(self.task, s, t) for s, t in self.pairs]
     length = config.train.length
     self.eval_batches = [lm_data.pack(docs, lm_data.rows_needed(docs, length), length)]
-    self.max_new = max(len(t) for _, t in self.pairs) + 1  # the longest answer and its EOS
+    self.decode_length = max(len(t) for _, t in self.pairs) + 1  # the longest answer and EOS
     self.prompt_room = max(len(self.task.vocab.encode(s)) for s, _ in self.pairs) + 1
     self.decode_batch_size = config.eval.batch_size
 
@@ -92,13 +94,22 @@ class LMRunner(Runner):
     """Tokens of the packed documents, pad excluded (targets are the same tokens shifted)."""
     return int(np.sum(batch["tokens"] != PAD))
 
+  def generation_inputs(self, text: str):
+    """The document's first half, `source BOS`, as the prompt (and init_cache's context)."""
+    prompt = np.array([[*self.task.vocab.encode(text), BOS]], np.int32)
+    return (prompt,), prompt
+
   def decode(self, params) -> list[str]:
+    """Greedy answers to the held-out prompts, generated with the KV cache (prompts of
+    different lengths in one batch, each row at its own positions), stopping at EOS."""
     out, size = [], self.decode_batch_size
     for i in range(0, len(self.pairs), size):
       chunk = self.pairs[i:i + size]
       chunk = chunk + [chunk[-1]] * (size - len(chunk))  # one shape: one compilation
-      prompts, lengths = lm_data.prompts(self.task, chunk, self.prompt_room + self.max_new)
+      prompts, lengths = lm_data.prompts(self.task, chunk, self.prompt_room)
       check_token_ids("prompts", prompts, self.task.vocab.size)
-      tokens = np.asarray(generate(self.model, params, prompts, lengths, self.max_new))
-      out += [self.task.vocab.decode(row[n:]) for row, n in zip(tokens, lengths)]
+      tokens = np.asarray(decoding.generate(
+          self.model, {"params": params}, (prompts,), prompts, lengths,
+          max_new_tokens=self.decode_length, stop_tokens=(EOS,), pad_id=PAD))
+      out += [self.task.vocab.decode(row) for row in tokens]
     return out[:len(self.pairs)]

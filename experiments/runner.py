@@ -26,6 +26,7 @@ class Runner:
   Attributes:
     param_axes: the model's logical axes per parameter (flax_mha.sharding).
     token_names: the batch entries that hold token ids.
+    decode_length: new tokens the held-out answers are generated with (set by __init__).
   """
   param_axes: tuple
   token_names: tuple[str, ...]
@@ -83,6 +84,10 @@ class Runner:
       out["eval/bleu"] = sacrebleu.corpus_bleu(hyps, [refs]).score
       out["eval/chrf"] = sacrebleu.corpus_chrf(hyps, [refs]).score
     return out
+
+  def generation_inputs(self, text: str):
+    """(init_cache's context, the prompt [1, L] int32) that make the model answer `text`."""
+    raise NotImplementedError
 
   def finish(self, params, workdir: str) -> None:
     """Write what the kind shows after training into `workdir` (nothing by default)."""

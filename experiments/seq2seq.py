@@ -37,7 +37,7 @@ class Seq2SeqRunner(Runner):
     self.pairs, self.eval_batches = data.eval_batches(
         self.task, config.seed, config.eval.num_examples, config.eval.batch_size,
         config.train.length_buckets)
-    max_len = self.eval_batches[0]["tgt_out"].shape[1]
+    self.decode_length = max_len = self.eval_batches[0]["tgt_out"].shape[1]
     cfg = self.model.config
     self._decode = jax.jit(lambda params, src: greedy_decode(cfg, params, src, max_len=max_len))
 
@@ -65,6 +65,11 @@ class Seq2SeqRunner(Runner):
   def decode(self, params) -> list[str]:
     tokens = [np.asarray(self._decode(params, b["src"])) for b in self.eval_batches]
     return [self.task.vocab.decode(row) for row in np.concatenate(tokens)][:len(self.pairs)]
+
+  def generation_inputs(self, text: str):
+    """The source to encode, and the decoder's prompt: BOS."""
+    src = np.array([self.task.vocab.encode(text)], np.int32)
+    return (src,), np.array([[BOS]], np.int32)
 
   def finish(self, params, workdir: str) -> None:
     """Attention maps of the first held-out example and its greedy decoding."""

@@ -229,12 +229,26 @@ def train_loop(runner: Runner, state: TrainState, train_seconds: float, step_fn,
   return state, train_seconds, eval_metrics
 
 
+CONFIG_FILE = "config.json"  # in the workdir: the run's config, as the command line made it
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a run in `workdir` was trained with."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: is {workdir} the workdir of a training run?")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Train (resuming from <workdir>'s last checkpoint), evaluate, plot; return the summary."""
   check_config(config)
   runner = make_runner(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:  # for experiments.generate
+    f.write(config.to_json_best_effort(indent=2))
   tx = make_optimizer(config.train)
   state, step_fn = shard_and_compile(runner, init_state(runner, tx), tx)
   with checkpoints.open_manager(workdir) as manager:

@@ -153,6 +153,30 @@ def _generate(model, params, context, prompts, lengths, rng, max_new_tokens, sam
   return jax.lax.while_loop(cond, body, (0, tokens_BN, done_B, logits, cache))[1]
 
 
+def stream(model, params, context, prompt, *, max_new_tokens: int, sampler=Greedy(),
+           stop_tokens=(), rng=None):
+  """`generate` for one prompt (prompt [1, L]), yielding each new token id as it is produced
+  (a jitted prefill, then one jitted step per token: for a terminal, not for throughput)."""
+  prompt, lengths = _check(prompt, None, max_new_tokens)
+  rng = jax.random.key(0) if rng is None else rng
+  cache, logits = _jitted_prefill(model, params, tuple(context), prompt, lengths, max_new_tokens)
+  for n in range(max_new_tokens):
+    token = int(sampler(logits, jax.random.fold_in(rng, n))[0])
+    yield token
+    if token in stop_tokens or n + 1 == max_new_tokens:
+      return
+    logits, cache = _jitted_step(model, params, jnp.array([token], jnp.int32), cache)
+
+
+_jitted_prefill = jax.jit(_prefill, static_argnums=(0, 5))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _jitted_step(model, params, tokens_B, cache):
+  logits, cache = model.apply(params, tokens_B[:, None], cache, method=type(model).logits)
+  return logits[:, 0], cache
+
+
 def length_penalty(length, alpha: float):
   """GNMT's ((5 + length) / 6)^alpha, by which a sequence's log-prob is divided."""
   return ((5.0 + length) / 6.0) ** alpha

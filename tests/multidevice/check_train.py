@@ -14,8 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 from configs import algorithmic
 from experiments import metrics, train
-from experiments.tasks import get_task
-from flax_mha.models.transformer import Transformer
 
 TIMING_KEYS = ("train_seconds", "steps_per_second", "train/tokens_per_second")
 
@@ -39,10 +37,9 @@ def run(data: int, model: int, seq: int) -> tuple[list[dict], dict]:
 
 def check_layout():
   config = tiny_config(2, 2, 2)
-  task = get_task(config.task.name, **config.task.kwargs)
-  model = Transformer(train.model_config(config, task))
+  runner = train.make_runner(config)
   tx = train.make_optimizer(config.train)
-  state, _ = train.shard_and_compile(config, train.init_state(config, task, model, tx), model, tx)
+  state, _ = train.shard_and_compile(runner, train.init_state(runner, tx), tx)
   kernel = state.params["encoder"]["layer_0"]["self_attention"]["query"]["kernel"]
   assert kernel.sharding.spec == P(None, "model", None), kernel.sharding.spec
   assert kernel.addressable_shards[0].data.shape[1] == kernel.shape[1] // 2

@@ -1,0 +1,93 @@
+"""Generate from a trained run: the newest checkpoint of a workdir answers prompts, printed as
+the tokens come.
+
+  python -m experiments.generate --workdir runs/lm --prompt "3 août 2098"
+  python -m experiments.generate --workdir runs/dates --prompt "AGOSTO 3, 2098" \\
+      --prompt "03.08.98" --temperature 0.8 --top_k 5 --samples 3 --seed 1
+
+The run's own config (<workdir>/config.json, written by experiments.train) rebuilds the model:
+the Transformer answers a source, the LM continues `prompt BOS`. Greedy by default; with
+--temperature, --top_k or --top_p it samples, reproducibly for a --seed. Decoding stops at EOS
+or after --max_new_tokens (default: the length the run's held-out answers were decoded with).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+from absl import app, flags, logging
+
+from experiments import checkpoints, train
+from experiments.tasks import EOS
+from flax_mha.models import decoding
+
+
+def sampler_from(temperature: float, top_k: int | None, top_p: float | None):
+  """Greedy for temperature 0 without top-k / top-p; otherwise sampling."""
+  if temperature == 0.0 and top_k is None and top_p is None:
+    return decoding.Greedy()
+  return decoding.Sampling(temperature=temperature or 1.0, top_k=top_k, top_p=top_p)
+
+
+def restore_params(workdir: str):
+  """(runner, params) of the newest readable checkpoint in `workdir`."""
+  runner = train.make_runner(train.load_config(workdir))
+  state = train.init_state(runner, train.make_optimizer(runner.config.train))
+  with checkpoints.open_manager(workdir) as manager:
+    if not manager.all_steps():
+      raise FileNotFoundError(f"no checkpoint in {workdir}: train first (experiments.train)")
+    state, _ = checkpoints.restore_newest_readable(
+        manager, state, os.path.join(workdir, checkpoints.UNREADABLE_DIR))
+  return runner, state.params
+
+
+def generate(workdir: str, prompts, *, samples: int = 1, max_new_tokens: int | None = None,
+             temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, out=sys.stdout):
+  """Print each prompt's continuation(s) to `out` as produced; return them as strings.
+  max_new_tokens None: as many as the run's held-out answers were generated with."""
+  runner, params = restore_params(workdir)
+  max_new_tokens = runner.decode_length if max_new_tokens is None else max_new_tokens
+  sampler = sampler_from(temperature, top_k, top_p)
+  vocab, texts = runner.task.vocab, []
+  for i, text in enumerate(prompts):
+    context, prompt = runner.generation_inputs(text)
+    for n in range(samples):
+      out.write(f"{text} -> ")
+      tokens = []
+      for token in decoding.stream(runner.model, {"params": params}, context, prompt,
+                                   max_new_tokens=max_new_tokens, sampler=sampler,
+                                   stop_tokens=(EOS,),
+                                   rng=jax.random.fold_in(jax.random.key(seed), i * samples + n)):
+        tokens.append(token)
+        out.write(vocab.decode([token]))
+        out.flush()
+      out.write("\n")
+      texts.append(vocab.decode(tokens))
+  return texts
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  f = flags.FLAGS
+  generate(f.workdir, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens,
+           temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed)
+
+
+if __name__ == "__main__":  # flags only here: importing this module defines none
+  flags.DEFINE_string("workdir", None, "a training run's workdir (experiments.train)")
+  flags.DEFINE_multi_string("prompt", None, "text to answer; repeat for several")
+  flags.DEFINE_integer("samples", 1, "continuations per prompt", lower_bound=1)
+  flags.DEFINE_integer("max_new_tokens", None, "tokens at most per continuation (default: the "
+                       "run's held-out answers' length)", lower_bound=1)
+  flags.DEFINE_float("temperature", 0.0, "0: greedy (unless top_k / top_p); else sampling",
+                     lower_bound=0.0)
+  flags.DEFINE_integer("top_k", None, "sample among the k most likely tokens", lower_bound=1)
+  flags.DEFINE_float("top_p", None, "sample from the nucleus of this probability", lower_bound=0.0,
+                     upper_bound=1.0)
+  flags.DEFINE_integer("seed", 0, "the sampling seed (same seed, same samples)")
+  flags.mark_flags_as_required(["workdir", "prompt"])
+  app.run(main)

@@ -1,0 +1,55 @@
+"""`python -m experiments.generate` on the tiny configs: a trained workdir answers prompts,
+greedily (as the runner's own greedy decoding does) or by sampling (reproducible by seed)."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from configs import dates as dates_config
+from configs import lm as lm_config
+from experiments import generate, train
+from tests.multidevice.run import ROOT
+
+
+@pytest.fixture(scope="module", params=["dates", "lm"])
+def workdir(request, tmp_path_factory):
+  config = (dates_config if request.param == "dates" else lm_config).get_config("tiny")
+  config.train.steps = 10
+  path = tmp_path_factory.mktemp(request.param)
+  train.train_and_evaluate(config, str(path))
+  return path
+
+
+def test_greedy_generation_is_the_runners_greedy_decoding(workdir):
+  runner, params = generate.restore_params(str(workdir))
+  sources = [source for source, _ in runner.pairs[:3]]
+  out = io.StringIO()
+  texts = generate.generate(str(workdir), sources, out=out)
+  assert texts == runner.decode(params)[:3]
+  assert out.getvalue().splitlines() == [f"{s} -> {t}" for s, t in zip(sources, texts)]
+
+
+def test_sampling_is_reproducible_by_seed(workdir):
+  sample = lambda seed: generate.generate(str(workdir), ["3 août 2098"], samples=3,
+                                          temperature=1.5, seed=seed, out=io.StringIO())
+  assert sample(4) == sample(4)
+  assert len(sample(4)) == 3
+
+
+def test_the_command_line_runs(workdir):
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.generate", "--workdir", str(workdir), "--prompt",
+       "3 août 2098", "--top_k", "3", "--samples", "2", "--max_new_tokens", "8"],
+      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.splitlines()
+  assert len(lines) == 2 and all(line.startswith("3 août 2098 -> ") for line in lines)
+
+
+def test_a_directory_without_a_run_is_named(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json not found"):
+    generate.restore_params(str(tmp_path))
