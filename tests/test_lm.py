@@ -7,7 +7,6 @@ are exact numbers to check.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
