@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -267,6 +268,17 @@ def check_implementation(implementation) -> None:
 def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options):
   """Check everything, then flatten the batch dims: ([B,T,H,K], [B,S,G,K], [B,S,G,V], bias,
   mask, scale, mods, is_causal for the implementation)."""
+  batch = query.shape[:-3]
+  flat = lambda x: x.reshape(math.prod(batch), *x.shape[len(batch):])
+  bias4, mask4, scale, mods, is_causal = _checked(
+      query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
+  return flat(query), flat(key), flat(value), bias4, mask4, scale, mods, is_causal
+
+
+def _checked(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options):
+  """The checks of every argument (key and value may be shapes only: jax.ShapeDtypeStruct) and
+  what they make: (bias, mask of rank 4 over the flattened batch, scale, mods, is_causal for
+  the implementation)."""
   checks.check_qkv(query, key, value)
   checks.check_is_causal(is_causal)
   checks.check_scale(scale)
@@ -280,15 +292,29 @@ def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
     checks.check_broadcast("mask", mask, target, boolean=True)
   if scale is None:
     scale = 1.0 / math.sqrt(k) if k else 1.0  # K = 0: every logit is 0 whatever the scale
-  b = math.prod(batch)
-  flat = lambda x: x.reshape(b, *x.shape[len(batch):])
   unknown = set(options) - set(_options.OPTIONS)
   if unknown:
     raise TypeError(
         f"unexpected keyword arguments {sorted(unknown)}; options are {_options.OPTIONS}")
   mods, is_causal = _options.build(tuple(batch), t, s, h, query.dtype, is_causal, **options)
-  return (flat(query), flat(key), flat(value), _flatten_batch(bias, batch),
-          _flatten_batch(mask, batch), float(scale), mods, is_causal)
+  return (_flatten_batch(bias, batch), _flatten_batch(mask, batch), float(scale), mods,
+          is_causal)
+
+
+def attention_head_major(query_BTHK, key_BGSK, value_BGSV, mask=None, *, is_causal: bool = False,
+                         scale: float | None = None, dropout_rate: float = 0.0,
+                         dropout_rng=None, **options):
+  """`dot_product_attention` by the xla kernel over head-major keys and values ([B, G, S, K],
+  [B, G, S, V]: a KV cache's layout, `flax_mha.cache`): a dense product each head reads
+  contiguously, for a few queries over a cache. Same checks and options (no bias)."""
+  api = lambda x: jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype)
+  _, mask4, scale, mods, is_causal = _checked(query_BTHK, api(key_BGSK), api(value_BGSV), None,
+                                              mask, is_causal, scale, dropout_rate, dropout_rng,
+                                              options)
+  extra = dict(mods=mods) if mods.masks or mods.scores or mods.sinks is not None else {}
+  return xla.attention(query_BTHK, key_BGSK, value_BGSV, None, mask4, is_causal=is_causal,
+                       scale=scale, dropout_rate=float(dropout_rate), dropout_rng=dropout_rng,
+                       kv_layout="BGSK", **extra)
 
 
 def _flatten_batch(x, batch):

@@ -3,13 +3,16 @@
   cache = KVCache.create(batch, capacity, num_kv_heads, head_dim)
   out, cache = attend(query, key, value, cache)            # a prompt, a chunk, or one token
 
-The cache holds each row's keys [B, C, G, K] and values [B, C, G, V] (G key/value heads: GQA
+The cache holds each row's keys [B, G, C, K] and values [B, G, C, V], head-major (each head's
+keys contiguous: a decoding step reads them at the memory's speed; G key/value heads: GQA
 caches hold G heads, not H), the absolute position of the token in each slot [B, C] (-1: empty)
 and each row's next position [B]: rows advance independently, so a batch of prompts of
-different lengths needs no left padding. Attention over the cache is `dot_product_attention`
-with `q_positions`/`kv_positions`: causality and windows compare positions, empty slots are
-hidden, and the kernels skip the blocks that hold nothing visible, so a step costs what is
-filled, not the capacity.
+different lengths needs no left padding. Attention over the cache is attention with
+`q_positions`/`kv_positions`: causality and windows compare positions and empty slots are
+hidden. A step of a few tokens over a full cache attends over the smallest power-of-two prefix
+of slots that holds every filled one (a `lax.switch` over static prefixes: no loop, so the
+cache updates in place inside a decoding loop), so it costs what is filled, not the capacity;
+a long prefill goes through `dot_product_attention`'s dispatch (chunked skips empty tiles).
 
 Two layouts, by what a layer attends to:
 - full (window None): slot = position; writing at or past the capacity raises (a ValueError
@@ -33,15 +36,15 @@ import jax.numpy as jnp
 
 from flax_mha import checks
 from flax_mha import paged
-from flax_mha.attention import dot_product_attention
+from flax_mha.attention import attention_head_major, dot_product_attention
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
   """One attention layer's cache (see the module docstring); `window`, `sink_tokens` static."""
-  key: Any  # [B, C, G, K]
-  value: Any  # [B, C, G, V]
+  key: Any  # [B, G, C, K]
+  value: Any  # [B, G, C, V]
   positions: Any  # [B, C] int32: the position held in each slot, -1 when empty
   length: Any  # [B] int32: tokens seen per row, the position of the next one
   window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
@@ -67,14 +70,14 @@ class KVCache:
     elif sink_tokens:
       raise ValueError(f"sink_tokens={sink_tokens} keeps tokens beyond a window: it needs "
                        "window")
-    return cls(jnp.zeros((batch_size, capacity, num_kv_heads, head_dim), dtype),
-               jnp.zeros((batch_size, capacity, num_kv_heads, v_head_dim), dtype),
+    return cls(jnp.zeros((batch_size, num_kv_heads, capacity, head_dim), dtype),
+               jnp.zeros((batch_size, num_kv_heads, capacity, v_head_dim), dtype),
                jnp.full((batch_size, capacity), -1, jnp.int32),
                jnp.zeros((batch_size,), jnp.int32), window, sink_tokens)
 
   @property
   def capacity(self) -> int:
-    return self.key.shape[1]
+    return self.key.shape[2]
 
 
 def next_positions(cache, num_tokens: int):
@@ -122,13 +125,58 @@ def update(cache: KVCache, key_BTGK, value_BTGV, positions_BT) -> KVCache:
   _check_room(cache, positions_BT)
   slots = _slots(cache, positions_BT)
   rows = jnp.arange(slots.shape[0])[:, None]
-  write = lambda buf, new: jnp.asarray(buf).at[rows, slots].set(new.astype(buf.dtype),
-                                                              mode="drop")
+  # [B, G, C, K] indexed [rows, :, slots]: the selection is [B, T, G, K], the new keys' layout.
+  write = lambda buf, new: jnp.asarray(buf).at[rows, :, slots].set(new.astype(buf.dtype),
+                                                                   mode="drop")
+  positions = jnp.asarray(cache.positions).at[rows, slots].set(
+      jnp.where(positions_BT >= 0, positions_BT, -1), mode="drop")
   length = jnp.maximum(cache.length, jnp.max(positions_BT, axis=1) + 1)
-  return dataclasses.replace(
-      cache, key=write(cache.key, key_BTGK), value=write(cache.value, value_BTGV),
-      positions=write(cache.positions, jnp.where(positions_BT >= 0, positions_BT, -1)),
-      length=length)
+  return dataclasses.replace(cache, key=write(cache.key, key_BTGK),
+                             value=write(cache.value, value_BTGV), positions=positions,
+                             length=length)
+
+
+# A step of up to STEP_MAX_TOKENS tokens (with the default implementation) attends over a
+# prefix of the cache: the smallest of MIN_PREFIX·2^i slots holding every filled one.
+STEP_MAX_TOKENS = 32
+MIN_PREFIX = 256
+
+
+def _prefixes(capacity: int) -> list[int]:
+  sizes, size = [], MIN_PREFIX
+  while size < capacity:
+    sizes.append(size)
+    size *= 2
+  return sizes + [capacity]
+
+
+def _attend_step(query_BTHK, cache: KVCache, positions_BT, extra_kv=None, **options):
+  """A few tokens over the cache, head-major and dense over the filled prefix (see above);
+  `extra_kv` = (keys [B, G, T, K], values, positions [B, T]) of a rolling cache's chunk."""
+  def over(size):
+    def attend(q, k, v, kv_pos, mask):
+      k, v, kv_pos = k[:, :, :size], v[:, :, :size], kv_pos[:, :size]
+      if extra_kv is not None:
+        k, v, kv_pos = (jnp.concatenate([a, b], axis=axis)
+                        for a, b, axis in zip((k, v, kv_pos), extra_kv, (2, 2, 1)))
+      mask = None if mask is None else mask[..., :size]
+      return attention_head_major(q, k, v, mask, is_causal=True, q_positions=positions_BT,
+                                  kv_positions=kv_pos, **options)
+    return attend
+
+  mask = options.pop("mask", None)
+  sizes = _prefixes(cache.capacity) if extra_kv is None else [cache.capacity]
+  filled = jnp.max(jnp.where(cache.positions >= 0, jnp.arange(cache.capacity) + 1, 0))
+  index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), filled), len(sizes) - 1)
+  operands = (query_BTHK, cache.key.astype(query_BTHK.dtype),
+              cache.value.astype(query_BTHK.dtype), cache.positions, mask)
+  if len(sizes) == 1:
+    return over(sizes[0])(*operands)
+  return jax.lax.switch(index, [over(size) for size in sizes], *operands)
+
+
+def _api_layout(x_BGCK):
+  return x_BGCK.transpose(0, 2, 1, 3)
 
 
 def attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT=None, **options):
@@ -149,21 +197,34 @@ def attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT=None, **options
                              cache.v_pages.astype(query_BTHK.dtype), cache.page_indices,
                              positions_BT, cache.length, **options)
     return out, cache
+  step = (query_BTHK.shape[1] <= STEP_MAX_TOKENS and options.get("implementation") is None
+          and not options.get("return_residual", False))
+  options.pop("implementation", None) if step else None
+  dtype = query_BTHK.dtype
   if cache.window is None:  # write first: the cache then holds every key the chunk may see
     cache = update(cache, key_BTGK, value_BTGV, positions_BT)
-    keys, values, kv_pos = cache.key, cache.value, cache.positions
-  else:  # see the cache and the chunk, then keep what the window needs
-    keys = jnp.concatenate([cache.key, key_BTGK.astype(cache.key.dtype)], axis=1)
-    values = jnp.concatenate([cache.value, value_BTGV.astype(cache.value.dtype)], axis=1)
-    kv_pos = jnp.concatenate([cache.positions, jnp.where(positions_BT >= 0, positions_BT, -1)],
+    if step:
+      return _attend_step(query_BTHK, cache, positions_BT, **options), cache
+    out = dot_product_attention(
+        query_BTHK, _api_layout(cache.key).astype(dtype), _api_layout(cache.value).astype(dtype),
+        is_causal=True, q_positions=positions_BT, kv_positions=cache.positions, **options)
+    return out, cache
+  # A rolling cache: see the cache and the chunk, then keep what the window needs.
+  options = dict(options, local_window_size=(cache.window, 0), sink_tokens=cache.sink_tokens)
+  chunk_pos = jnp.where(positions_BT >= 0, positions_BT, -1)
+  if step:
+    extra = (_api_layout(key_BTGK).astype(dtype), _api_layout(value_BTGV).astype(dtype),
+             chunk_pos)
+    out = _attend_step(query_BTHK, cache, positions_BT, extra, **options)
+  else:
+    keys = jnp.concatenate([_api_layout(cache.key), key_BTGK.astype(cache.key.dtype)], axis=1)
+    values = jnp.concatenate([_api_layout(cache.value), value_BTGV.astype(cache.value.dtype)],
                              axis=1)
-    options = dict(options, local_window_size=(cache.window, 0),
-                   sink_tokens=cache.sink_tokens)
-    cache = update(cache, key_BTGK, value_BTGV, positions_BT)
-  out = dot_product_attention(query_BTHK, keys.astype(query_BTHK.dtype),
-                              values.astype(query_BTHK.dtype), is_causal=True,
-                              q_positions=positions_BT, kv_positions=kv_pos, **options)
-  return out, cache
+    kv_pos = jnp.concatenate([cache.positions, chunk_pos], axis=1)
+    out = dot_product_attention(query_BTHK, keys.astype(dtype), values.astype(dtype),
+                                is_causal=True, q_positions=positions_BT, kv_positions=kv_pos,
+                                **options)
+  return out, update(cache, key_BTGK, value_BTGV, positions_BT)
 
 
 @jax.tree_util.register_dataclass

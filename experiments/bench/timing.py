@@ -7,6 +7,8 @@ all alike, so ratios between peers mean something even when absolute times move.
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any, Callable
 
@@ -55,3 +57,30 @@ def grad_memory(loss: Callable, *args):
   """XLA's memory analysis of jit(qkv_grad(loss)) compiled for `args` (arrays or
   jax.ShapeDtypeStruct), never run."""
   return jax.jit(qkv_grad(loss)).lower(*args).compile().memory_analysis()
+
+
+def in_subprocess(code: str, timeout: float = 900) -> list[float]:
+  """Seconds printed by `code` (python, one number a line) run in a process of its own: how a
+  system of another framework is timed alone (torch and JAX in one process slow each other)."""
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+  if result.returncode:
+    raise RuntimeError(f"timing subprocess failed:\n{result.stderr[-3000:]}")
+  return [float(line) for line in result.stdout.split() if line.strip()]
+
+
+TORCH_SDPA = """
+import time, torch
+torch.manual_seed(0)
+q = torch.randn({b}, {h}, {t}, {k}); k = torch.randn({b}, {g}, {s}, {k}); v = torch.randn({b}, {g}, {s}, {v})
+f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal={causal}, enable_gqa=True)
+for _ in range(2): f()
+for _ in range({rounds}):
+  start = time.perf_counter(); f(); print(time.perf_counter() - start)
+"""
+
+
+def torch_sdpa_seconds(*, b, t, s, h, g, k, v, causal=False, rounds=5) -> list[float]:
+  """torch SDPA's forward on [B, H, T, K] x [B, G, S, K] (float32, CPU), timed alone."""
+  return in_subprocess(TORCH_SDPA.format(b=b, t=t, s=s, h=h, g=g, k=k, v=v, causal=causal,
+                                         rounds=rounds))

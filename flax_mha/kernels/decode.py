@@ -68,8 +68,10 @@ def forward(q, k, v, bias, mask, rng, mods, cfg: chunked._Config, splits: int,  
   if page_indices is None:
     # Blocks of the cache in its own layout, [B, n_k, P, G, K] (a free reshape): each trip's
     # product transposes only its block, in cache, never the whole cache.
-    blocked = lambda x: jnp.pad(x, ((0, 0), (0, tl.n_k * tl.bk - s), (0, 0), (0, 0))).reshape(
-        b, tl.n_k, tl.bk, g, x.shape[-1])
+    def blocked(x):  # a free reshape, unless S needs padding (a copy: avoided when it divides)
+      if tl.n_k * tl.bk != s:
+        x = jnp.pad(x, ((0, 0), (0, tl.n_k * tl.bk - s), (0, 0), (0, 0)))
+      return x.reshape(b, tl.n_k, tl.bk, g, x.shape[-1])
     k_blocks, v_blocks = blocked(k), blocked(v)
     fetch = lambda j: (k_blocks[:, j], v_blocks[:, j])
   else:  # a block is a page: each row's j-th page, gathered from the pools; values past a

@@ -13,6 +13,8 @@ Good for small problems; memory is quadratic in T·S (`flax_mha.kernels.chunked`
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -22,19 +24,27 @@ from flax_mha.kernels import _dropout
 from flax_mha import mods as mods_lib
 
 
-def attention_logits(query_BTHK, key_BSGK, bias, scale, *, scale_query: bool = False):
+def _kv_dims(x, kv_layout: str):
+  """(S, G) of keys or values laid out as `kv_layout`: "BSGK" (the API's) or "BGSK" (head-major:
+  each head's keys contiguous, how a KV cache stores them; `flax_mha.cache`)."""
+  return (x.shape[1], x.shape[2]) if kv_layout == "BSGK" else (x.shape[2], x.shape[1])
+
+
+def attention_logits(query_BTHK, key, bias, scale, *, scale_query: bool = False,
+                     kv_layout: str = "BSGK"):
   """scale · Q·Kᵀ + bias: [B, H, T, S] in the softmax dtype; GQA without repeating K."""
   b, t, h, k = query_BTHK.shape
-  s, g = key_BSGK.shape[1:3]
+  s, g = _kv_dims(key, kv_layout)
   dtype = _shared.softmax_dtype(query_BTHK.dtype)
   if scale_query:
     query_BTHK = query_BTHK * jnp.asarray(scale, query_BTHK.dtype)
+  keys = kv_layout  # "BSGK" or "BGSK", the einsum letters of the dimension key
   if g == h:
-    logits_BHTS = jnp.einsum("BTHK,BSHK->BHTS", query_BTHK, key_BSGK,
+    logits_BHTS = jnp.einsum(f"BTHK,{keys.replace('G', 'H')}->BHTS", query_BTHK, key,
                              preferred_element_type=dtype)
   else:
     q_BTGRK = query_BTHK.reshape(b, t, g, h // g, k)
-    logits_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, key_BSGK,
+    logits_BGRTS = jnp.einsum(f"BTGRK,{keys}->BGRTS", q_BTGRK, key,
                               preferred_element_type=dtype)
     logits_BHTS = logits_BGRTS.reshape(b, h, t, s)
   if not scale_query:
@@ -78,16 +88,18 @@ def _masked_softmax_jvp(primals, tangents):
 
 
 def _weights_and_lse(query, key, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
-                     mods, return_residual):
+                     mods, return_residual, kv_layout):
   """(weights [B, H, T, S] after dropout, lse [B, H, T] or None) in the softmax dtype."""
   sinks = None if mods is None else mods.sinks
+  logits = functools.partial(attention_logits, query, key, bias, scale, kv_layout=kv_layout)
   if mods is None or not (mods.masks or mods.scores):
-    visible = _shared.visible_mask(mask, is_causal, query.shape[1], key.shape[1])
+    visible = _shared.visible_mask(mask, is_causal, query.shape[1],
+                                   _kv_dims(key, kv_layout)[0])
     plain = visible is None and bias is None and sinks is None  # no -inf: the library softmax
-    logits_BHTS = attention_logits(query, key, bias, scale, scale_query=plain)
+    logits_BHTS = logits(scale_query=plain)
   else:
     mods, plain = mods_lib.with_causal(mods, is_causal), False
-    logits_BHTS, visible = mods_lib.dense(attention_logits(query, key, bias, scale), mask, mods)
+    logits_BHTS, visible = mods_lib.dense(logits(), mask, mods)
   if plain:
     weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
     lse_BHT = jax.nn.logsumexp(logits_BHTS, axis=-1) if return_residual else None
@@ -99,26 +111,28 @@ def _weights_and_lse(query, key, bias, mask, *, is_causal, scale, dropout_rate, 
   return weights_BHTS, lse_BHT
 
 
-def apply_weights(weights_BHTS, value_BSGV):
-  """[B, H, T, S] x [B, S, G, V] -> [B, T, H, V]: the product in the weights' head-major order,
-  then a transpose of the (small) result."""
+def apply_weights(weights_BHTS, value, kv_layout: str = "BSGK"):
+  """[B, H, T, S] x values [B, S, G, V] (or [B, G, S, V]) -> [B, T, H, V]: the product in the
+  weights' head-major order, then a transpose of the (small) result."""
   b, h, t, s = weights_BHTS.shape
-  g, v = value_BSGV.shape[2:]
-  weights_BHTS = weights_BHTS.astype(value_BSGV.dtype)
+  g, v = _kv_dims(value, kv_layout)[1], value.shape[-1]
+  weights_BHTS = weights_BHTS.astype(value.dtype)
+  values = kv_layout.replace("K", "V")
   if g == h:
-    out_BHTV = jnp.einsum("BHTS,BSHV->BHTV", weights_BHTS, value_BSGV)
+    out_BHTV = jnp.einsum(f"BHTS,{values.replace('G', 'H')}->BHTV", weights_BHTS, value)
   else:
     weights_BGRTS = weights_BHTS.reshape(b, g, h // g, t, s)
-    out_BHTV = jnp.einsum("BGRTS,BSGV->BGRTV", weights_BGRTS, value_BSGV).reshape(b, h, t, v)
+    out_BHTV = jnp.einsum(f"BGRTS,{values}->BGRTV", weights_BGRTS, value).reshape(b, h, t, v)
   return out_BHTV.transpose(0, 2, 1, 3)
 
 
 def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
-              mods=None, return_residual=False):
+              mods=None, return_residual=False, kv_layout: str = "BSGK"):
   """[B, T, H, V] in the input dtype (and with `return_residual` the lse [B, T, H]), as
-  `flax_mha.kernels.reference.attention`."""
+  `flax_mha.kernels.reference.attention`; keys and values may be head-major (kv_layout="BGSK",
+  a KV cache's layout)."""
   weights_BHTS, lse_BHT = _weights_and_lse(
       query, key, bias, mask, is_causal=is_causal, scale=scale, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng, mods=mods, return_residual=return_residual)
-  out_BTHV = apply_weights(weights_BHTS, value)
+      dropout_rng=dropout_rng, mods=mods, return_residual=return_residual, kv_layout=kv_layout)
+  out_BTHV = apply_weights(weights_BHTS, value, kv_layout)
   return (out_BTHV, lse_BHT.transpose(0, 2, 1)) if return_residual else out_BTHV

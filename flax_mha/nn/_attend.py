@@ -174,8 +174,8 @@ def flax_cache(cached_key, cached_value, index):
   b = math.prod(batch)
   filled = jnp.arange(capacity, dtype=jnp.int32)
   positions = jnp.broadcast_to(jnp.where(filled < index, filled, -1), (b, capacity))
-  return cache_lib.KVCache(cached_key.reshape(b, capacity, g, k),
-                           cached_value.reshape(b, capacity, g, -1), positions,
+  head_major = lambda x: jnp.asarray(x).reshape(b, capacity, g, -1).transpose(0, 2, 1, 3)
+  return cache_lib.KVCache(head_major(cached_key), head_major(cached_value), positions,
                            jnp.full((b,), index, jnp.int32))
 
 
@@ -194,7 +194,8 @@ def flax_decode_step(query_THK, key_SGK, value_SGV, cached_key, cached_value, in
   out, cache = attend_cached(flat(query_THK), flat(key_SGK), flat(value_SGV), cache, positions,
                              mask, **kwargs)
   unflat = lambda x: x.reshape(*batch, *x.shape[1:])
-  return unflat(out), unflat(cache.key), unflat(cache.value)
+  flax_layout = lambda x: unflat(x.transpose(0, 2, 1, 3))  # back to [..., S_max, G, K]
+  return unflat(out), flax_layout(cache.key), flax_layout(cache.value)
 
 
 def as_bool_mask(mask):
