@@ -34,11 +34,13 @@ from flax_mha.models import decoding
 @dataclasses.dataclass
 class ServeStats:
   """What a serving run did: new tokens, wall seconds (compilation excluded when warmed up),
-  and the most pages in use at once."""
+  the most pages in use at once and the tokens the rows held then."""
   new_tokens: int
   seconds: float
   peak_pages: int
   page_size: int
+  peak_tokens: int = 0
+  peak_tokens_in_pages: int = 0  # the same, each row's rounded up to whole pages
 
   @property
   def tokens_per_second(self) -> float:
@@ -138,7 +140,7 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
   outputs = [[] for _ in prompts]
   tokens, active = np.zeros(batch_size, np.int32), np.zeros(batch_size, bool)
   lengths = np.zeros(batch_size, np.int64)  # tokens each row holds
-  peak, steps, start = 0, 0, time.perf_counter()
+  peak, peak_held, steps, start = 0, (0, 0), 0, time.perf_counter()
 
   def finish(row, token):
     request = rows[row]
@@ -170,7 +172,10 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
     for row in np.flatnonzero(active):  # a row about to start a new page takes one
       if lengths[row] % page_size == 0:
         table[row, lengths[row] // page_size] = free.popleft()
-    peak = max(peak, num_pages - len(free))
+    if num_pages - len(free) > peak:  # the step writes one token per active row
+      held = lengths[active] + 1
+      peak = num_pages - len(free)
+      peak_held = int(held.sum()), int(np.sum(-(-held // page_size) * page_size))
     new, cache = _step(model, params, cache, table, tokens, active, sampler,
                        jax.random.fold_in(rng, 2 * steps + 1))
     new, steps = np.asarray(new), steps + 1
@@ -179,7 +184,7 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
       if not finish(row, new[row]):
         tokens[row] = new[row]
   seconds = time.perf_counter() - start
-  return outputs, ServeStats(sum(map(len, outputs)), seconds, peak, page_size)
+  return outputs, ServeStats(sum(map(len, outputs)), seconds, peak, page_size, *peak_held)
 
 
 def serve_static(model, params, prompts, max_new_tokens, *, batch_size: int, stop_tokens=(),

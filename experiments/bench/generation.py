@@ -1,0 +1,186 @@
+"""Generation with the decoder-only LM (configs/lm.py's architecture), on the CPU, float32.
+
+  python -m experiments.bench.generation                    # -> docs/generation_cpu.md
+  python -m experiments.bench.generation --workdir runs/lm  # + the trained LM's evaluation
+  python -m experiments.bench.generation --smoke            # seconds: tiny sizes, no file
+
+Parts:
+  cached     batch 8, prompt 64 + 448 new tokens, greedy: the KV-cache decoding
+             (flax_mha.models.decoding.generate) against recomputing the whole prefix every
+             step (experiments.lm.generate_by_recompute); tokens/s, and the tokens must agree.
+  eval       with --workdir (a trained `configs/lm.py` run): the held-out evaluation's greedy
+             answers by each path, their exact match and seconds.
+  serving    16 prompts of 16 to 2048 tokens (geometric) asking 16 to 256 new tokens each:
+             continuous batching over a paged cache (flax_mha.models.serving.serve, 4 rows,
+             pages of 16 tokens) against static batching (groups of 4 padded to their
+             longest); tokens/s, and the cache's bytes: the pages in use at the peak against
+             the tokens held then, and against 4 rows x the longest request.
+Each path runs once untimed (compilation), then the timed runs alternate; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import lm as lm_config
+from experiments import lm
+from flax_mha.models import decoding, serving
+from flax_mha.models.lm import DecoderLM, LMConfig
+
+
+def _model(vocab: int, smoke: bool):
+  fields = dict(lm_config.get_config("tiny" if smoke else None).model)
+  model = DecoderLM(LMConfig(vocab_size=vocab, **fields))
+  x = jnp.zeros((1, 8), jnp.int32)
+  return model, model.init(jax.random.key(0), x, x, x)
+
+
+def _timed(fns: dict, runs: int) -> dict:
+  """name -> (median seconds, last result) of fns[name](), once untimed, then in turn."""
+  results = {name: fn() for name, fn in fns.items()}
+  seconds = {name: [] for name in fns}
+  for _ in range(runs):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      results[name] = fn()
+      seconds[name].append(time.perf_counter() - start)
+  return {name: (statistics.median(s), results[name]) for name, s in seconds.items()}
+
+
+def cached(batch: int, prompt: int, new: int, runs: int, smoke: bool) -> list[str]:
+  vocab = 64
+  model, params = _model(vocab, smoke)
+  prompts = np.random.default_rng(0).integers(3, vocab, (batch, prompt)).astype(np.int32)
+  lengths = np.full(batch, prompt, np.int32)
+  room = np.zeros((batch, prompt + new), np.int32)
+  room[:, :prompt] = prompts
+  fns = {"KV cache (decoding.generate)": lambda: np.asarray(decoding.generate(
+             model, params, (prompts,), prompts, lengths, max_new_tokens=new)),
+         "prefix recomputed each step": lambda: np.asarray(lm.generate_by_recompute(
+             model, params["params"], room, lengths, new))[:, prompt:]}
+  out = _timed(fns, runs)
+  (t_cache, tok_cache), (t_full, tok_full) = out.values()
+  assert np.array_equal(tok_cache, tok_full), "cached and recomputed greedy tokens differ"
+  rate = lambda t: batch * new / t
+  return ["| path | seconds (median) | tokens/s | speed-up |", "|---|---|---|---|",
+          f"| KV cache | {t_cache:.2f} | {rate(t_cache):.0f} | {t_full / t_cache:.1f}x |",
+          f"| prefix recomputed | {t_full:.2f} | {rate(t_full):.0f} | 1.0x |",
+          "", f"Greedy tokens identical: {tok_cache.size} of {tok_full.size}."]
+
+
+def evaluation(workdir: str, runs: int) -> list[str]:
+  runner, params = _restore(workdir)
+  by_recompute = _recompute_decoder(runner)
+  fns = {"KV cache": lambda: runner.decode(params), "prefix recomputed": lambda: by_recompute(
+      params)}
+  out = _timed(fns, runs)
+  refs = [t for _, t in runner.pairs]
+  rows = []
+  for name, (seconds, hyps) in out.items():
+    exact = np.mean([h == r for h, r in zip(hyps, refs)])
+    rows.append(f"| {name} | {seconds:.2f} | {100 * exact:.1f}% |")
+  speedup = out["prefix recomputed"][0] / out["KV cache"][0]
+  return [f"The held-out evaluation's greedy answers ({len(refs)} dates), `{workdir}`:", "",
+          "| path | seconds (median) | exact match |", "|---|---|---|", *rows, "",
+          f"Speed-up of the cache: {speedup:.1f}x."]
+
+
+def _restore(workdir: str):
+  from experiments import generate  # pylint: disable=import-outside-toplevel
+  return generate.restore_params(workdir)
+
+
+def _recompute_decoder(runner):
+  """The held-out answers as the LM runner produced them before the cache: the whole prefix
+  recomputed each step (experiments.lm.generate_by_recompute)."""
+  from experiments import lm_data  # pylint: disable=import-outside-toplevel
+
+  def decode(params):
+    out, size = [], runner.decode_batch_size
+    for i in range(0, len(runner.pairs), size):
+      chunk = runner.pairs[i:i + size]
+      chunk = chunk + [chunk[-1]] * (size - len(chunk))
+      prompts, lengths = lm_data.prompts(runner.task, chunk,
+                                         runner.prompt_room + runner.decode_length)
+      tokens = np.asarray(lm.generate_by_recompute(runner.model, params, prompts, lengths,
+                                                   runner.decode_length))
+      out += [runner.task.vocab.decode(row[n:]) for row, n in zip(tokens, lengths)]
+    return out[:len(runner.pairs)]
+
+  return decode
+
+
+def serving_part(smoke: bool, runs: int) -> list[str]:
+  vocab, rows, page = 64, 4, 16
+  model, params = _model(vocab, smoke)
+  rng = np.random.default_rng(0)
+  count, longest = (6, 64) if smoke else (16, 2048)
+  lengths = np.geomspace(16, longest, count).astype(int)
+  limits = np.geomspace(16, 16 if smoke else 256, count).astype(int)[rng.permutation(count)]
+  prompts = [rng.integers(3, vocab, n).astype(np.int32) for n in lengths]
+  per_row = -(-(lengths.max() + limits.max()) // page)
+  num_pages = rows * per_row
+  fns = {"continuous (paged)": lambda: serving.serve(
+             model, params, prompts, list(limits), batch_size=rows, page_size=page,
+             num_pages=num_pages),
+         "static (padded groups)": lambda: serving.serve_static(
+             model, params, prompts, list(limits), batch_size=rows)}
+  out = _timed(fns, runs)
+  (t_cont, (got_cont, stats)), (t_static, (got_static, _)) = out.values()
+  assert got_cont == got_static, "continuous and static batching answered differently"
+  new_tokens = sum(map(len, got_cont))
+  cfg = model.config
+  bytes_per_token = 2 * cfg.num_kv_heads * (cfg.d_model // cfg.num_heads) * 4
+  global_layers = sum(not cfg.is_local(i) for i in range(cfg.num_layers))
+  peak_bytes = stats.peak_pages * page * bytes_per_token * global_layers
+  held = stats.peak_tokens * bytes_per_token * global_layers
+  in_pages = stats.peak_tokens_in_pages * bytes_per_token * global_layers
+  contiguous = rows * (lengths.max() + limits.max()) * bytes_per_token * global_layers
+  return [f"{count} prompts of {lengths.min()} to {lengths.max()} tokens, {limits.min()} to "
+          f"{limits.max()} new tokens each ({new_tokens} in all), {rows} rows:", "",
+          "| batching | seconds (median) | tokens/s |", "|---|---|---|",
+          f"| continuous, paged | {t_cont:.2f} | {new_tokens / t_cont:.1f} |",
+          f"| static | {t_static:.2f} | {new_tokens / t_static:.1f} |", "",
+          f"Continuous / static tokens/s: {t_static / t_cont:.2f}x.", "",
+          "| global layers' cache at the peak | bytes | vs tokens held, rounded up to pages "
+          "| vs tokens held |", "|---|---|---|---|",
+          f"| pages in use ({stats.peak_pages} x {page} tokens) | {peak_bytes:,} | "
+          f"{peak_bytes / in_pages:.3f}x | {peak_bytes / held:.3f}x |",
+          f"| tokens held, in pages ({stats.peak_tokens_in_pages}) | {in_pages:,} | 1.000x | "
+          f"{in_pages / held:.3f}x |",
+          f"| tokens held ({stats.peak_tokens}) | {held:,} | | 1.000x |",
+          f"| contiguous: {rows} rows x longest request | {contiguous:,} | "
+          f"{contiguous / in_pages:.2f}x | {contiguous / held:.2f}x |"]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--part", action="append", choices=("cached", "eval", "serving"))
+  parser.add_argument("--workdir", help="a trained configs/lm.py run, for the eval part")
+  parser.add_argument("--smoke", action="store_true", help="tiny sizes, nothing written")
+  parser.add_argument("--out", default="docs/generation_cpu.md")
+  args = parser.parse_args()
+  parts = args.part or ["cached", "serving"] + (["eval"] if args.workdir else [])
+  runs = 1 if args.smoke else 3
+  sizes = (2, 8, 8) if args.smoke else (8, 64, 448)
+  sections = {"cached": lambda: cached(*sizes, runs, args.smoke),
+              "eval": lambda: evaluation(args.workdir, runs),
+              "serving": lambda: serving_part(args.smoke, runs)}
+  lines = ["# Generation (CPU, float32)", "",
+           "`python -m experiments.bench.generation` (see its docstring).", ""]
+  for part in parts:
+    lines += [f"## {part}", "", *sections[part](), ""]
+  print("\n".join(lines))
+  if not args.smoke:
+    with open(args.out, "w") as f:
+      f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
