@@ -3,7 +3,7 @@
 The suite runs each test against the linen module (`flax_mha.MultiHeadAttention`, behind a small
 adapter) and the NNX module (`flax_mha.nn.nnx.MultiHeadAttention`), given the same random params
 through `linen_params_to_nnx`, and checks both against a float64 NumPy forward pass (the modern
-options: rotary, windows, soft cap, normalize_qk, segment ids: test_modules_modern's reference).
+options: rotary, windows, soft cap, normalize_qk, segment ids: test_linen_options's reference).
 """
 
 import functools
@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import flax_mha
-import test_modules_modern as modern  # its float64 reference of the modern options
+import test_linen_options as modern  # its float64 reference of the modern options
 from conftest import DIMS, np_attention, randn, random_mask
 from flax_mha.nn import nnx as fnnx
 

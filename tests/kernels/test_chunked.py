@@ -1,7 +1,7 @@
 """flax_mha.kernels.chunked against the oracle: gradients, offsets (ring attention) and memory.
 
 Values and gradients on every combination of bias, mask, causality, dropout and head layout are in
-tests/test_implementations.py.
+tests/kernels/test_implementations.py.
 
 Block sizes (3, 4) divide none of the prime lengths, so every test also covers the padding.
 """

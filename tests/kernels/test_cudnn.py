@@ -1,7 +1,7 @@
 """flax_mha.kernels.cudnn: the GPU path equals the float32 reference; off a GPU it says why it can't run.
 
-The GPU tests run where JAX sees a CUDA device (e.g. `python -m pytest tests/test_cudnn.py` on the
-lent H100) and are skipped elsewhere.
+The GPU tests run where JAX sees a CUDA device (e.g. `python -m pytest tests/kernels/test_cudnn.py`
+on the lent H100) and are skipped elsewhere.
 """
 
 import itertools
