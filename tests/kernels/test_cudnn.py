@@ -77,3 +77,9 @@ def test_reasons_name_the_constraint():
   assert reason is not None and ("GPU" in reason or "bfloat16" in reason)
   with pytest.raises(ValueError, match="implementation='cudnn' cannot run"):
     flax_mha.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+def test_refuses_options_by_name():
+  q, k, v, _ = _inputs(jnp.float32)
+  with pytest.raises(ValueError, match="implementation='cudnn' cannot run"):  # T == S: a window
+    flax_mha.dot_product_attention(q[:, :S], k, v, local_window_size=3, implementation="cudnn")

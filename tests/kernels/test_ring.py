@@ -14,7 +14,7 @@ import flax_mha
 from flax_mha import sharding
 from flax_mha import ring_implementation
 from flax_mha.kernels.ring import ring_attention
-from tests.conftest import np_attention
+from conftest import np_attention, qkv
 from tests.multidevice.run import run_check
 
 
@@ -26,12 +26,6 @@ def test_ring_matches_single_device_on_8_devices():
       "mesh_Auto", "abstract_mesh_Auto", "mesh_Explicit", "abstract_mesh_Explicit",
       "mesh_mixed", "abstract_mesh_mixed", "explicit_query_type_kept",
       "key_padding_causal", "full_mask"]
-
-
-def qkv(rng, t=5, s=7, h=6, g=3):
-  """float32 query [2, t, h, 11], key [2, s, g, 11], value [2, s, g, 13]."""
-  return tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32)
-               for shape in ((2, t, h, 11), (2, s, g, 11), (2, s, g, 13)))
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
