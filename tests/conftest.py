@@ -169,6 +169,25 @@ def random_params(model, *args, seed=1, **kwargs):
                                  shapes["params"])}
 
 
+def own_params(models, *args, **kwargs):
+  """{side: random_params(model, *args, **kwargs)} for each side of `models` ({side: module}), a
+  seed per side: each side's own tree (from its own init) with values of its own. A parameter
+  swap loads one side's into the other, so the two directions load different params."""
+  return {side: random_params(model, *args, seed=seed, **kwargs)
+          for seed, (side, model) in enumerate(models.items())}
+
+
+def load_across(direction, own, run, *args):
+  """A parameter swap '<source>_into_<target>' between two sides: `own` holds each side's own
+  params (own_params), `run[side](params, *args)` calls a side. Checks that the source's tree is
+  the target's own, as it must be to load as it is; returns (the source's params, the target's
+  own params, the source's output, the target's output on the source's params)."""
+  source, target = direction.split("_into_")
+  chex.assert_trees_all_equal_shapes_and_dtypes(own[source], own[target])
+  loaded = own[source]
+  return loaded, own[target], run[source](loaded, *args), run[target](loaded, *args)
+
+
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import flax_mha
-from conftest import DIMS, np_mha, random_params, randn, random_mask
+from conftest import (DIMS, load_across, np_mha, own_params, random_params, randn,
+                      random_mask)
 
 B, T, S, H, G, K, V = (DIMS[d] for d in "BTSHGKV")
 DQ, DK, DV, DOUT = 19, 23, 29, 17  # model widths: query, key and value inputs, output
@@ -86,17 +87,22 @@ def test_param_tree_identical_to_flax(rng):
 
 @pytest.mark.parametrize("direction", ["flax_into_ours", "ours_into_flax"])
 def test_checkpoint_round_trip_with_flax(rng, variant, direction):
+  """Each side makes its own params (its own tree, values of its own seed); the source's params,
+  loaded into the target as they are, give the source's output there."""
   xq, xk, xv = _inputs(rng)
   mask = random_mask(rng, B, 1, T, S)
   mask[..., 0] = True  # flax does not zero fully masked rows
   ours, theirs = _flax_pair()
-  source = theirs if direction == "flax_into_ours" else ours
-  params = random_params(source, xq, xk, xv)
-  out_ours = variant(functools.partial(ours.apply, mask=mask))(params, xq, xk, xv)
-  out_theirs = variant(functools.partial(theirs.apply, mask=mask))(params, xq, xk, xv)
-  chex.assert_shape(out_ours, (B, T, DOUT))
-  np.testing.assert_allclose(out_ours, out_theirs, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(out_ours, np_mha(params, xq, xk, xv, mask=mask), **TOL)
+  models = {"ours": ours, "flax": theirs}
+  run = {side: variant(functools.partial(m.apply, mask=mask)) for side, m in models.items()}
+  own = own_params(models, xq, xk, xv)
+  loaded, other, want, got = load_across(direction, own, run, xq, xk, xv)
+  chex.assert_shape(got, (B, T, DOUT))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  for out in (got, want):
+    np.testing.assert_allclose(out, np_mha(loaded, xq, xk, xv, mask=mask), **TOL)
+  # The two directions differ: the target's own params give another output.
+  assert not np.allclose(got, np_mha(other, xq, xk, xv, mask=mask), atol=1e-3)
 
 
 def test_flax_self_attention_and_no_bias(rng):
@@ -187,12 +193,20 @@ def test_kv_cache_decode_with_padding_mask(rng):
 
 
 def test_decode_init_with_cross_attention_lengths(rng):
-  """Regression: the decode init call built a [S, S] causal mask for a [T, S] logit matrix."""
+  """Regression: the decode init call built a [S, S] causal mask for a [T, S] logit matrix. The
+  init call attends as a decoder at position 0 would (causal, top-left, over the S keys it is
+  given) and sizes an empty cache [B, S, G, K]."""
   xq, xk, xv = _inputs(rng)
-  decoder = flax_mha.MultiHeadAttention(num_heads=H, qkv_features=H * K, decode=True)
-  out, variables = jax.eval_shape(decoder.init_with_output, jax.random.key(0), xq, xk, xv)
+  decoder = flax_mha.MultiHeadAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K,
+                                        decode=True)
+  out, variables = jax.jit(decoder.init_with_output)(jax.random.key(0), xq, xk, xv)
   chex.assert_shape(out, (B, T, DQ))
-  chex.assert_shape(variables["cache"]["cached_key"], (B, S, H, K))
+  cache = variables["cache"]
+  chex.assert_shape([cache["cached_key"], cache["cached_value"]], [(B, S, G, K)] * 2)
+  np.testing.assert_allclose(out, np_mha(variables, xq, xk, xv, is_causal=True), **TOL)
+  assert not np.allclose(out, np_mha(variables, xq, xk, xv), atol=1e-3)  # causality shows
+  np.testing.assert_array_equal(cache["cached_key"], 0.0)  # the init call writes nothing
+  assert int(cache["cache_index"]) == 0
 
 
 def test_flax_float_masks_mean_attend(rng):

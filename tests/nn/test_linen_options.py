@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import flax_mha
-from conftest import np_mha, np_window, random_params, randn
+from conftest import load_across, np_mha, np_window, own_params, random_params, randn
 
 B, T, S, L, H, G, K, V = 2, 5, 7, 11, 6, 3, 22, 13  # K even (K/2 = 11 is odd: a real pairing)
 DQ, DK, DV, DOUT = 19, 23, 29, 17  # model widths: query, key and value inputs, output
@@ -36,12 +36,8 @@ def _flax_pair(**kwargs):
   return flax_mha.MultiHeadAttention(**common), nn.MultiHeadDotProductAttention(**common)
 
 
-@pytest.mark.parametrize("qk_scale", [1.0, 1e-3])  # 1e-3: variance ~1e-6, epsilon shows
-@pytest.mark.parametrize("direction", ["flax_into_ours", "ours_into_flax"])
-def test_normalize_qk_matches_flax(rng, variant, direction, qk_scale):
+def test_normalize_qk_param_tree_identical_to_flax(rng):
   xq, xk, xv = _inputs(rng)
-  mask = rng.random((B, 1, T, S)) < 0.7
-  mask[..., 0] = True  # flax does not zero fully masked rows
   ours, theirs = _flax_pair()
   init = lambda m: jax.jit(m.init)(jax.random.key(3), xq, xk, xv)
   p_ours, p_theirs = init(ours), init(theirs)
@@ -49,45 +45,69 @@ def test_normalize_qk_matches_flax(rng, variant, direction, qk_scale):
   chex.assert_trees_all_equal(p_ours, p_theirs)  # same names, initialisers and rng streams
   chex.assert_shape(p_ours["params"]["query_ln"]["scale"], (K,))
   assert set(p_ours["params"]["key_ln"]) == {"scale"}  # no bias
-  params = random_params(theirs if direction == "flax_into_ours" else ours, xq, xk, xv)
-  for name in ("query", "key"):
-    params["params"][name] = jax.tree.map(lambda a: a * qk_scale, params["params"][name])
-  out_ours = variant(functools.partial(ours.apply, mask=mask))(params, xq, xk, xv)
-  out_theirs = variant(functools.partial(theirs.apply, mask=mask))(params, xq, xk, xv)
-  chex.assert_shape(out_ours, (B, T, DOUT))
-  np.testing.assert_allclose(out_ours, out_theirs, **TOL)
-  np.testing.assert_allclose(out_ours, np_mha(params, xq, xk, xv, mask=mask, normalize_qk=True),
-                             **TOL)
+
+
+@pytest.mark.parametrize("qk_scale", [1.0, 1e-3])  # 1e-3: variance ~1e-6, epsilon shows
+@pytest.mark.parametrize("direction", ["flax_into_ours", "ours_into_flax"])
+def test_normalize_qk_matches_flax(rng, variant, direction, qk_scale):
+  """Each side makes its own params (LayerNorm scales too); the source's, loaded into the
+  target as they are, give the source's output there."""
+  xq, xk, xv = _inputs(rng)
+  mask = rng.random((B, 1, T, S)) < 0.7
+  mask[..., 0] = True  # flax does not zero fully masked rows
+  ours, theirs = _flax_pair()
+  models = {"ours": ours, "flax": theirs}
+  own = own_params(models, xq, xk, xv)
+  for params in own.values():
+    for name in ("query", "key"):
+      params["params"][name] = jax.tree.map(lambda a: a * qk_scale, params["params"][name])
+  run = {side: variant(functools.partial(m.apply, mask=mask)) for side, m in models.items()}
+  loaded, other, want, got = load_across(direction, own, run, xq, xk, xv)
+  chex.assert_shape(got, (B, T, DOUT))
+  np.testing.assert_allclose(got, want, **TOL)
+  np_normed = lambda params, **kw: np_mha(params, xq, xk, xv, mask=mask, **kw)
+  for out in (got, want):
+    np.testing.assert_allclose(out, np_normed(loaded, normalize_qk=True), **TOL)
   # The norm matters: without it the same params give another output.
-  assert not np.allclose(out_ours, np_mha(params, xq, xk, xv, mask=mask), atol=1e-2)
+  assert not np.allclose(got, np_normed(loaded), atol=1e-2)
+  # The two directions differ: the target's own params give another output.
+  assert not np.allclose(got, np_normed(other, normalize_qk=True), atol=1e-3)
 
 
 @pytest.mark.parametrize("direction", ["flax_into_ours", "ours_into_flax"])
 def test_normalize_qk_decode_matches_flax(rng, direction):
-  """One token at a time (flax's decode mode), same params, same cache layout and contents."""
+  """One token at a time (flax's decode mode): each side makes its own params; the source's,
+  loaded into the target, give the source's outputs, cache layout and contents."""
   x = randn(rng, B, L, DQ)
   ours, theirs = _flax_pair(decode=True)
+  models = {"ours": ours, "flax": theirs}
   v_ours = jax.eval_shape(ours.init, jax.random.key(0), x)
   v_theirs = jax.eval_shape(theirs.init, jax.random.key(0), x)
   chex.assert_trees_all_equal_shapes_and_dtypes(v_ours, v_theirs)
-  params = random_params(theirs if direction == "flax_into_ours" else ours, x)
   zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), v_ours["cache"])
 
-  def decode(model):
-    step = jax.jit(lambda cache, x_t: model.apply({**params, "cache": cache}, x_t,
-                                                  mutable=["cache"]))
-    cache, outs = zeros, []
-    for t in range(L):
-      out, state = step(cache, x[:, t:t + 1])
-      cache = state["cache"]
-      outs.append(out)
-    return jnp.concatenate(outs, axis=1), cache
+  def decoder(model):
+    def decode(params):
+      step = jax.jit(lambda cache, x_t: model.apply({**params, "cache": cache}, x_t,
+                                                    mutable=["cache"]))
+      cache, outs = zeros, []
+      for t in range(L):
+        out, state = step(cache, x[:, t:t + 1])
+        cache = state["cache"]
+        outs.append(out)
+      return jnp.concatenate(outs, axis=1), cache
+    return decode
 
-  (out_ours, cache_ours), (out_theirs, cache_theirs) = decode(ours), decode(theirs)
-  np.testing.assert_allclose(out_ours, out_theirs, **TOL)
-  chex.assert_trees_all_close(cache_ours, cache_theirs, atol=1e-5, rtol=1e-5)
-  want = np_mha(params, x, x, x, mask=np.tril(np.ones((L, L), bool)), normalize_qk=True)
-  np.testing.assert_allclose(out_ours, want, **TOL)
+  run = {side: decoder(m) for side, m in models.items()}
+  loaded, other, (want, want_cache), (got, got_cache) = load_across(
+      direction, own_params(models, x), run)
+  np.testing.assert_allclose(got, want, **TOL)
+  chex.assert_trees_all_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)
+  causal = np.tril(np.ones((L, L), bool))
+  for out in (got, want):
+    np.testing.assert_allclose(out, np_mha(loaded, x, mask=causal, normalize_qk=True), **TOL)
+  # The two directions differ: the target's own params give another output.
+  assert not np.allclose(got, np_mha(other, x, mask=causal, normalize_qk=True), atol=1e-3)
 
 
 # ---------------------------------------------------------------- soft cap and local window
