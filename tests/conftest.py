@@ -160,6 +160,18 @@ def call_kernel(fn, q, k, v, bias=None, mask=None, is_causal=False, dropout_rate
             dropout_rng=jax.random.key(7))
 
 
+def output_and_grads(fn, *args, jit=True, reduce=jnp.sin):
+  """(fn(*args), the gradients of sum(reduce(fn(*args))) with respect to every argument), forward
+  and backward traced together: one compile under `jit` (the default), eager without."""
+  def loss(*a):
+    out = fn(*a)
+    return jnp.sum(reduce(out)), out
+
+  value_and_grad = jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)
+  (_, out), grads = (jax.jit(value_and_grad) if jit else value_and_grad)(*args)
+  return out, grads
+
+
 def random_params(model, *args, seed=1, **kwargs):
   """{'params': random arrays of the shapes `model.init(key, *args, **kwargs)` makes}: NumPy, so
   nothing compiles, every leaf non-trivial (biases and LayerNorm scales too); `seed` picks them."""

@@ -20,7 +20,7 @@ import flax_mha
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import chunked
 from flax_mha.kernels import reference
-from conftest import call_kernel, kernel_inputs
+from conftest import call_kernel, kernel_inputs, output_and_grads
 
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
 SMALL = chunked.make_attention(block_q=3, block_k=4)
@@ -34,16 +34,17 @@ def _inputs(seed=0, t=T, s=S, h=H, g=G, k=K, v=V):
 def test_check_grads_numerically(is_causal):
   q, k, v, bias, mask = _inputs(1, t=4, s=5, h=2, g=1, k=3, v=2)
   fn = lambda q, k, v, bias: call_kernel(SMALL, q, k, v, bias, mask, is_causal, 0.0)
-  check_grads(fn, (q, k, v, bias), order=1, modes=("rev",), atol=5e-2, rtol=5e-2, eps=1e-2)
+  check_grads(jax.jit(fn), (q, k, v, bias), order=1, modes=("rev",), atol=5e-2, rtol=5e-2,
+              eps=1e-2)
 
 
 def test_fully_masked_rows_give_zero_and_finite_grads():
   q, k, v, _, _ = _inputs(2)
   mask = jnp.ones((B, 1, T, S), bool).at[:, :, 2].set(False)
-  out = call_kernel(SMALL, q, k, v, None, mask, False, 0.0)
+  out, grads = output_and_grads(  # the gradients of sum(out)
+      lambda q, k, v: call_kernel(SMALL, q, k, v, None, mask, False, 0.0), q, k, v,
+      reduce=lambda out: out)
   np.testing.assert_array_equal(out[:, 2], 0.0)
-  grads = jax.grad(lambda q, k, v: jnp.sum(call_kernel(SMALL, q, k, v, None, mask, False, 0.0)),
-                   argnums=(0, 1, 2))(q, k, v)
   chex.assert_tree_all_finite(grads)
   np.testing.assert_array_equal(grads[0][:, 2], 0.0)
 
@@ -52,7 +53,16 @@ def test_long_bias_broadcast_and_t_ne_s_grads():
   q, k, v, _, _ = _inputs(3, t=13, s=6)
   bias = jnp.asarray(np.random.default_rng(3).standard_normal((B, 1, 1, 6)), jnp.float32)
   f = lambda fn: jax.grad(lambda b: jnp.sum(call_kernel(fn, q, k, v, b, None, True, 0.0) ** 2))
-  chex.assert_trees_all_close(f(SMALL)(bias), f(reference.attention)(bias), atol=1e-5)
+  chex.assert_trees_all_close(jax.jit(f(SMALL))(bias), f(reference.attention)(bias), atol=1e-5)
+
+
+OFFSET_KW = dict(scale=0.37, is_causal=True, block_q=3, block_k=4)
+# Offsets traced: one compile of each serves every (q_offset, kv_offset) below.
+_forward_at = jax.jit(lambda q, k, v, q_offset, kv_offset: chunked.chunked_forward(
+    q, k, v, q_offset=q_offset, kv_offset=kv_offset, **OFFSET_KW))
+_backward_at = jax.jit(
+    lambda q, k, v, out, lse, dout, q_offset, kv_offset: chunked.chunked_backward(
+        q, k, v, out, lse, dout, q_offset=q_offset, kv_offset=kv_offset, **OFFSET_KW))
 
 
 @pytest.mark.parametrize("q_offset,kv_offset", [(0, 0), (5, 0), (0, 6), (9, 3)])
@@ -61,9 +71,7 @@ def test_forward_backward_with_offsets(q_offset, kv_offset):
   q, k, v, _, _ = _inputs(4)
   t_pos = q_offset + jnp.arange(T)[:, None]
   visible = t_pos >= kv_offset + jnp.arange(S)[None, :]
-  kw = dict(scale=0.37, is_causal=True, block_q=3, block_k=4)
-  out, lse = jax.jit(lambda q, k, v, o1, o2: chunked.chunked_forward(
-      q, k, v, q_offset=o1, kv_offset=o2, **kw))(q, k, v, q_offset, kv_offset)  # traced offsets
+  out, lse = _forward_at(q, k, v, q_offset, kv_offset)
   ref_fn = lambda q, k, v: reference.attention(
       q, k, v, None, visible[None, None], is_causal=False, scale=0.37, dropout_rate=0.0,
       dropout_rng=None)
@@ -73,8 +81,7 @@ def test_forward_backward_with_offsets(q_offset, kv_offset):
   ref_lse = jnp.where(visible.any(-1), ref_lse, jnp.finfo(jnp.float32).min)  # no key: finite
   chex.assert_trees_all_close(lse, ref_lse, atol=2e-6)
   dout = jnp.asarray(np.random.default_rng(5).standard_normal(out.shape), jnp.float32)
-  grads = chunked.chunked_backward(q, k, v, out, lse, dout, q_offset=q_offset,
-                                   kv_offset=kv_offset, **kw)
+  grads = _backward_at(q, k, v, out, lse, dout, q_offset, kv_offset)
   _, vjp = jax.vjp(ref_fn, q, k, v)
   chex.assert_trees_all_close(grads, vjp(dout), atol=1e-5)
 
@@ -82,12 +89,11 @@ def test_forward_backward_with_offsets(q_offset, kv_offset):
 def test_backward_contributions_sum_over_key_shards():
   """Splitting the keys in two and adding chunked_backward's parts gives the full gradient."""
   q, k, v, _, _ = _inputs(6)
-  kw = dict(scale=0.37, is_causal=True, block_q=3, block_k=4)
-  out, lse = chunked.chunked_forward(q, k, v, **kw)
+  out, lse = _forward_at(q, k, v, 0, 0)
   dout = jnp.ones_like(out)
-  full = chunked.chunked_backward(q, k, v, out, lse, dout, **kw)
-  parts = [chunked.chunked_backward(q, k[:, sl], v[:, sl], out, lse, dout, kv_offset=sl.start,
-                                    **kw) for sl in (slice(0, 5), slice(5, S))]
+  full = _backward_at(q, k, v, out, lse, dout, 0, 0)
+  parts = [_backward_at(q, k[:, sl], v[:, sl], out, lse, dout, 0, sl.start)
+           for sl in (slice(0, 5), slice(5, S))]
   chex.assert_trees_all_close(parts[0][0] + parts[1][0], full[0], atol=1e-5)
   chex.assert_trees_all_close(jnp.concatenate([parts[0][1], parts[1][1]], 1), full[1], atol=1e-5)
 
@@ -162,14 +168,20 @@ def _fwd_bwd(fn, n, h=8, d=64):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
 
 
-def test_beyond_plain_memory_and_equal_to_reference_on_a_slice():
-  """Forward+backward at N=8192, H=8, D=64, where plain attention needs > 4 GiB of temp memory:
-  the chunked kernel compiles to < 256 MiB, runs, and its rows 5000..5063 (output and dquery)
-  equal the reference computed on just those rows and the keys they see."""
+def test_beyond_plain_memory():
+  """Forward+backward at N=8192, H=8, D=64 (compiled, not run): plain attention needs > 4 GiB of
+  temp memory, the chunked kernel < 256 MiB."""
   n, h, d = 8192, 8, 64
   assert _fwd_bwd(reference.attention, n, h, d).memory_analysis().temp_size_in_bytes > 4 * 2**30
+  assert _fwd_bwd(chunked.attention, n, h, d).memory_analysis().temp_size_in_bytes < 256 * 2**20
+
+
+@pytest.mark.slow  # runs forward+backward at N=8192: ~10 s of CPU
+def test_beyond_plain_memory_equal_to_reference_on_a_slice():
+  """At N=8192, H=8, D=64 the chunked kernel runs, and its rows 5000..5063 (output and dquery)
+  equal the reference computed on just those rows and the keys they see."""
+  n, h, d = 8192, 8, 64
   grads = _fwd_bwd(chunked.attention, n, h, d)  # (dq, dk, dv) of sum(out), causal
-  assert grads.memory_analysis().temp_size_in_bytes < 256 * 2**20
   q, k, v = (jax.random.normal(key, (1, n, h, d)) for key in jax.random.split(jax.random.key(0), 3))
   kw = dict(scale=d**-0.5, dropout_rate=0.0, dropout_rng=None)
   dq, _, _ = grads(q, k, v)
