@@ -1,5 +1,7 @@
 """flax_mha.models.transformer: shapes, masks, causality, cache equivalence, variants, bad configs."""
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -15,7 +17,9 @@ from conftest import np_layer_norm, np_mha, randn
 VOCAB, B, S, T = 13, 3, 7, 5
 
 
+@functools.lru_cache
 def make(**overrides):
+  """(config, variables) of the small model with `overrides`, made once per overrides."""
   fields = dict(vocab_size=VOCAB, d_model=32, num_heads=2, d_ff=48, dropout_rate=0.0, max_len=16)
   cfg = TransformerConfig(**{**fields, **overrides})
   src, tgt = batch()
@@ -99,7 +103,7 @@ def test_logits_equal_a_numpy_forward(overrides):
   rng = np.random.default_rng(2)
   params = jax.tree.map(lambda a: a + 0.1 * randn(rng, *a.shape), variables["params"])
   src, tgt = batch()
-  logits = jax.jit(Transformer(cfg).apply)({"params": params}, src, tgt)
+  logits = Transformer(cfg).apply({"params": params}, src, tgt)
   chex.assert_shape(logits, (B, T, VOCAB))
   chex.assert_tree_all_finite(logits)
   np.testing.assert_allclose(logits, np_transformer(cfg, params, src, tgt), atol=1e-4, rtol=1e-4)
