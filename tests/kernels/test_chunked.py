@@ -161,9 +161,9 @@ def test_segment_ids_memory_is_linear():
 # ---- memory ----
 
 
-def _fwd_bwd(fn, n, h=8, d=64):
-  x = jax.ShapeDtypeStruct((1, n, h, d), jnp.float32)
-  loss = lambda q, k, v: jnp.sum(fn(q, k, v, None, None, is_causal=True, scale=d**-0.5,
+def _fwd_bwd(fn, n, h=8, k_dim=64):
+  x = jax.ShapeDtypeStruct((1, n, h, k_dim), jnp.float32)
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v, None, None, is_causal=True, scale=k_dim**-0.5,
                                     dropout_rate=0.0, dropout_rng=None))
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile()
 
@@ -171,19 +171,20 @@ def _fwd_bwd(fn, n, h=8, d=64):
 def test_beyond_plain_memory():
   """Forward+backward at N=8192, H=8, D=64 (compiled, not run): plain attention needs > 4 GiB of
   temp memory, the chunked kernel < 256 MiB."""
-  n, h, d = 8192, 8, 64
-  assert _fwd_bwd(reference.attention, n, h, d).memory_analysis().temp_size_in_bytes > 4 * 2**30
-  assert _fwd_bwd(chunked.attention, n, h, d).memory_analysis().temp_size_in_bytes < 256 * 2**20
+  temp_bytes = lambda fn: _fwd_bwd(fn, 8192, 8, 64).memory_analysis().temp_size_in_bytes
+  assert temp_bytes(reference.attention) > 4 * 2**30
+  assert temp_bytes(chunked.attention) < 256 * 2**20
 
 
 @pytest.mark.slow  # runs forward+backward at N=8192: ~10 s of CPU
 def test_beyond_plain_memory_equal_to_reference_on_a_slice():
   """At N=8192, H=8, D=64 the chunked kernel runs, and its rows 5000..5063 (output and dquery)
   equal the reference computed on just those rows and the keys they see."""
-  n, h, d = 8192, 8, 64
-  grads = _fwd_bwd(chunked.attention, n, h, d)  # (dq, dk, dv) of sum(out), causal
-  q, k, v = (jax.random.normal(key, (1, n, h, d)) for key in jax.random.split(jax.random.key(0), 3))
-  kw = dict(scale=d**-0.5, dropout_rate=0.0, dropout_rng=None)
+  n, h, k_dim = 8192, 8, 64
+  grads = _fwd_bwd(chunked.attention, n, h, k_dim)  # (dq, dk, dv) of sum(out), causal
+  q, k, v = (jax.random.normal(key, (1, n, h, k_dim))
+             for key in jax.random.split(jax.random.key(0), 3))
+  kw = dict(scale=k_dim**-0.5, dropout_rate=0.0, dropout_rng=None)
   dq, _, _ = grads(q, k, v)
   out = jax.jit(lambda q, k, v: chunked.attention(q, k, v, None, None, is_causal=True, **kw))(
       q, k, v)

@@ -31,12 +31,13 @@ def test_cross_attention_matches_numpy(rng, variant, g):
   model = flax_mha.MultiHeadAttention(
       num_heads=H, num_kv_heads=g, qkv_features=H * K, v_features=H * V, out_features=DOUT)
   params = random_params(model, xq, xk, xv, mask=mask)
-  # D, E, P: query, key and value input widths (F is the FFN width); O: output width.
-  dims = chex.Dimensions(D=DQ, E=DK, P=DV, H=H, G=g, K=K, V=V, O=DOUT)
+  # D the query input (model) width; X, Y, O: key and value input widths and output width,
+  # letters outside the dimension key (whose E and P name tile sizes, F the FFN width).
+  dims = chex.Dimensions(D=DQ, X=DK, Y=DV, H=H, G=g, K=K, V=V, O=DOUT)
   p = params["params"]
   chex.assert_shape([p["query"]["kernel"], p["key"]["kernel"], p["value"]["kernel"],
                      p["out"]["kernel"], p["out"]["bias"]],
-                    [dims["DHK"], dims["EGK"], dims["PGV"], dims["HVO"], dims["O"]])
+                    [dims["DHK"], dims["XGK"], dims["YGV"], dims["HVO"], dims["O"]])
   out = variant(functools.partial(model.apply, mask=mask))(params, xq, xk, xv)
   chex.assert_shape(out, (B, T, DOUT))
   np.testing.assert_allclose(out, np_mha(params, xq, xk, xv, mask=mask), **TOL)

@@ -151,10 +151,11 @@ def _make_cross(make_attention, **kwargs):
 @pytest.mark.parametrize("g", [H, G, 1])
 def test_gqa_and_k_ne_v(make_attention, rng, g):
   attn, params = _make_cross(make_attention, num_kv_heads=g)
-  dims = chex.Dimensions(D=DQ, E=DK, P=DV, H=H, G=g, K=K, V=V, O=DOUT)
+  # D the query input (model) width; X, Y, O: key and value input widths and output width.
+  dims = chex.Dimensions(D=DQ, X=DK, Y=DV, H=H, G=g, K=K, V=V, O=DOUT)
   chex.assert_shape([params["query"]["kernel"], params["key"]["kernel"],
                      params["value"]["kernel"], params["out"]["kernel"]],
-                    [dims["DHK"], dims["EGK"], dims["PGV"], dims["HVO"]])
+                    [dims["DHK"], dims["XGK"], dims["YGV"], dims["HVO"]])
   xq, xk, xv = _cross_inputs(rng)
   out, _ = attn(xq, xk, xv)
   chex.assert_shape(out, (B, T, DOUT))
