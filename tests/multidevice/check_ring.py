@@ -1,4 +1,4 @@
-"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_ring_attention.py does).
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/kernels/test_ring.py does).
 
 Ring attention over 4 sequence shards (x 2 batch shards) must equal the float64 NumPy attention
 of tests/conftest.py in values and single-device `flax_mha.kernels.reference` in loss and gradients:
