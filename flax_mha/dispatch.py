@@ -14,10 +14,12 @@ On CPU (each threshold a crossover measured on a 2-core CPU, float32, forward+ba
      beyond, "chunked" past ROWS_MAX_KEYS keys.
   3. Otherwise "xla" up to SMALL_LOGITS logits per (batch, head), "chunked" beyond: chunked
      skips the tiles its masks hide, so it wins earlier where they hide many. The limit falls
-     to SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64, and to SMALL_LOGITS_SPARSE where
-     the static masks (causality, windows, a `mask_mod` that reads only indices) leave chunked
-     at most SPARSE_VISITED of its tiles. Segment ids, lengths and positions are data: how much
-     they hide is unknown at trace time, so they move nothing.
+     to SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64; without dropout (how they were
+     timed) to SMALL_LOGITS_BANDED_32 when causal or windowed with K <= 32, and to
+     SMALL_LOGITS_SPARSE where the static masks (causality, windows, a `mask_mod` that reads
+     only indices) leave chunked at most SPARSE_VISITED of its tiles. Segment ids, lengths
+     and positions are data: how much they hide is unknown at trace time, so they move
+     nothing.
 On GPU and TPU (none measured here): "cudnn" on 'cuda' where it applies; otherwise, like
 jax.nn's own default, the plain XLA graph while the B·H·T·S logits fit
 ACCELERATOR_MAX_LOGITS, and "chunked" beyond (memory linear in S). "rows" sizes its tiles for a
@@ -48,12 +50,14 @@ NAMES = ("reference", "xla", "chunked", "rows", "cudnn", "decode", "ring")
 #   `python -m experiments.bench.blocks --masked` (mask and bias),
 #   `python -m experiments.bench.blocks` (dropout: chunked's causal tile skipping moves its
 #   crossover down for causal K <= 64),
-#   `python -m experiments.bench.blocks --sparse` (windows: chunked was 0.47-0.69x xla's time
-#   at N=512 where it visits <= 10 of its 16 tiles, level or slower where it visits them all).
+#   `python -m experiments.bench.blocks --sparse` (windows: chunked took 0.39-0.69x xla's time
+#   at N=384-512 where it visits <= 0.625 of its tiles, 1.1x where it visits 0.78 (K=64); with
+#   K=32, causal or windowed, 0.72-0.90x from N=256 on, level or slower at N=128).
 SMALL_LOGITS_ROWS = 256 * 256
 SMALL_LOGITS_ROWS_CAUSAL = 128 * 128
 SMALL_LOGITS = 512 * 512
 SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
+SMALL_LOGITS_BANDED_32 = 128 * 128  # causal or a window, K <= 32
 SMALL_LOGITS_SPARSE = 256 * 256  # chunked visits at most SPARSE_VISITED of its tiles
 SPARSE_VISITED = 0.625
 ROWS_MAX_KEYS = 16384  # a "rows" tile holds >= 128 query rows x S keys: chunked's tiles beyond
@@ -140,10 +144,20 @@ def choose(query, key, value, bias, mask, *, is_causal: bool, dropout_rate: floa
                             "blocks with an exact softmax, the fastest on CPU")
     return Choice("chunked", f"S = {s} > ROWS_MAX_KEYS = {ROWS_MAX_KEYS}: rows' tiles of >= 128 "
                              "rows x S keys outgrow the cache; chunked's tiles do not")
+  return _cpu_with_terms(t, s, k, is_causal, dropout_rate, mods, refused)
+
+
+def _cpu_with_terms(t, s, k, is_causal, dropout_rate, mods, refused: str) -> Choice:
+  """On CPU, a call that "rows" refuses (`refused` says why): "xla" or "chunked"."""
+  logits = t * s
   limit, name, why = SMALL_LOGITS, "SMALL_LOGITS", ""
   if is_causal and k <= 64:
     limit, name = SMALL_LOGITS_CAUSAL_NARROW, "SMALL_LOGITS_CAUSAL_NARROW (causal, K <= 64)"
-  if SMALL_LOGITS_SPARSE < logits <= limit:
+  window = mods_lib.narrowest_window(mods)
+  banded = is_causal or (window is not None and window < s)
+  if not dropout_rate and banded and k <= 32:  # timed without dropout only
+    limit, name = SMALL_LOGITS_BANDED_32, "SMALL_LOGITS_BANDED_32 (causal or a window, K <= 32)"
+  if not dropout_rate and SMALL_LOGITS_SPARSE < logits <= limit:
     visited = visited_fraction(t, s, k, is_causal, mods)
     if visited <= SPARSE_VISITED:
       limit, name = SMALL_LOGITS_SPARSE, "SMALL_LOGITS_SPARSE"

@@ -42,6 +42,12 @@ def ids(b, n):
     (512, 512, 64, dict(is_causal=True, local_window_size=(16, 0)), "chunked", "causal, K <= 64"),
     (512, 512, 128, dict(is_causal=True, local_window_size=(128, 0)), "chunked",
      "SMALL_LOGITS_SPARSE"),
+    # Narrow heads with a causal or windowed mask: chunked from 128² (measured).
+    (256, 256, 32, dict(is_causal=True, logit_soft_cap=50.0), "chunked", "BANDED_32"),
+    (128, 128, 32, dict(is_causal=True, logit_soft_cap=50.0), "xla", "BANDED_32"),
+    (256, 256, 32, dict(local_window_size=16), "chunked", "BANDED_32"),
+    (256, 256, 32, dict(local_window_size=300), "xla", "SMALL_LOGITS = "),  # no limit: dense
+    (256, 256, 32, dict(q_segment_ids=ids(2, 256)), "xla", "SMALL_LOGITS = "),
     # Segment ids are data: how much they hide is unknown at trace time, nothing moves.
     (512, 512, 64, dict(q_segment_ids=ids(2, 512)), "xla", "SMALL_LOGITS = "),
 ])
