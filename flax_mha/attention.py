@@ -51,9 +51,10 @@ def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
   4. On CPU without dropout and mask/score terms (a bias, a mask and is_causal are fine):
      "xla" for small T·S, "rows" beyond (query-row blocks, exact softmax), "chunked" for very
      long keys.
-  5. On CPU otherwise: "xla" for small T·S, "chunked" beyond, earlier when causal with K <= 64
-     or when static masks (windows, causality, index-only mask_mods) hide most of chunked's
-     tiles; data-dependent masks (segment ids, lengths) are unknown at trace time.
+  5. On CPU otherwise: "xla" for small T·S, "chunked" beyond; earlier when causal with
+     K <= 64, when causal or windowed with K <= 32, or when static masks (windows, causality,
+     index-only mask_mods) hide most of chunked's tiles. Data-dependent masks (segment ids,
+     lengths) are unknown at trace time and move nothing.
   Every choice computes the same function (see `flax_mha.kernels.reference`).
   """
   return dispatch.choose(query, key, value, bias, mask, is_causal=is_causal,
