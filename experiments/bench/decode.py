@@ -30,6 +30,7 @@ from flax import nnx
 
 import flax_mha
 from experiments.bench import timing
+from flax_mha import cache as cache_lib
 from flax_mha.kernels import decode
 from flax_mha.models.lm import DecoderLM, LMConfig
 
@@ -130,6 +131,7 @@ def model(rounds: int, *, d=256, h=8, layers=4, capacity=4096, position=512,
   their_graph, their_state = nnx.split(theirs)
 
   @jax.jit
+  @cache_lib.caller_makes_room  # the loop stays within the capacity, as decoding's loops do
   def our_loop(state, caches, token):
     blocks = nnx.merge(our_graph, state)
     return jax.lax.fori_loop(0, steps, lambda _, c: our_layers(blocks, c[1], c[0]),
