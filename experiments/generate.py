@@ -33,6 +33,7 @@ def sampler_from(temperature: float, top_k: int | None, top_p: float | None):
 
 def restore_params(workdir: str):
   """(runner, params) of the newest readable checkpoint in `workdir`."""
+  workdir = os.path.abspath(workdir)  # orbax restores absolute paths only
   runner = train.make_runner(train.load_config(workdir))
   state = train.init_state(runner, train.make_optimizer(runner.config.train))
   with checkpoints.open_manager(workdir) as manager:

@@ -268,10 +268,10 @@ def check_implementation(implementation) -> None:
 def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options):
   """Check everything, then flatten the batch dims: ([B,T,H,K], [B,S,G,K], [B,S,G,V], bias,
   mask, scale, mods, is_causal for the implementation)."""
-  batch = query.shape[:-3]
-  flat = lambda x: x.reshape(math.prod(batch), *x.shape[len(batch):])
   bias4, mask4, scale, mods, is_causal = _checked(
       query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
+  batch = query.shape[:-3]
+  flat = lambda x: x.reshape(math.prod(batch), *x.shape[len(batch):])
   return flat(query), flat(key), flat(value), bias4, mask4, scale, mods, is_causal
 
 

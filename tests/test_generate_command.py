@@ -4,6 +4,7 @@ greedily (as the runner's own greedy decoding does) or by sampling (reproducible
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -42,7 +43,8 @@ def test_sampling_is_reproducible_by_seed(workdir):
 
 def test_the_command_line_runs(workdir):
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.generate", "--workdir", str(workdir), "--prompt",
+      [sys.executable, "-m", "experiments.generate", "--workdir",
+       os.path.relpath(workdir, ROOT), "--prompt",  # a relative workdir, as a user types it
        "3 août 2098", "--top_k", "3", "--samples", "2", "--max_new_tokens", "8"],
       capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]

@@ -16,13 +16,13 @@ from flax_mha import interop
 from conftest import DIMS, qkv, randn, random_mask
 
 B, T, S = DIMS["B"], DIMS["T"], DIMS["S"]
-E, NUM_HEADS = 3 * 7, 3  # torch embed_dim and num_heads: head dim 7
+D, NUM_HEADS = 3 * 7, 3  # the model width (torch embed_dim) and num_heads: head dim 7
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def _torch_mha(seed=0, **kwargs):
   torch.manual_seed(seed)
-  module = torch.nn.MultiheadAttention(E, NUM_HEADS, batch_first=True, **kwargs).eval()
+  module = torch.nn.MultiheadAttention(D, NUM_HEADS, batch_first=True, **kwargs).eval()
   with torch.no_grad():  # torch zero-initialises biases: make them matter
     for name, p in module.named_parameters():
       if "bias" in name:
@@ -37,16 +37,16 @@ def _t(x):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("kdim,vdim", [(None, None), (11, 13)])
 def test_matches_torch_multihead_attention(rng, variant, kdim, vdim, bias):
-  """Packed in_proj_weight (kdim = vdim = E) and separate q/k/v_proj_weight (kdim, vdim != E),
+  """Packed in_proj_weight (kdim = vdim = D) and separate q/k/v_proj_weight (kdim, vdim != D),
   with and without biases (torch's bias=False is our use_bias=False)."""
   module = _torch_mha(kdim=kdim, vdim=vdim, bias=bias)
-  xq, xk, xv = randn(rng, B, T, E), randn(rng, B, S, kdim or E), randn(rng, B, S, vdim or E)
+  xq, xk, xv = randn(rng, B, T, D), randn(rng, B, S, kdim or D), randn(rng, B, S, vdim or D)
   with torch.no_grad():
     want, _ = module(_t(xq), _t(xk), _t(xv), need_weights=False)
   params = interop.from_torch_multihead_attention(module.state_dict(), NUM_HEADS)
   model = flax_mha.MultiHeadAttention(num_heads=NUM_HEADS, use_bias=bias)
   out = variant(model.apply)(params, xq, xk, xv)
-  chex.assert_shape(out, (B, T, E))
+  chex.assert_shape(out, (B, T, D))
   np.testing.assert_allclose(out, want.numpy(), **TOL)
   # The converted tree has exactly the structure and shapes the module would initialise.
   init = jax.eval_shape(model.init, jax.random.key(0), xq, xk, xv)
@@ -57,7 +57,7 @@ def test_matches_torch_multihead_attention(rng, variant, kdim, vdim, bias):
 def test_matches_torch_with_masks(rng):
   """torch's boolean masks mean True = *ignore*; flax_mha's mean True = attend."""
   module = _torch_mha(seed=1)
-  xq, xk = randn(rng, B, T, E), randn(rng, B, S, E)
+  xq, xk = randn(rng, B, T, D), randn(rng, B, S, D)
   key_padding = np.zeros((B, S), bool)
   key_padding[1, 4:] = True  # batch 1 has 4 valid keys
   attn_ignore = np.triu(np.ones((T, S), bool), k=1)  # causal

@@ -1,6 +1,7 @@
-"""Windows, sequence lengths, segment ids, soft-capping, mask_mod and score_mod, in every
-implementation: against jax.nn, torch's FlexAttention (forward), the oracle (gradients) and a
-float64 NumPy reference; and the tiles the chunked kernel visits.
+"""flax_mha.mods: windows, sequence lengths, segment ids, soft-capping, mask_mod and score_mod, in
+every implementation: against jax.nn, torch's FlexAttention (forward), the oracle (gradients) and
+a float64 NumPy reference; under scan, checkpoint and vmap; -inf logits and mods refused by name.
+The tiles the chunked kernel visits for them are in tests/kernels/test_chunked.py.
 """
 
 from __future__ import annotations
@@ -16,12 +17,21 @@ import pytest
 
 import flax_mha
 from flax_mha.kernels import chunked
-from flax_mha import mods as mods_lib
-from conftest import np_attention
+from conftest import np_attention, output_and_grads
 
 B, T, H, G, K = 2, 37, 4, 2, 8  # T prime: no block size divides it
 SMALL = chunked.make_attention(block_q=8, block_k=4)
 IMPLS = {"reference": "reference", "xla": "xla", "chunked": "chunked", "chunked_small": SMALL}
+
+
+def _impl_params(impls):
+  """The names of `impls`, "chunked" marked slow: at these lengths it picks one tile (default
+  blocks are >= 128), chunked_small's kernel with a single trip; the default run keeps
+  chunked_small (many tiles and padding), and a chunked compile costs seconds."""
+  return [pytest.param(name, marks=pytest.mark.slow) if name == "chunked" else name
+          for name in sorted(impls)]
+
+
 SEGMENTS = np.array([[0] * 9 + [1] * 20 + [2] * 8, [0] * 30 + [5] * 7])
 LENGTHS = np.array([30, 37])
 
@@ -60,22 +70,21 @@ OPTION_CASES = {  # name -> (keyword arguments, the same as a NumPy visibility)
 }
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("impl", _impl_params(IMPLS))
 @pytest.mark.parametrize("case", sorted(OPTION_CASES))
 def test_options_match_numpy_and_the_oracle_gradients(impl, case):
   kwargs, np_kwargs = OPTION_CASES[case]
   q, k, v = _qkv(1)
-  fn = functools.partial(flax_mha.dot_product_attention, **kwargs)
-  out = jax.jit(lambda q, k, v: fn(q, k, v, implementation=IMPLS[impl]))(q, k, v)
+  fn = lambda name: functools.partial(flax_mha.dot_product_attention, implementation=name,
+                                      **kwargs)
+  out, grads = output_and_grads(fn(IMPLS[impl]), q, k, v)  # one compile: values and gradients
   want = np_attention(q, k, v, mask=_np_visible(T, T, **np_kwargs))
   np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
-  loss = lambda name: lambda *a: jnp.sum(jnp.sin(fn(*a, implementation=name)))
-  grads = jax.jit(jax.grad(loss(IMPLS[impl]), argnums=(0, 1, 2)))(q, k, v)
-  chex.assert_trees_all_close(grads, jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v),
-                              atol=2e-5, rtol=2e-5)
+  _, want_grads = output_and_grads(fn("reference"), q, k, v, jit=False)
+  chex.assert_trees_all_close(grads, want_grads, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla", "chunked", "chunked_small"])
+@pytest.mark.parametrize("impl", _impl_params(IMPLS))
 @pytest.mark.parametrize("kwargs", [
     dict(local_window_size=(5, 3)), dict(local_window_size=4, is_causal=True),
     dict(query_seq_lengths=LENGTHS, key_value_seq_lengths=LENGTHS),
@@ -92,11 +101,10 @@ def test_matches_jax_nn(impl, kwargs):
   ours = lambda q, k, v: flax_mha.dot_product_attention(q, k, v, implementation=IMPLS[impl],
                                                         **jnp_kwargs) * rows
   peer = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **jnp_kwargs) * rows
-  np.testing.assert_allclose(jax.jit(ours)(q, k, v), peer(q, k, v), atol=2e-5, rtol=2e-5)
-  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
-  chex.assert_trees_all_close(jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, k, v),
-                              jax.grad(loss(peer), argnums=(0, 1, 2))(q, k, v),
-                              atol=5e-5, rtol=5e-5)
+  out, grads = output_and_grads(ours, q, k, v)  # one compile: values and gradients
+  want, want_grads = output_and_grads(peer, q, k, v, jit=False)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+  chex.assert_trees_all_close(grads, want_grads, atol=5e-5, rtol=5e-5)
 
 
 def _torch_flex(q, k, v, mask_mod=None, score_mod=None):
@@ -139,7 +147,7 @@ def _flex_cases():
   }
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("impl", _impl_params(IMPLS))
 @pytest.mark.parametrize("case", ["sliding_window", "document", "soft_cap", "soft_cap_builtin",
                                   "alibi", "relative_bias"])
 def test_matches_torch_flex_attention(impl, case):
@@ -151,7 +159,7 @@ def test_matches_torch_flex_attention(impl, case):
                              rtol=2e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "chunked", "chunked_small"])
+@pytest.mark.parametrize("impl", _impl_params(["xla", "chunked", "chunked_small"]))
 def test_score_mod_arrays_get_gradients(impl):
   """A learned relative-position table closed over by score_mod: its gradient through every
   implementation equals the oracle's, and the oracle's equals finite differences in float64."""
@@ -178,67 +186,15 @@ def test_score_mod_arrays_get_gradients(impl):
 
 
 def test_soft_cap_and_score_mod_match_numpy_float64():
+  """The score_mod is a bias by distance, added before the cap: the NumPy reference's bias."""
   with jax.enable_x64(True):
     q, k, v = _qkv(7, dtype=np.float64)
     out = flax_mha.dot_product_attention(
         q, k, v, logit_soft_cap=2.5, score_mod=lambda s, b, h, qi, kv: s - 0.05 * (qi - kv),
         is_causal=True, implementation="chunked")
-    qn, kn = np.asarray(q), np.repeat(np.asarray(k), H // G, axis=2)
-    scores = np.einsum("bthk,bshk->bhts", qn, kn) / np.sqrt(K)
-    scores = scores - 0.05 * (np.arange(T)[:, None] - np.arange(T)[None, :])
-    scores = 2.5 * np.tanh(scores / 2.5)
-    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    want = np.einsum("bhts,bshv->bthv", weights, np.repeat(np.asarray(v), H // G, axis=2))
+    distance_TS = np.arange(T)[:, None] - np.arange(T)[None, :]
+    want = np_attention(q, k, v, -0.05 * distance_TS, soft_cap=2.5, is_causal=True)
     np.testing.assert_allclose(out, want, atol=1e-12, rtol=1e-12)
-
-
-def _visits(t, s, bq, bk, mods, mask=None):
-  q = jnp.zeros((B, t, H, K))
-  cfg = chunked._Config(1.0, 0.0, bq, bk)  # pylint: disable=protected-access
-  ctx = chunked._context(q, q[:, :s], None, mask, None, mods, cfg, 0, 0)  # pylint: disable=protected-access
-  return np.asarray(ctx.rows.full_count), np.asarray(ctx.rows.partial_count), ctx.rows
-
-
-def test_tiles_causal_window_are_known_at_trace_time():
-  """Causal over 8 x 8 tiles: 28 below the diagonal unmasked, 8 on it masked, 28 skipped; a
-  window of 16 keeps only the band; a mask_mod spelling causality gives causal's tiles."""
-  full, partial, rows = _visits(64, 64, 8, 8, mods_lib.with_causal(None, True))
-  assert isinstance(rows.full_count, np.ndarray)  # static: computed while tracing
-  assert full.sum() == 28 and partial.sum() == 8
-  full, partial, _ = _visits(64, 64, 8, 8, mods_lib.Mods((mods_lib.LocalWindow(16, 0),)))
-  assert (full + partial).max() <= 4 and full.sum() + partial.sum() < 64 * 0.5
-  spelled = mods_lib.Mods((mods_lib.MaskMod(lambda b, h, q, kv: q >= kv),))
-  full2, partial2, rows2 = _visits(64, 64, 8, 8, spelled)
-  assert isinstance(rows2.full_count, np.ndarray)
-  assert full2.sum() == 28 and partial2.sum() == 8
-
-
-def test_tiles_of_segments_come_from_min_max_at_run_time():
-  """Two documents of 32 in 64 tokens, 8 x 8 tiles: the 2 x 16 same-document tiles are all
-  visible and nothing else is visited."""
-  ids = jnp.asarray(np.repeat([[0, 1]], B, axis=0).repeat(32, axis=1))
-  full, partial, rows = _visits(64, 64, 8, 8, mods_lib.Mods((mods_lib.Segments(ids, ids),)))
-  assert not isinstance(rows.full_count, np.ndarray)
-  assert full.sum() == 32 and partial.sum() == 0
-
-
-def test_dense_mask_tiles_are_skipped():
-  mask = jnp.zeros((B, 1, 1, 64), bool).at[..., :16].set(True)  # key padding: 16 real keys
-  full, partial, _ = _visits(64, 64, 8, 8, mods_lib.Mods(), mask=mask)
-  assert full.sum() == 8 * 2 and partial.sum() == 0
-
-
-def test_segment_ids_memory_is_linear():
-  """fwd+bwd with segment ids at N=16384, H=1: XLA temp memory far below the [T, S] matrix."""
-  n = 16384
-  x = jax.ShapeDtypeStruct((1, n, 1, 64), jnp.float32)
-  ids = jax.ShapeDtypeStruct((1, n), jnp.int32)
-  loss = lambda q, k, v, ids: jnp.sum(flax_mha.dot_product_attention(
-      q, k, v, q_segment_ids=ids, implementation="chunked"))
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, ids).compile()
-  assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20  # [T, S] f32: 1 GiB
 
 
 BAD = [
@@ -272,12 +228,6 @@ def test_bad_options_are_named_errors(kwargs, shape, error, match):
     flax_mha.dot_product_attention(q, k, v, **kwargs)
 
 
-def test_cudnn_refuses_options_by_name():
-  q, k, v = _qkv(9)
-  with pytest.raises(ValueError, match="implementation='cudnn' cannot run"):
-    flax_mha.dot_product_attention(q, k, v, local_window_size=3, implementation="cudnn")
-
-
 def test_weights_take_the_options():
   q, k, _ = _qkv(10)
   weights = flax_mha.dot_product_attention_weights(q, k, q_segment_ids=SEGMENTS,
@@ -287,3 +237,169 @@ def test_weights_take_the_options():
   np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
   with pytest.raises(TypeError, match="unexpected keyword arguments"):
     flax_mha.dot_product_attention_weights(q, k, implementation="xla")
+
+
+# ---- under transforms, and what a -inf logit and an odd mod mean (issue 17) ----
+#
+# Regression tests: mask_mod/score_mod closing over arrays computed inside a `lax.scan` body,
+# `jax.checkpoint` or `vmap` (with `jax.grad`) in every implementation that takes mods; a soft cap
+# or score_mod never un-hides a key that a -inf bias hides; a mod that is not elementwise, or has
+# the wrong signature, is refused naming the argument; windows wider than the sequence; no inf or
+# NaN made inside any implementation (`jax.debug_infs`). Query and key length are both L (11).
+
+L = 11  # prime: no block size divides it
+IMPLS_L = {**IMPLS, "chunked_small": chunked.make_attention(block_q=3, block_k=4)}
+DOCS = np.array([[0] * 4 + [1] * 7, [0] * 9 + [1] * 2], np.int32)
+
+
+def _layer(x_BTHK, kv_BTGK, docs_BT, table_H, impl):
+  """One attention layer whose mask_mod closes over integer ids and whose score_mod closes
+  over a float table, both traced values of the caller."""
+  return flax_mha.dot_product_attention(
+      x_BTHK, kv_BTGK, kv_BTGK, is_causal=True, implementation=impl,
+      mask_mod=lambda b, h, q, kv: docs_BT[b, q] == docs_BT[b, kv],
+      score_mod=lambda s, b, h, q, kv: s + table_H[h])
+
+
+def _scan(impl):
+  def loss(x, kv, table):
+    def body(carry, _):
+      docs = jnp.asarray(DOCS) + (jnp.sum(carry) > 1e9).astype(jnp.int32)  # made in the body
+      return _layer(carry, kv, docs, table, impl), None
+    return jnp.sum(jnp.sin(jax.lax.scan(body, x, None, length=2)[0]))
+  return loss
+
+
+def _checkpoint(impl):
+  def loss(x, kv, table):
+    layer = jax.checkpoint(lambda x, docs: _layer(x, kv, docs, table, impl))
+    return jnp.sum(jnp.sin(layer(x, jnp.asarray(DOCS) * (x[0, 0, 0, 0] < 1e9))))
+  return loss
+
+
+def _vmap(impl):
+  def loss(x, kv, table):
+    one = lambda x, kv, docs: _layer(x[None], kv[None], docs[None], table, impl)[0]
+    return jnp.sum(jnp.sin(jax.vmap(one)(x, kv, jnp.asarray(DOCS))))
+  return loss
+
+
+@pytest.mark.parametrize("impl", _impl_params(IMPLS_L))
+@pytest.mark.parametrize("transform", [_scan, _checkpoint, _vmap],
+                         ids=["scan", "checkpoint", "vmap"])
+def test_mods_closing_over_traced_arrays_under_transforms_with_grad(impl, transform):
+  q, k, _ = _qkv(1, t=L, s=L)
+  table = jnp.asarray([0.3, -0.2, 0.1, 0.5])
+  grad = jax.value_and_grad(transform(IMPLS_L[impl]), argnums=(0, 1, 2))
+  got = jax.jit(grad)(q, k, table)
+  want = jax.value_and_grad(transform("reference"), argnums=(0, 1, 2))(q, k, table)
+  chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
+  assert float(jnp.abs(got[1][2]).max()) > 0  # the table's gradient flows
+
+
+@pytest.mark.parametrize("impl", _impl_params(IMPLS_L))
+@pytest.mark.parametrize("mods", [dict(logit_soft_cap=2.0),
+                                  dict(score_mod=lambda s, b, h, q, kv: 2.0 * jnp.tanh(s / 2.0)),
+                                  dict(score_mod=lambda s, b, h, q, kv: jnp.maximum(s, -1.0))],
+                         ids=["soft_cap", "tanh_score_mod", "clamping_score_mod"])
+def test_minus_inf_bias_stays_hidden_through_score_terms(impl, mods):
+  """cap·tanh(-inf / cap) = -cap would make a hidden key visible: it must stay hidden, a row
+  hidden entirely stays 0, and the bias gradient there is 0."""
+  q, k, v = _qkv(2, t=L, s=L)
+  bias = np.zeros((B, 1, L, L), np.float32)
+  bias[:, :, :, 7:] = -np.inf  # keys 7.. hidden from every query
+  bias[0, 0, 3, :] = -np.inf  # query 3 of example 0 sees nothing
+  bias = jnp.asarray(bias)
+  fn = functools.partial(flax_mha.dot_product_attention, implementation=IMPLS_L[impl], **mods)
+  out = fn(q, k, v, bias)
+  np.testing.assert_array_equal(out[0, 3], 0.0)
+  # The same function with the hidden keys removed: they contribute nothing.
+  cut = fn(q, k[:, :7], v[:, :7], jnp.where(jnp.isfinite(bias[..., :7]), 0.0, -jnp.inf))
+  np.testing.assert_allclose(out, cut, atol=2e-6, rtol=2e-6)
+  dbias = jax.grad(lambda b: jnp.sum(fn(q, k, v, b) ** 2))(bias)
+  chex.assert_tree_all_finite(dbias)
+  np.testing.assert_array_equal(dbias[..., 7:], 0.0)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS_L))
+def test_score_mod_returning_minus_inf_hides_the_key(impl):
+  """FlexAttention's idiom: a score_mod may hide a key by returning -inf."""
+  q, k, v = _qkv(3, t=L, s=L)
+  mod = lambda s, b, h, q, kv: jnp.where(kv > q, -jnp.inf, s)
+  out = flax_mha.dot_product_attention(q, k, v, score_mod=mod, implementation=IMPLS_L[impl])
+  np.testing.assert_allclose(out, np_attention(q, k, v, is_causal=True), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", None, "chunked", "chunked_small"])
+def test_dense_array_as_mask_mod_is_refused_by_name(impl):
+  dense_TS = jnp.tril(jnp.ones((L, L), bool))
+  q, k, v = _qkv(4, t=L, s=L)
+  with pytest.raises(ValueError, match=r"mask_mod must be elementwise.*shape \(11, 11\).*"
+                                       r"pass that array as `mask`"):
+    flax_mha.dot_product_attention(q, k, v, mask_mod=lambda b, h, qi, kv: dense_TS,
+                                   implementation=IMPLS_L.get(impl, impl))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(mask_mod=lambda b, h, q: q > 0), TypeError,
+     r"mask_mod must take 4 positional arguments \(b, h, q_idx, kv_idx\) -> bool, got a "
+     r"callable with signature \(b, h, q\)"),
+    (dict(score_mod=lambda b, h, q, kv: q > kv), TypeError,
+     r"score_mod must take 5 positional arguments \(score, b, h, q_idx, kv_idx\)"),
+    (dict(mask_mod=lambda s, b, h, q, kv: q > kv), TypeError,
+     "mask_mod must take 4 positional arguments"),
+    (dict(score_mod=lambda s, b, h, q, kv: s[..., :1]), ValueError,
+     r"score_mod failed when called with scalar arguments .* elementwise"),
+    (dict(score_mod=lambda s, b, h, q, kv: jnp.stack([s, s])), ValueError,
+     r"score_mod must be elementwise: .* got shape \(2,\)"),
+])
+def test_mods_of_the_wrong_shape_or_signature_are_named(kwargs, error, match):
+  q, k, v = _qkv(5, t=L, s=L)
+  with pytest.raises(error, match=match):
+    flax_mha.dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS_L))
+def test_window_wider_than_the_sequence_is_no_limit(impl):
+  q, k, v = _qkv(6, t=L, s=L)
+  fn = jax.jit(lambda q: flax_mha.dot_product_attention(
+      q, k, v, local_window_size=(2**40, 0), implementation=IMPLS_L[impl]))
+  np.testing.assert_allclose(fn(q), np_attention(q, k, v, is_causal=True), atol=2e-5,
+                             rtol=2e-5)
+
+
+FINITE_CASES = {
+    "mask": lambda rng: dict(mask=jnp.asarray(rng.random((B, 1, L, L)) < 0.5).at[0, 0, 2]
+                             .set(False)),
+    "causal": lambda rng: dict(is_causal=True),
+    "lengths": lambda rng: dict(query_seq_lengths=jnp.array([3, 11]),
+                                key_value_seq_lengths=jnp.array([0, 11])),
+    "segments_soft_cap": lambda rng: dict(q_segment_ids=jnp.asarray(DOCS), logit_soft_cap=3.0),
+    "window_mask": lambda rng: dict(local_window_size=(2, 0),
+                                    mask=jnp.asarray(rng.random((B, 1, L, L)) < 0.5)),
+}
+
+
+def _finite_cases():
+  """Every case in float32 and float64; in float64 the default run keeps the cases that hide
+  whole rows (mask, lengths, segments), where float64's own finfo.min is at stake, and the rest
+  (causal, window_mask: every row sees a key) are marked slow."""
+  return [pytest.param(case, dtype, marks=(pytest.mark.slow,) if dtype == np.float64 and case in (
+      "causal", "window_mask") else ()) for dtype in (np.float32, np.float64)
+          for case in sorted(FINITE_CASES)]
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "chunked", "rows"])
+@pytest.mark.parametrize("case,dtype", _finite_cases())
+def test_no_inf_or_nan_is_made_inside(impl, case, dtype):
+  """With `jax.debug_infs`, op by op (no jit), forward and gradient: finite input, masks hiding
+  whole rows, and no implementation writes an inf anywhere."""
+  kwargs = FINITE_CASES[case](np.random.default_rng(7))
+  if impl == "rows" and set(kwargs) - {"mask", "is_causal"}:
+    pytest.skip("rows takes bias, mask and is_causal only")
+  with jax.enable_x64(dtype == np.float64), jax.debug_infs(True):
+    q, k, v = _qkv(8, t=L, s=L, dtype=dtype)
+    loss = lambda q: jnp.sum(flax_mha.dot_product_attention(q, k, v, implementation=impl,
+                                                            **kwargs) ** 2)
+    value, grad = jax.value_and_grad(loss)(q)
+  chex.assert_tree_all_finite((value, grad))

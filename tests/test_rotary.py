@@ -1,4 +1,5 @@
-"""flax_mha.rotary.apply_rotary against a float64 NumPy rotation built pair by pair.
+"""flax_mha.rotary.apply_rotary against the float64 NumPy rotation of tests/conftest.py, built pair
+by pair.
 
 Dimension key (flax_mha/__init__.py): B batch, T query length, S key length, H heads, K head dim.
 Sizes are distinct (K/2 = 7 too) so a swapped axis fails instead of broadcasting silently.
@@ -13,25 +14,9 @@ import numpy as np
 import pytest
 
 from flax_mha.rotary import apply_rotary
-from conftest import randn
+from conftest import np_rotary, randn
 
 B, T, S, H, K = 2, 5, 11, 3, 14
-
-
-def np_rotary(x, positions, max_wavelength=10_000.0):
-  """float64 RoPE: for each (position, frequency) a 2x2 rotation of the pair (x[i], x[i + K/2])."""
-  x = np.asarray(x, np.float64)
-  *lead, t, _, k = x.shape
-  half = k // 2
-  pos = np.broadcast_to(np.asarray(positions, np.float64), (*lead, t))
-  out = np.empty_like(x)
-  for idx in np.ndindex(*lead, t):
-    for i in range(half):
-      theta = pos[idx] / max_wavelength ** (2.0 * i / k)
-      rotation = np.array([[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]])
-      pair_2H = np.stack([x[idx][:, i], x[idx][:, i + half]])
-      out[idx][:, i], out[idx][:, i + half] = rotation @ pair_2H
-  return out
 
 
 @pytest.mark.parametrize("pos_shape,offset", [((T,), 0), ((B, T), 0), ((T,), 1000),

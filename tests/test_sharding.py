@@ -5,9 +5,6 @@ run here on the single CPU device.
 """
 
 import inspect
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +16,7 @@ from flax_mha.kernels.ring import ring_attention
 from flax_mha.models import lm, transformer
 from flax_mha.models.lm import DecoderLM, LMConfig
 from flax_mha.models.transformer import Transformer, TransformerConfig
-from tests.multidevice.run import ROOT, run_check
+from tests.multidevice.run import run_check
 
 
 @pytest.mark.multidevice
@@ -93,25 +90,3 @@ def test_ring_attention_and_the_rules_name_the_mesh_axes_make_mesh_builds():
   assert set(sharding.LOGICAL_RULES.values()) <= set(mesh.axis_names)
   default = inspect.signature(ring_attention).parameters["axis_name"].default
   assert default in mesh.axis_names
-
-
-def test_the_pure_api_loads_no_flax():
-  """`import flax_mha`, a call of dot_product_attention (and masks, mods, rotary, sharding):
-  neither flax nor optax is imported; the front ends load on first access."""
-  code = """
-import sys
-import jax.numpy as jnp
-import flax_mha
-x = jnp.ones((1, 4, 2, 8))
-flax_mha.dot_product_attention(x, x, x, is_causal=True, mask_mod=lambda b, h, q, k: q >= k,
-                               implementation="chunked")
-flax_mha.apply_rotary(x, jnp.arange(4))
-flax_mha.padding_mask(jnp.array([3]), 4)
-flax_mha.sharding.make_mesh()
-loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'optax'))
-assert not loaded, loaded
-flax_mha.nnx, flax_mha.SelfAttention  # loaded on first access
-assert 'flax' in sys.modules
-"""
-  subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=dict(
-      os.environ, JAX_PLATFORMS="cpu"))

@@ -29,7 +29,7 @@ from flax_mha.kernels import _tiling
 from flax_mha.kernels import chunked
 
 # Keys per block and partitions of the cache walked in parallel: the fastest of a sweep on a
-# 2-core CPU in float32 (`python -m experiments.bench.decode --sweep` re-runs it).
+# 2-core CPU in float32 (`python -m experiments.bench.decode --part sweep` re-runs it).
 BLOCK_K = 512
 SPLITS = 2
 

@@ -89,10 +89,10 @@ def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
   sinks = None if mods is None else mods.sinks
   sinks_spec = None if sinks is None else P(head_axis)
   mods = None if mods is None else dataclasses.replace(mods, sinks=None)  # static from here
-  # A sink's gradient sums over the devices that share it: the sequence and batch shards.
-  replicas = tuple(axis for axis in (axis_name, batch_axis) if axis is not None)
+  # A sink's gradient sums over the devices that share it (the sequence and batch shards):
+  # shard_map's transpose of a replicated input does that sum.
   local = functools.partial(_ring, axis_name=axis_name, n=mesh.shape[axis_name],
-                            is_causal=is_causal, scale=scale, mods=mods, replicas=replicas)
+                            is_causal=is_causal, scale=scale, mods=mods)
   ring = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, mask_spec, sinks_spec),
                        out_specs=(spec, P(batch_axis, axis_name, head_axis)), check_vma=False)
   args = (_to_explicit(x, x_spec, mesh) for x, x_spec in zip(
@@ -244,19 +244,19 @@ def _ring_forward(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods):
   return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _ring(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods, replicas):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _ring(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods):
   out, lse = _ring_forward(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods)
   return out.astype(q.dtype), lse
 
 
-def _ring_fwd(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods, replicas):
+def _ring_fwd(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods):
   out, lse = _ring_forward(q, k, v, mask, sinks, axis_name, n, is_causal, scale, mods)
   out = out.astype(q.dtype)
   return (out, lse), (q, k, v, mask, sinks, out, lse)
 
 
-def _ring_bwd(axis_name, n, is_causal, scale, mods, replicas, residuals, cotangents):
+def _ring_bwd(axis_name, n, is_causal, scale, mods, residuals, cotangents):
   q, k, v, mask, sinks, out, lse = residuals
   dout = cotangents[0]  # the lse is returned without gradient
   lse_BHT = lse.transpose(0, 2, 1)
@@ -274,7 +274,7 @@ def _ring_bwd(axis_name, n, is_causal, scale, mods, replicas, residuals, cotange
   dq, _, _, dk, dv = lax.fori_loop(0, n, step, (zeros(q), k, v, zeros(k), zeros(v)))
   dsinks = None
   if sinks is not None:
-    dsinks = lax.psum(_shared.sink_grad(sinks, lse, out, dout), replicas)
+    dsinks = _shared.sink_grad(sinks, lse, out, dout)  # this shard's part (see ring_attention)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dsinks
 
 

@@ -1,4 +1,4 @@
-"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_ring_attention.py does).
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/kernels/test_ring.py does).
 
 Ring attention over 4 sequence shards (x 2 batch shards) must equal the float64 NumPy attention
 of tests/conftest.py in values and single-device `flax_mha.kernels.reference` in loss and gradients:
@@ -123,12 +123,40 @@ def check_masked_via_dot_product_attention(rng):
     assert out.sharding.spec == P("data", "seq", "model"), out.sharding
 
 
+def check_sinks_and_residual(rng):
+  """Learned sinks (their gradient summed over the sequence and batch shards that share them)
+  and the residual (lse) of ring attention on data x seq = 2 x 4 equal the single device's."""
+  t, s = 8, 12
+  q, k, v = random_qkv(rng, t, s, 3)
+  sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
+  mesh = sharding.make_mesh(data=2, seq=4)
+
+  def run(implementation):
+    def loss(q, k, v, sinks):
+      out, lse = flax_mha.dot_product_attention(q, k, v, is_causal=True, sinks=sinks,
+                                                return_residual=True,
+                                                implementation=implementation)
+      return jnp.sum(jnp.sin(out) * jnp.arange(V)), (out, lse)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
+
+  (want_loss, (want_out, want_lse)), want_grads = run("reference")
+  with jax.set_mesh(mesh):
+    (loss, (out, lse)), grads = run(ring_implementation)
+  np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(loss, want_loss, atol=1e-4, rtol=1e-5)
+  for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4, err_msg=name)
+  print(f"OK sinks_residual loss={float(loss):.6f}")
+
+
 def main():
   assert jax.device_count() == 8, jax.device_count()
   rng = np.random.default_rng(0)
   check_cases(rng)
   check_mesh_kinds(rng)
   check_masked_via_dot_product_attention(rng)
+  check_sinks_and_residual(rng)
 
 
 if __name__ == "__main__":

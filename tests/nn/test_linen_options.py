@@ -1,8 +1,8 @@
 """The modern options of flax_mha.nn.linen: normalize_qk, logit_soft_cap, local_window_size, rotary
 embeddings, segment ids and positions, with and without the KV cache.
 
-Checked against flax.linen (normalize_qk) and against a float64 NumPy forward pass written here
-from the formulas: projections, LayerNorm, half-split RoPE, soft cap, masks, softmax. Dimension
+Checked against flax.linen (normalize_qk) and against the float64 NumPy forward pass of
+tests/conftest.py (np_mha: projections, LayerNorm, half-split RoPE, soft cap, masks). Dimension
 key (flax_mha/__init__.py): B batch, T query length, S key length, L a shared length, H query
 heads, G key/value heads, K qk head dim (even for rotary), V value head dim. Sizes are distinct.
 """
@@ -17,74 +17,11 @@ import numpy as np
 import pytest
 
 import flax_mha
-from conftest import randn
+from conftest import load_across, np_mha, np_window, own_params, random_params, randn
 
 B, T, S, L, H, G, K, V = 2, 5, 7, 11, 6, 3, 22, 13  # K even (K/2 = 11 is odd: a real pairing)
 DQ, DK, DV, DOUT = 19, 23, 29, 17  # model widths: query, key and value inputs, output
 TOL = dict(atol=3e-5, rtol=3e-5)
-
-
-# ---------------------------------------------------------------- float64 NumPy reference
-
-
-def np_layer_norm(x, scale):
-  """LayerNorm over the last axis, no bias, epsilon 1e-6 (flax.linen's normalize_qk)."""
-  mean = x.mean(-1, keepdims=True)
-  var = ((x - mean) ** 2).mean(-1, keepdims=True)
-  return (x - mean) / np.sqrt(var + 1e-6) * scale
-
-
-def np_rope(x, positions, max_wavelength):
-  """Half-split RoPE on x [..., T, H, K]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
-  k = x.shape[-1]
-  freq = max_wavelength ** (-2.0 * np.arange(k // 2) / k)
-  angle = np.asarray(positions, np.float64)[..., None, None] * freq  # [..., T, 1, K/2]
-  x1, x2 = x[..., :k // 2], x[..., k // 2:]
-  return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
-                         x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
-
-
-def np_window(t, s, window, offset=0):
-  """[T, S]: query i (at position i + offset) sees keys i + offset - left .. + right."""
-  left, right = (window, window) if isinstance(window, int) else window
-  q, kv = np.arange(t)[:, None] + offset, np.arange(s)[None, :]
-  return (kv >= q - left) & (kv <= q + right)
-
-
-def np_module(params, xq, xk, xv, *, visible=None, soft_cap=None, normalize_qk=False,
-              rotary=None, return_weights=False):
-  """MultiHeadAttention in float64: visible broadcasts to [..., H, T, S] (True = attend);
-  rotary is (max_wavelength, q_positions, kv_positions)."""
-  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params["params"])
-  proj = lambda x, name: np.einsum("...d,dhk->...hk", x, p[name]["kernel"]) + p[name]["bias"]
-  q, k, v = proj(xq, "query"), proj(xk, "key"), proj(xv, "value")
-  if normalize_qk:
-    q, k = np_layer_norm(q, p["query_ln"]["scale"]), np_layer_norm(k, p["key_ln"]["scale"])
-  if rotary is not None:
-    wavelength, q_pos, kv_pos = rotary
-    q, k = np_rope(q, q_pos, wavelength), np_rope(k, kv_pos, wavelength)
-  reps = q.shape[-2] // k.shape[-2]
-  k, v = np.repeat(k, reps, axis=-2), np.repeat(v, reps, axis=-2)
-  logits = np.einsum("...thk,...shk->...hts", q, k) / np.sqrt(q.shape[-1])
-  if soft_cap is not None:
-    logits = soft_cap * np.tanh(logits / soft_cap)
-  visible = np.broadcast_to(True if visible is None else visible, logits.shape)
-  logits = np.where(visible, logits, -np.inf)
-  row_max = logits.max(-1, keepdims=True, initial=-np.inf)
-  e = np.where(visible, np.exp(logits - np.where(np.isfinite(row_max), row_max, 0.0)), 0.0)
-  weights = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)  # all-hidden rows: weights 0
-  out = np.einsum("...hts,...shv->...thv", weights, v)
-  out = np.einsum("...hv,hvd->...d", out, p["out"]["kernel"]) + p["out"]["bias"]
-  return (out, weights) if return_weights else out
-
-
-def _init(model, *args, **kwargs):
-  """Random params of the shapes `model.init` makes (NumPy: no compile), every leaf non-trivial
-  (LayerNorm scales too)."""
-  shapes = jax.eval_shape(functools.partial(model.init, **kwargs), jax.random.key(0), *args)
-  rng = np.random.default_rng(1)
-  return {"params": jax.tree.map(lambda a: randn(rng, *a.shape, dtype=a.dtype) * 0.3,
-                                 shapes["params"])}
 
 
 def _inputs(rng):
@@ -99,12 +36,8 @@ def _flax_pair(**kwargs):
   return flax_mha.MultiHeadAttention(**common), nn.MultiHeadDotProductAttention(**common)
 
 
-@pytest.mark.parametrize("qk_scale", [1.0, 1e-3])  # 1e-3: variance ~1e-6, epsilon shows
-@pytest.mark.parametrize("direction", ["flax_into_ours", "ours_into_flax"])
-def test_normalize_qk_matches_flax(rng, variant, direction, qk_scale):
+def test_normalize_qk_param_tree_identical_to_flax(rng):
   xq, xk, xv = _inputs(rng)
-  mask = rng.random((B, 1, T, S)) < 0.7
-  mask[..., 0] = True  # flax does not zero fully masked rows
   ours, theirs = _flax_pair()
   init = lambda m: jax.jit(m.init)(jax.random.key(3), xq, xk, xv)
   p_ours, p_theirs = init(ours), init(theirs)
@@ -112,45 +45,69 @@ def test_normalize_qk_matches_flax(rng, variant, direction, qk_scale):
   chex.assert_trees_all_equal(p_ours, p_theirs)  # same names, initialisers and rng streams
   chex.assert_shape(p_ours["params"]["query_ln"]["scale"], (K,))
   assert set(p_ours["params"]["key_ln"]) == {"scale"}  # no bias
-  params = _init(theirs if direction == "flax_into_ours" else ours, xq, xk, xv)
-  for name in ("query", "key"):
-    params["params"][name] = jax.tree.map(lambda a: a * qk_scale, params["params"][name])
-  out_ours = variant(functools.partial(ours.apply, mask=mask))(params, xq, xk, xv)
-  out_theirs = variant(functools.partial(theirs.apply, mask=mask))(params, xq, xk, xv)
-  chex.assert_shape(out_ours, (B, T, DOUT))
-  np.testing.assert_allclose(out_ours, out_theirs, **TOL)
-  np.testing.assert_allclose(out_ours, np_module(params, xq, xk, xv, visible=mask,
-                                                 normalize_qk=True), **TOL)
+
+
+@pytest.mark.parametrize("qk_scale", [1.0, 1e-3])  # 1e-3: variance ~1e-6, epsilon shows
+@pytest.mark.parametrize("direction", ["flax_into_ours", "ours_into_flax"])
+def test_normalize_qk_matches_flax(rng, variant, direction, qk_scale):
+  """Each side makes its own params (LayerNorm scales too); the source's, loaded into the
+  target as they are, give the source's output there."""
+  xq, xk, xv = _inputs(rng)
+  mask = rng.random((B, 1, T, S)) < 0.7
+  mask[..., 0] = True  # flax does not zero fully masked rows
+  ours, theirs = _flax_pair()
+  models = {"ours": ours, "flax": theirs}
+  own = own_params(models, xq, xk, xv)
+  for params in own.values():
+    for name in ("query", "key"):
+      params["params"][name] = jax.tree.map(lambda a: a * qk_scale, params["params"][name])
+  run = {side: variant(functools.partial(m.apply, mask=mask)) for side, m in models.items()}
+  loaded, other, want, got = load_across(direction, own, run, xq, xk, xv)
+  chex.assert_shape(got, (B, T, DOUT))
+  np.testing.assert_allclose(got, want, **TOL)
+  np_normed = lambda params, **kw: np_mha(params, xq, xk, xv, mask=mask, **kw)
+  for out in (got, want):
+    np.testing.assert_allclose(out, np_normed(loaded, normalize_qk=True), **TOL)
   # The norm matters: without it the same params give another output.
-  assert not np.allclose(out_ours, np_module(params, xq, xk, xv, visible=mask), atol=1e-2)
+  assert not np.allclose(got, np_normed(loaded), atol=1e-2)
+  # The two directions differ: the target's own params give another output.
+  assert not np.allclose(got, np_normed(other, normalize_qk=True), atol=1e-3)
 
 
 @pytest.mark.parametrize("direction", ["flax_into_ours", "ours_into_flax"])
 def test_normalize_qk_decode_matches_flax(rng, direction):
-  """One token at a time (flax's decode mode), same params, same cache layout and contents."""
+  """One token at a time (flax's decode mode): each side makes its own params; the source's,
+  loaded into the target, give the source's outputs, cache layout and contents."""
   x = randn(rng, B, L, DQ)
   ours, theirs = _flax_pair(decode=True)
+  models = {"ours": ours, "flax": theirs}
   v_ours = jax.eval_shape(ours.init, jax.random.key(0), x)
   v_theirs = jax.eval_shape(theirs.init, jax.random.key(0), x)
   chex.assert_trees_all_equal_shapes_and_dtypes(v_ours, v_theirs)
-  params = _init(theirs if direction == "flax_into_ours" else ours, x)
   zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), v_ours["cache"])
 
-  def decode(model):
-    step = jax.jit(lambda cache, x_t: model.apply({**params, "cache": cache}, x_t,
-                                                  mutable=["cache"]))
-    cache, outs = zeros, []
-    for t in range(L):
-      out, state = step(cache, x[:, t:t + 1])
-      cache = state["cache"]
-      outs.append(out)
-    return jnp.concatenate(outs, axis=1), cache
+  def decoder(model):
+    def decode(params):
+      step = jax.jit(lambda cache, x_t: model.apply({**params, "cache": cache}, x_t,
+                                                    mutable=["cache"]))
+      cache, outs = zeros, []
+      for t in range(L):
+        out, state = step(cache, x[:, t:t + 1])
+        cache = state["cache"]
+        outs.append(out)
+      return jnp.concatenate(outs, axis=1), cache
+    return decode
 
-  (out_ours, cache_ours), (out_theirs, cache_theirs) = decode(ours), decode(theirs)
-  np.testing.assert_allclose(out_ours, out_theirs, **TOL)
-  chex.assert_trees_all_close(cache_ours, cache_theirs, atol=1e-5, rtol=1e-5)
-  want = np_module(params, x, x, x, visible=np.tril(np.ones((L, L), bool)), normalize_qk=True)
-  np.testing.assert_allclose(out_ours, want, **TOL)
+  run = {side: decoder(m) for side, m in models.items()}
+  loaded, other, (want, want_cache), (got, got_cache) = load_across(
+      direction, own_params(models, x), run)
+  np.testing.assert_allclose(got, want, **TOL)
+  chex.assert_trees_all_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)
+  causal = np.tril(np.ones((L, L), bool))
+  for out in (got, want):
+    np.testing.assert_allclose(out, np_mha(loaded, x, mask=causal, normalize_qk=True), **TOL)
+  # The two directions differ: the target's own params give another output.
+  assert not np.allclose(got, np_mha(other, x, mask=causal, normalize_qk=True), atol=1e-3)
 
 
 # ---------------------------------------------------------------- soft cap and local window
@@ -176,7 +133,7 @@ def _by_hand(params, x, **options):
 def test_soft_cap_and_window(rng, variant, g, cap, window, is_causal):
   x = randn(rng, B, L, DQ)
   model = _self_model(num_kv_heads=g, logit_soft_cap=cap, local_window_size=window)
-  params = _init(model, x)
+  params = random_params(model, x)
   apply = variant(functools.partial(model.apply, is_causal=is_causal, sow_weights=True,
                                     mutable=["intermediates"]))
   out, state = apply(params, x)
@@ -186,17 +143,16 @@ def test_soft_cap_and_window(rng, variant, g, cap, window, is_causal):
   visible = np.tril(np.ones((L, L), bool)) if is_causal else np.ones((L, L), bool)
   if window is not None:
     visible &= np_window(L, L, window)
-  want, want_weights = np_module(params, x, x, x, visible=visible, soft_cap=cap,
-                                 return_weights=True)
+  want, want_weights = np_mha(params, x, x, x, mask=visible, soft_cap=cap, return_weights=True)
   np.testing.assert_allclose(out, want, **TOL)
   (weights,) = state["intermediates"]["attention_weights"]
   np.testing.assert_allclose(weights, want_weights, **TOL)  # sown with the same options
   # Each option changes the result (so the test can fail if one is dropped).
   if cap is not None:
-    assert not np.allclose(out, np_module(params, x, x, x, visible=visible), atol=1e-3)
+    assert not np.allclose(out, np_mha(params, x, x, x, mask=visible), atol=1e-3)
   if window is not None:
     plain = np.tril(np.ones((L, L), bool)) if is_causal else None
-    assert not np.allclose(out, np_module(params, x, x, x, visible=plain, soft_cap=cap),
+    assert not np.allclose(out, np_mha(params, x, x, x, mask=plain, soft_cap=cap),
                            atol=1e-3)
 
 
@@ -225,12 +181,12 @@ def test_rotary_matches_numpy(rng, variant, wavelength, case):
       q_pos, kv_pos = rng.integers(0, 50, (B, T)), rng.integers(0, 50, (S,))
       kwargs = dict(q_positions=q_pos, kv_positions=kv_pos)
     call = lambda params, **kw: model.apply(params, xq, xk, xv, **kw)
-  params = _init(model, xq, xk, xv)
+  params = random_params(model, xq, xk, xv)
   out = variant(lambda params, kw: call(params, **kw))(params, kwargs)  # positions traced
   chex.assert_shape(out, (B, T, DOUT))
-  want = np_module(params, xq, xk, xv, rotary=(wavelength, q_pos, kv_pos))
+  want = np_mha(params, xq, xk, xv, rotary=(wavelength, q_pos, kv_pos))
   np.testing.assert_allclose(out, want, **TOL)
-  assert not np.allclose(out, np_module(params, xq, xk, xv), atol=1e-3)  # rotary did something
+  assert not np.allclose(out, np_mha(params, xq, xk, xv), atol=1e-3)  # rotary did something
 
 
 def test_rotary_logits_shift_invariant(rng):
@@ -238,7 +194,7 @@ def test_rotary_logits_shift_invariant(rng):
   relative); a plain module would not see positions at all."""
   x = randn(rng, B, L, DQ)
   model = _self_model(rotary_max_wavelength=10_000.0)
-  params = _init(model, x)
+  params = random_params(model, x)
   apply = jax.jit(functools.partial(model.apply, is_causal=True))
   base = apply(params, x)
   np.testing.assert_allclose(apply(params, x, positions=np.arange(L) + 37), base, atol=2e-4)
@@ -261,13 +217,20 @@ DECODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("chunk", [1, 2])
-@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+def _decode_cases():
+  """Every case one token a step; two a step (the last step one) for the options whose cache
+  mask or positions move with the step's width, the rest of those marked slow."""
+  return [pytest.param(case, chunk, marks=(pytest.mark.slow,) if chunk == 2 and case not in (
+      "rotary", "window", "everything") else ()) for case in sorted(DECODE_CASES)
+          for chunk in (1, 2)]
+
+
+@pytest.mark.parametrize("case,chunk", _decode_cases())
 def test_decode_equals_full_causal(rng, case, chunk):
   config = DECODE_CASES[case]
   x = randn(rng, B, L, DQ)
   full = _self_model(**config)
-  params = _init(full, x)
+  params = random_params(full, x)
   want = jax.jit(functools.partial(full.apply, is_causal=True))(params, x)
   decoder = _self_model(decode=True, **config)
   cache = jax.eval_shape(decoder.init, jax.random.key(0), x)["cache"]
@@ -287,8 +250,8 @@ def test_decode_equals_full_causal(rng, case, chunk):
     visible &= np_window(L, L, config["local_window_size"])
   wavelength = config.get("rotary_max_wavelength")
   rotary = None if wavelength is None else (wavelength, np.arange(L), np.arange(L))
-  np.testing.assert_allclose(want, np_module(
-      params, x, x, x, visible=visible, soft_cap=config.get("logit_soft_cap"),
+  np.testing.assert_allclose(want, np_mha(
+      params, x, x, x, mask=visible, soft_cap=config.get("logit_soft_cap"),
       normalize_qk=config.get("normalize_qk", False), rotary=rotary), **TOL)
 
 
@@ -297,9 +260,9 @@ def test_decode_with_explicit_positions(rng):
   x = randn(rng, B, L, DQ)
   config = dict(rotary_max_wavelength=10_000.0, num_kv_heads=G)
   positions = np.stack([np.arange(L) + 4, np.arange(L) * 2])  # [B, L], per batch row
-  params = _init(_self_model(**config), x)
-  want = np_module(params, x, x, x, visible=np.tril(np.ones((L, L), bool)),
-                   rotary=(10_000.0, positions, positions))
+  params = random_params(_self_model(**config), x)
+  want = np_mha(params, x, x, x, mask=np.tril(np.ones((L, L), bool)),
+                rotary=(10_000.0, positions, positions))
   decoder = _self_model(decode=True, **config)
   cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                        jax.eval_shape(decoder.init, jax.random.key(0), x)["cache"])
@@ -322,15 +285,15 @@ def test_segment_ids_equal_mask(rng, variant):
   kv_ids = np.array([[0, 1, 1, 2, 2, 2, 2], [0, 0, 0, 1, 1, 1, 1]], np.int32)  # [B, S]
   model = flax_mha.MultiHeadAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K,
                                       out_features=DOUT, logit_soft_cap=4.0)
-  params = _init(model, xq, xk, xv)
+  params = random_params(model, xq, xk, xv)
   mask = flax_mha.segment_mask(q_ids, kv_ids)  # [B, 1, T, S]
   out = variant(lambda p, q_ids, kv_ids: model.apply(
       p, xq, xk, xv, q_segment_ids=q_ids, kv_segment_ids=kv_ids))(params, q_ids, kv_ids)
   np.testing.assert_allclose(out, model.apply(params, xq, xk, xv, mask=mask), atol=1e-6)
   visible = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
-  np.testing.assert_allclose(out, np_module(params, xq, xk, xv, visible=visible,
-                                            soft_cap=4.0), **TOL)
-  assert not np.allclose(out, np_module(params, xq, xk, xv, soft_cap=4.0), atol=1e-3)
+  np.testing.assert_allclose(out, np_mha(params, xq, xk, xv, mask=visible, soft_cap=4.0),
+                             **TOL)
+  assert not np.allclose(out, np_mha(params, xq, xk, xv, soft_cap=4.0), atol=1e-3)
 
 
 def test_packed_documents_equal_separate_runs(rng, variant):
@@ -341,7 +304,7 @@ def test_packed_documents_equal_separate_runs(rng, variant):
   ids = np.array([0] * n1 + [1] * n2, np.int32)[None].repeat(B, 0)
   positions = np.concatenate([np.arange(n1), np.arange(n2)]).astype(np.int32)
   model = _self_model(num_kv_heads=G, rotary_max_wavelength=10_000.0, local_window_size=(3, 0))
-  params = _init(model, x)
+  params = random_params(model, x)
   packed = variant(lambda p, ids, pos: model.apply(
       p, x, segment_ids=ids, positions=pos, is_causal=True))(params, ids, positions)
   alone = jax.jit(functools.partial(model.apply, is_causal=True))

@@ -14,7 +14,7 @@ import flax_mha
 from flax_mha import sharding
 from flax_mha import ring_implementation
 from flax_mha.kernels.ring import ring_attention
-from tests.conftest import np_attention
+from conftest import np_attention, output_and_grads, qkv
 from tests.multidevice.run import run_check
 
 
@@ -25,13 +25,7 @@ def test_ring_matches_single_device_on_8_devices():
       "full", "gqa_causal", "mqa_full",
       "mesh_Auto", "abstract_mesh_Auto", "mesh_Explicit", "abstract_mesh_Explicit",
       "mesh_mixed", "abstract_mesh_mixed", "explicit_query_type_kept",
-      "key_padding_causal", "full_mask"]
-
-
-def qkv(rng, t=5, s=7, h=6, g=3):
-  """float32 query [2, t, h, 11], key [2, s, g, 11], value [2, s, g, 13]."""
-  return tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32)
-               for shape in ((2, t, h, 11), (2, s, g, 11), (2, s, g, 13)))
+      "key_padding_causal", "full_mask", "sinks_residual"]
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -44,14 +38,12 @@ def test_one_device_ring_is_plain_attention(rng, is_causal):
 def test_float64_in_float64_accuracy_out(rng):
   with jax.enable_x64(True):
     q, k, v = (x.astype(jnp.float64) for x in qkv(rng))
-    out = ring_attention(q, k, v, mesh=sharding.make_mesh(), is_causal=True)
+    out, (grad,) = output_and_grads(  # one compile: values and gradients
+        lambda q: ring_attention(q, k, v, mesh=sharding.make_mesh(), is_causal=True), q)
     assert out.dtype == jnp.float64
     np.testing.assert_allclose(out, np_attention(q, k, v, is_causal=True), atol=1e-12)
-    loss = lambda fn: lambda q: jnp.sum(jnp.sin(fn(q)))
-    grad = jax.grad(loss(lambda q: ring_attention(q, k, v, mesh=sharding.make_mesh(),
-                                                  is_causal=True)))(q)
-    want = jax.grad(loss(lambda q: flax_mha.dot_product_attention(
-        q, k, v, is_causal=True, implementation="reference")))(q)
+    _, (want,) = output_and_grads(lambda q: flax_mha.dot_product_attention(
+        q, k, v, is_causal=True, implementation="reference"), q, jit=False)
     np.testing.assert_allclose(grad, want, atol=1e-12)
 
 
@@ -143,14 +135,13 @@ def test_ring_callable_without_the_dispatcher(rng):
     ids=["window", "soft_cap", "mask_mod", "score_mod"])
 def test_ring_takes_index_only_mods(rng, kwargs):
   q, k, v = qkv(rng, t=8, s=8)
-  want = flax_mha.dot_product_attention(q, k, v, implementation="reference", **kwargs)
-  grad = lambda impl: jax.grad(lambda q: jnp.sum(jnp.sin(flax_mha.dot_product_attention(
-      q, k, v, implementation=impl, **kwargs))))(q)
+  attend = lambda impl: lambda q: flax_mha.dot_product_attention(q, k, v, implementation=impl,
+                                                                 **kwargs)
+  want, (want_grad,) = output_and_grads(attend("reference"), q, jit=False)
   with jax.set_mesh(sharding.make_mesh()):
-    out = flax_mha.dot_product_attention(q, k, v, implementation=ring_implementation, **kwargs)
-    got_grad = grad(ring_implementation)
+    out, (got_grad,) = output_and_grads(attend(ring_implementation), q)  # one compile
   np.testing.assert_allclose(out, want, atol=1e-5)
-  np.testing.assert_allclose(got_grad, grad("reference"), atol=1e-5)
+  np.testing.assert_allclose(got_grad, want_grad, atol=1e-5)
 
 
 def test_ring_refuses_mods_holding_arrays(rng):

@@ -1,7 +1,7 @@
 """flax_mha.kernels.cudnn: the GPU path equals the float32 reference; off a GPU it says why it can't run.
 
-The GPU tests run where JAX sees a CUDA device (e.g. `python -m pytest tests/test_cudnn.py` on the
-lent H100) and are skipped elsewhere.
+The GPU tests run where JAX sees a CUDA device (e.g. `python -m pytest tests/kernels/test_cudnn.py`
+on the lent H100) and are skipped elsewhere.
 """
 
 import itertools
@@ -77,3 +77,9 @@ def test_reasons_name_the_constraint():
   assert reason is not None and ("GPU" in reason or "bfloat16" in reason)
   with pytest.raises(ValueError, match="implementation='cudnn' cannot run"):
     flax_mha.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+def test_refuses_options_by_name():
+  q, k, v, _ = _inputs(jnp.float32)
+  with pytest.raises(ValueError, match="implementation='cudnn' cannot run"):  # T == S: a window
+    flax_mha.dot_product_attention(q[:, :S], k, v, local_window_size=3, implementation="cudnn")

@@ -15,7 +15,7 @@ import flax_mha
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import reference
 from flax_mha.kernels import rows
-from conftest import qkv
+from conftest import output_and_grads, qkv
 
 SMALL_TILES = rows.make_attention(tile_forward=2**9, tile_backward=2**8)  # many trips and blocks
 
@@ -31,12 +31,10 @@ def _call(fn, q, k, v, is_causal, scale=0.37):
 def test_values_and_grads_match_oracle(fn, is_causal, t, s, h, g):
   rng = np.random.default_rng(t * s)
   q, k, v = (jnp.asarray(x) for x in qkv(rng, t=t, s=s, h=h, g=g, k=5, v=3))
-  out = jax.jit(lambda *a: _call(fn, *a, is_causal))(q, k, v)
-  chex.assert_trees_all_close(out, _call(reference.attention, q, k, v, is_causal), atol=2e-6,
-                              rtol=2e-6)
-  loss = lambda f: lambda *a: jnp.sum(jnp.sin(_call(f, *a, is_causal)))
-  grads = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
-  want = jax.grad(loss(reference.attention), argnums=(0, 1, 2))(q, k, v)
+  call = lambda f: lambda *a: _call(f, *a, is_causal)
+  out, grads = output_and_grads(call(fn), q, k, v)  # one compile: values and gradients
+  want_out, want = output_and_grads(call(reference.attention), q, k, v, jit=False)
+  chex.assert_trees_all_close(out, want_out, atol=2e-6, rtol=2e-6)
   chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
 
 
@@ -129,12 +127,27 @@ def test_unsupported_reason_reads_mods():
       0.0, mods_lib.Mods(masks=(mods_lib.LocalWindow(1, 1),)))
 
 
-@pytest.mark.parametrize("tiles", [(None, rows.TILE_BACKWARD), (2**9, 2**9), (2**6, 2**6)],
-                         ids=["default", "units_part_of_a_batch", "one_unit"])
-@pytest.mark.parametrize("bias_shape, mask_shape", [
+TILES = {"default": (None, rows.TILE_BACKWARD), "units_part_of_a_batch": (2**9, 2**9),
+         "one_unit": (2**6, 2**6)}
+LAYOUTS = [  # (bias shape, mask shape) for q [2, 9, 8, 4], k [2, 13, 4, 4]
     ((1, 8, 9, 13), (2, 1, 9, 13)), ((2, 1, 1, 13), (1, 8, 1, 13)), ((2, 8, 9, 1), (2, 8, 9, 13)),
-    (None, (2, 1, 1, 13)), ((1, 1, 9, 13), None)])
-@pytest.mark.parametrize("is_causal", [False, True])
+    (None, (2, 1, 1, 13)), ((1, 1, 9, 13), None)]
+
+
+def _layout_cases():
+  """Every layout with every tile plan, causal and not. The default run takes half: each layout
+  under each tile plan once, causality alternating so that every layout and every tile plan
+  also meets both; the other half is marked slow."""
+  cases = []
+  for i, (tiles, (bias_shape, mask_shape)) in enumerate(
+      (tiles, layout) for tiles in TILES for layout in LAYOUTS):
+    for is_causal in (False, True):
+      marks = () if is_causal == bool(i % 2) else (pytest.mark.slow,)
+      cases.append(pytest.param(tiles, bias_shape, mask_shape, is_causal, marks=marks))
+  return cases
+
+
+@pytest.mark.parametrize("tiles, bias_shape, mask_shape, is_causal", _layout_cases())
 def test_bias_and_mask_of_every_broadcast_shape(tiles, bias_shape, mask_shape, is_causal):
   """Trips that cover whole batch elements, part of one (G=4: 2 or 1 key heads per trip) or a
   single unit read the right part of every mask/bias layout; dbias sums the broadcast dims."""
@@ -142,21 +155,12 @@ def test_bias_and_mask_of_every_broadcast_shape(tiles, bias_shape, mask_shape, i
   q, k, v = (jnp.asarray(x) for x in qkv(rng, t=9, s=13, h=8, g=4, k=4, v=3))
   bias = None if bias_shape is None else jnp.asarray(rng.standard_normal(bias_shape), jnp.float32)
   mask = None if mask_shape is None else jnp.asarray(rng.random(mask_shape) < 0.6)
-  fn = rows.make_attention(*tiles)
-  call = lambda f, q, k, v, b: f(q, k, v, b, mask, is_causal=is_causal, scale=0.4,
-                                 dropout_rate=0.0, dropout_rng=None)
-  out = jax.jit(lambda *a: call(fn, *a))(q, k, v, bias)
-  chex.assert_trees_all_close(out, call(reference.attention, q, k, v, bias), atol=2e-6)
+  call = lambda f: lambda q, k, v, b=None: f(q, k, v, b, mask, is_causal=is_causal, scale=0.4,
+                                             dropout_rate=0.0, dropout_rng=None)
   args = (q, k, v) if bias is None else (q, k, v, bias)
-  argnums = tuple(range(len(args)))
-
-  def loss(f):
-    def value(q, k, v, b=None):
-      return jnp.sum(jnp.sin(call(f, q, k, v, b)))
-    return value
-
-  grads = jax.jit(jax.grad(loss(fn), argnums=argnums))(*args)
-  want = jax.grad(loss(reference.attention), argnums=argnums)(*args)
+  out, grads = output_and_grads(call(rows.make_attention(*TILES[tiles])), *args)
+  want_out, want = output_and_grads(call(reference.attention), *args, jit=False)
+  chex.assert_trees_all_close(out, want_out, atol=2e-6)
   chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
 
 

@@ -1,5 +1,7 @@
-"""Bad input raises ValueError/TypeError whose message names the argument, what was expected and
-what was given. `match` checks the argument name and the offending value or shape."""
+"""flax_mha.checks as the pure API raises them: bad input to dot_product_attention, its weights,
+split/merge_heads and the masks raises ValueError/TypeError whose message names the argument, what
+was expected and what was given. `match` checks the argument name and the offending value or
+shape. The front ends' and models' refusals are tested beside them (tests/nn/, tests/models/)."""
 
 import functools
 
@@ -129,88 +131,3 @@ def test_checks_also_run_under_jit():
     jax.jit(attention)(Q, f32((B, S, 4, K)), f32((B, S, 4, V)))
   with pytest.raises(TypeError, match="mask must be boolean"):
     jax.jit(attention)(Q, KEY, VAL, mask=f32((T, S)))
-
-
-D = 12
-X = f32((B, T, D))
-
-
-def _module(**kwargs):
-  return flax_mha.MultiHeadAttention(**{"num_heads": 3, **kwargs})
-
-
-def _init(module, *args, **kwargs):
-  return lambda: module.init(jax.random.key(0), *args, **kwargs)
-
-
-BAD_MODULE = [
-    ("qkv_features", _init(_module(qkv_features=10), X), ValueError,
-     "qkv_features=10 must be divisible by num_heads=3"),
-    ("default qkv_features", _init(_module(num_heads=5), X), ValueError,
-     "qkv_features=12 must be divisible by num_heads=5"),
-    ("v_features", _init(_module(v_features=7), X), ValueError,
-     "v_features=7 must be divisible by num_heads=3"),
-    ("num_kv_heads", _init(_module(num_heads=6, num_kv_heads=4), X), ValueError,
-     "num_heads=6 must be a multiple of num_kv_heads=4"),
-    ("num_heads", _init(_module(num_heads=0), X), ValueError,
-     "num_heads must be a positive int, got 0"),
-    ("dropout_rate", _init(_module(dropout_rate=1.5), X), ValueError,
-     r"dropout_rate must be a finite number in \[0, 1\), got 1.5"),
-    ("inputs_q rank", _init(_module(), f32((D,))), ValueError,
-     r"inputs_q must have rank >= 2 with layout \[\.\.\., T, D_q\], got shape \(12,\)"),
-    ("batch mismatch", _init(_module(), X, f32((3, S, D))), ValueError,
-     r"share batch dims.*\(2, 5, 12\), \(3, 7, 12\)"),
-    ("key/value length", _init(_module(), X, f32((B, S, D)), f32((B, S + 2, D))), ValueError,
-     r"inputs_k.*inputs_v.*length S.*\(2, 7, 12\) and \(2, 9, 12\)"),
-    # Integer and float masks are flax's (nonzero = attend); other dtypes are refused.
-    ("mask dtype", _init(_module(), X, mask=np.ones((T, T), np.complex64)), TypeError,
-     "mask must be boolean.*or integer/float.*complex64"),
-    ("mask shape", _init(_module(), X, mask=np.ones((B, 4, T, T), bool)), ValueError,
-     r"mask must broadcast to \[\.\.\., H, T, S\] = \(2, 3, 5, 5\), got shape \(2, 4, 5, 5\)"),
-    ("implementation", _init(_module(implementation="nope"), X), ValueError,
-     "implementation must be None.*one of .*got 'nope'"),
-]
-
-
-@pytest.mark.parametrize("call,error,match", [c[1:] for c in BAD_MODULE],
-                         ids=[c[0] for c in BAD_MODULE])
-def test_module_rejects(call, error, match):
-  with pytest.raises(error, match=match):
-    call()
-
-
-def test_module_dropout_needs_rng():
-  module = flax_mha.SelfAttention(num_heads=3, dropout_rate=0.5)
-  params = module.init(jax.random.key(0), X)
-  match = "dropout_rate=0.5 with deterministic=False needs a dropout_rng"
-  with pytest.raises(ValueError, match=match):
-    module.apply(params, X, deterministic=False)
-  module.apply(params, X)  # deterministic (the default) needs no rng
-
-
-def test_module_decode_step_shape():
-  module = flax_mha.SelfAttention(num_heads=3, decode=True)
-  cache = module.init(jax.random.key(0), X)["cache"]
-  params = flax_mha.SelfAttention(num_heads=3).init(jax.random.key(0), X)
-  with pytest.raises(ValueError, match=r"decode step.*T<= 5.*got \(2, 6, 3, 4\)"):
-    module.apply({**params, "cache": cache}, f32((B, T + 1, D)), mutable=["cache"])
-  with pytest.raises(ValueError, match=r"decode step.*batch \(2,\).*got \(3, 1, 3, 4\)"):
-    module.apply({**params, "cache": cache}, f32((3, 1, D)), mutable=["cache"])
-
-
-def test_module_non_array_inputs_name_the_argument():
-  """Regression: a list as inputs_q gave AttributeError (_head_dims read .shape before checks)."""
-  with pytest.raises(TypeError, match="inputs_q must be an array .*got list"):
-    _module().init(jax.random.key(0), X.tolist())
-  with pytest.raises(TypeError, match="inputs_k must be an array .*got tuple"):
-    _module().init(jax.random.key(0), X, (1.0, 2.0))
-
-
-def test_module_inputs_v_without_inputs_k():
-  """Regression: inputs_v with inputs_k None silently took the keys from inputs_q (flax raises)."""
-  module = _module()
-  params = module.init(jax.random.key(0), X)
-  with pytest.raises(ValueError, match="inputs_v was given but inputs_k is None: pass inputs_k"):
-    module.apply(params, X, inputs_v=f32((B, T, D)))
-  with pytest.raises(ValueError, match="pass inputs_k too"):
-    module.apply(params, X, None, f32((B, T, D)))

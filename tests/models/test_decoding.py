@@ -1,5 +1,6 @@
 """flax_mha.models.decoding: cached greedy and beam search against cache-free and exhaustive searches."""
 
+import functools
 import itertools
 
 import chex
@@ -14,17 +15,30 @@ from flax_mha.models.transformer import Transformer, TransformerConfig
 B, S = 3, 6
 
 
-def make(vocab=11, max_len=12, seed=0):
+@functools.lru_cache
+def _apply(cfg):
+  """Transformer(cfg).apply under jit, one per config: the cache-free greedy decodes share it
+  (one-off calls run eagerly: in a warm process that is cheaper than a compile)."""
+  return jax.jit(Transformer(cfg).apply)
+
+
+def _init(cfg, seed, src):
+  return Transformer(cfg).init(jax.random.key(seed), src, src[:, :2])["params"]
+
+
+def _make(vocab=11, max_len=12, seed=0):
   cfg = TransformerConfig(vocab_size=vocab, d_model=32, num_heads=2, d_ff=48, dropout_rate=0.0,
                           max_len=max_len)
   rng = np.random.default_rng(seed)
   src = rng.integers(3, vocab, (B, S))
   src[1, 3:] = 0
   src = jnp.asarray(src, jnp.int32)
-  params = Transformer(cfg).init(jax.random.key(seed), src, src[:, :2])["params"]
   # Larger logits make eos likely at some point, so finished/unfinished beams both occur.
-  params = jax.tree.map(lambda p: p * 1.5, params)
+  params = jax.tree.map(lambda p: p * 1.5, _init(cfg, seed, src))
   return cfg, params, src
+
+
+make = functools.lru_cache(_make)  # (cfg, params, src) of a seed, made once
 
 
 def naive_greedy(cfg, params, src, max_len):
@@ -33,7 +47,7 @@ def naive_greedy(cfg, params, src, max_len):
   The target buffer has a fixed length (one compilation); the decoder is causal, so the logits at
   position i ignore the padding after it.
   """
-  apply = jax.jit(Transformer(cfg).apply)
+  apply = _apply(cfg)
   tgt = np.full((src.shape[0], max_len), cfg.pad_id, np.int32)
   tgt[:, 0] = cfg.bos_id
   done = np.zeros(src.shape[0], bool)
@@ -79,8 +93,7 @@ def make_eos_prone(step=3, seed=1):
   """
   cfg, _, src = make(seed=seed)
   cfg = cfg.replace(share_embeddings=False, pre_layer_norm=True, learned_positions=True)
-  params = Transformer(cfg).init(jax.random.key(seed), src, src[:, :2])["params"]
-  params = jax.tree.map(lambda p: p * 1.5, params)
+  params = jax.tree.map(lambda p: p * 1.5, _init(cfg, seed, src))
   w_eos = params["logits"]["kernel"][:, cfg.eos_id]
   positions = params["decoder"]["positions"]["pos_embedding"]
   positions = positions.at[step].add(10.0 * w_eos / jnp.linalg.norm(w_eos))
@@ -122,9 +135,10 @@ def test_wide_beam_finds_the_exhaustive_best():
   cfg, params, src = make(vocab=vocab)
   tokens = beam_search(cfg, params, src, max_len=max_len, beam_size=vocab**max_len, alpha=alpha)
   candidates = np.array(list(itertools.product(range(vocab), repeat=max_len)))
-  for b in range(B):
-    best = sequence_scores(cfg, params, src[b], candidates, alpha).max()
-    got = sequence_scores(cfg, params, src[b], np.asarray(tokens[b])[None], alpha)[0]
+  for b in range(B):  # one call (one shape) scores every candidate and the beam's pick
+    scores = sequence_scores(cfg, params, src[b], np.concatenate([candidates, tokens[b][None]]),
+                             alpha)
+    best, got = scores[:-1].max(), scores[-1]
     np.testing.assert_allclose(got, best, rtol=1e-5)
 
 
@@ -153,7 +167,7 @@ def test_bad_arguments():
 def test_decoding_under_x64():
   """Regression: with jax_enable_x64 the KV-cache update mixed int64 and int32 start indices."""
   with jax.enable_x64(True):
-    cfg, params, src = make()
+    cfg, params, src = _make()  # made under x64, not the cached one
     tokens = greedy_decode(cfg, params, src, max_len=6)
     np.testing.assert_array_equal(tokens, naive_greedy(cfg, params, src, 6))
     np.testing.assert_array_equal(beam_search(cfg, params, src, max_len=6, beam_size=1), tokens)

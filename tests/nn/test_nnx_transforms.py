@@ -12,10 +12,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import flax_mha
-from conftest import randn, random_mask
+from conftest import np_mha, randn, random_mask
 from flax_mha.nn import nnx as fnnx
 from test_nnx import (B, DOUT, DQ, G, GQA_KW, H, K, L, NNX_JIT_WORKS, T, TOL, V, _pure,
-                      _random_params, np_module)
+                      _random_params)
 
 
 def _module_and_params(**kwargs):
@@ -29,7 +29,7 @@ def test_nnx_jit_forward_and_decode(rng):
   module, params = _module_and_params()
   x = randn(rng, B, L, DQ)
   forward = nnx.jit(lambda m, x: m(x, is_causal=True))
-  want, _ = np_module(params, x, x, x, is_causal=True)
+  want = np_mha(params, x, x, x, is_causal=True)
   np.testing.assert_allclose(forward(module, x), want, **TOL)
   step = nnx.jit(lambda m, x: m(x, decode=True))
   module.init_cache(x.shape)
@@ -42,7 +42,7 @@ def test_nnx_vmap_over_inputs(rng):
   module, params = _module_and_params()
   xs = randn(rng, 3, T, DQ)
   out = nnx.vmap(lambda m, x: m(x, is_causal=True), in_axes=(None, 0))(module, xs)
-  np.testing.assert_allclose(out, np_module(params, xs, xs, xs, is_causal=True)[0], **TOL)
+  np.testing.assert_allclose(out, np_mha(params, xs, xs, xs, is_causal=True), **TOL)
 
 
 def test_nnx_vmap_over_modules(rng):
@@ -59,7 +59,7 @@ def test_nnx_vmap_over_modules(rng):
   for i in range(3):
     one = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
     params = fnnx.nnx_to_linen_params(one)["params"]
-    np.testing.assert_allclose(outs[i], np_module(params, x, x, x)[0], **TOL)
+    np.testing.assert_allclose(outs[i], np_mha(params, x, x, x), **TOL)
     kernels.append(params["query"]["kernel"])
   assert np.abs(kernels[0] - kernels[1]).max() > 1e-3  # split_rngs gave each its own init
 

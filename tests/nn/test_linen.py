@@ -1,4 +1,6 @@
-"""flax_mha.nn.linen against a float64 NumPy forward pass and flax.linen's attention modules."""
+"""flax_mha.nn.linen, the core of the linen front end (projections, GQA, masks, sown weights,
+dropout, the KV cache, bad input), against the float64 NumPy forward pass of tests/conftest.py
+(np_mha) and flax.linen's attention modules. The modern options are in test_linen_options.py."""
 
 import functools
 
@@ -10,31 +12,16 @@ import numpy as np
 import pytest
 
 import flax_mha
-from conftest import DIMS, np_attention, randn, random_mask
+from conftest import (DIMS, load_across, np_mha, own_params, random_params, randn,
+                      random_mask)
 
 B, T, S, H, G, K, V = (DIMS[d] for d in "BTSHGKV")
 DQ, DK, DV, DOUT = 19, 23, 29, 17  # model widths: query, key and value inputs, output
 TOL = dict(atol=2e-5, rtol=2e-5)
 
 
-def np_module(params, xq, xk, xv, mask=None, *, is_causal=False):
-  """MultiHeadAttention's forward pass in float64 NumPy: projections, attention, out projection."""
-  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params["params"])
-  proj = lambda x, name: np.einsum("...d,dhk->...hk", x, p[name]["kernel"]) + p[name].get("bias", 0)
-  out = np_attention(proj(xq, "query"), proj(xk, "key"), proj(xv, "value"), mask=mask,
-                     is_causal=is_causal)
-  return np.einsum("...hv,hvd->...d", out, p["out"]["kernel"]) + p["out"].get("bias", 0)
-
-
 def _inputs(rng, batch=(B,)):
   return randn(rng, *batch, T, DQ), randn(rng, *batch, S, DK), randn(rng, *batch, S, DV)
-
-
-def _init(model, *args, **kwargs):
-  """Random params of the shapes `model.init` makes (NumPy: no compile), biases non-zero."""
-  shapes = jax.eval_shape(functools.partial(model.init, **kwargs), jax.random.key(0), *args)
-  rng = np.random.default_rng(1)
-  return jax.tree.map(lambda a: randn(rng, *a.shape, dtype=a.dtype) * 0.3, shapes)
 
 
 @pytest.mark.parametrize("g", [G, 1])  # g = H is covered by the flax comparisons
@@ -43,26 +30,27 @@ def test_cross_attention_matches_numpy(rng, variant, g):
   mask = random_mask(rng, B, 1, T, S)
   model = flax_mha.MultiHeadAttention(
       num_heads=H, num_kv_heads=g, qkv_features=H * K, v_features=H * V, out_features=DOUT)
-  params = _init(model, xq, xk, xv, mask=mask)
-  # D, E, P: query, key and value input widths (F is the FFN width); O: output width.
-  dims = chex.Dimensions(D=DQ, E=DK, P=DV, H=H, G=g, K=K, V=V, O=DOUT)
+  params = random_params(model, xq, xk, xv, mask=mask)
+  # D the query input (model) width; X, Y, O: key and value input widths and output width,
+  # letters outside the dimension key (whose E and P name tile sizes, F the FFN width).
+  dims = chex.Dimensions(D=DQ, X=DK, Y=DV, H=H, G=g, K=K, V=V, O=DOUT)
   p = params["params"]
   chex.assert_shape([p["query"]["kernel"], p["key"]["kernel"], p["value"]["kernel"],
                      p["out"]["kernel"], p["out"]["bias"]],
-                    [dims["DHK"], dims["EGK"], dims["PGV"], dims["HVO"], dims["O"]])
+                    [dims["DHK"], dims["XGK"], dims["YGV"], dims["HVO"], dims["O"]])
   out = variant(functools.partial(model.apply, mask=mask))(params, xq, xk, xv)
   chex.assert_shape(out, (B, T, DOUT))
-  np.testing.assert_allclose(out, np_module(params, xq, xk, xv, mask), **TOL)
+  np.testing.assert_allclose(out, np_mha(params, xq, xk, xv, mask=mask), **TOL)
 
 
 @pytest.mark.parametrize("batch", [(), (2, 3)])
 def test_self_attention_batch_dims(rng, batch):
   x = randn(rng, *batch, T, DQ)
   model = flax_mha.SelfAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K)
-  params = _init(model, x, is_causal=True)
+  params = random_params(model, x, is_causal=True)
   out = jax.jit(functools.partial(model.apply, is_causal=True))(params, x)
   chex.assert_shape(out, (*batch, T, DQ))
-  np.testing.assert_allclose(out, np_module(params, x, x, x, is_causal=True), **TOL)
+  np.testing.assert_allclose(out, np_mha(params, x, x, x, is_causal=True), **TOL)
   mha = flax_mha.MultiHeadAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K)
   np.testing.assert_allclose(mha.apply(params, x, x, is_causal=True), out, **TOL)
 
@@ -71,13 +59,11 @@ def test_sow_weights(rng):
   xq, xk, xv = _inputs(rng)
   mask = random_mask(rng, B, H, T, S)
   model = flax_mha.MultiHeadAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K)
-  params = _init(model, xq, xk, xv)
+  params = random_params(model, xq, xk, xv)
   _, state = model.apply(params, xq, xk, xv, mask=mask, sow_weights=True, mutable=["intermediates"])
   (weights,) = state["intermediates"]["attention_weights"]
   chex.assert_shape(weights, (B, H, T, S))
-  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params["params"])
-  proj = lambda x, name: np.einsum("...d,dhk->...hk", x, p[name]["kernel"]) + p[name].get("bias", 0)
-  _, want = np_attention(proj(xq, "query"), proj(xk, "key"), mask=mask, return_weights=True)
+  _, want = np_mha(params, xq, xk, xv, mask=mask, return_weights=True)
   np.testing.assert_allclose(weights, want, **TOL)
   _, state = model.apply(params, xq, xk, xv, mutable=["intermediates"])
   assert "attention_weights" not in state.get("intermediates", {})
@@ -102,38 +88,43 @@ def test_param_tree_identical_to_flax(rng):
 
 @pytest.mark.parametrize("direction", ["flax_into_ours", "ours_into_flax"])
 def test_checkpoint_round_trip_with_flax(rng, variant, direction):
+  """Each side makes its own params (its own tree, values of its own seed); the source's params,
+  loaded into the target as they are, give the source's output there."""
   xq, xk, xv = _inputs(rng)
   mask = random_mask(rng, B, 1, T, S)
   mask[..., 0] = True  # flax does not zero fully masked rows
   ours, theirs = _flax_pair()
-  source = theirs if direction == "flax_into_ours" else ours
-  params = _init(source, xq, xk, xv)
-  out_ours = variant(functools.partial(ours.apply, mask=mask))(params, xq, xk, xv)
-  out_theirs = variant(functools.partial(theirs.apply, mask=mask))(params, xq, xk, xv)
-  chex.assert_shape(out_ours, (B, T, DOUT))
-  np.testing.assert_allclose(out_ours, out_theirs, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(out_ours, np_module(params, xq, xk, xv, mask), **TOL)
+  models = {"ours": ours, "flax": theirs}
+  run = {side: variant(functools.partial(m.apply, mask=mask)) for side, m in models.items()}
+  own = own_params(models, xq, xk, xv)
+  loaded, other, want, got = load_across(direction, own, run, xq, xk, xv)
+  chex.assert_shape(got, (B, T, DOUT))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  for out in (got, want):
+    np.testing.assert_allclose(out, np_mha(loaded, xq, xk, xv, mask=mask), **TOL)
+  # The two directions differ: the target's own params give another output.
+  assert not np.allclose(got, np_mha(other, xq, xk, xv, mask=mask), atol=1e-3)
 
 
 def test_flax_self_attention_and_no_bias(rng):
   x = randn(rng, B, T, DQ)
   ours = flax_mha.SelfAttention(num_heads=H, qkv_features=H * K, use_bias=False)
   theirs = nn.SelfAttention(num_heads=H, qkv_features=H * K, use_bias=False)
-  params = _init(theirs, x)
-  assert jax.tree.structure(_init(ours, x)) == jax.tree.structure(params)
+  params = random_params(theirs, x)
+  assert jax.tree.structure(random_params(ours, x)) == jax.tree.structure(params)
   out = jax.jit(ours.apply)(params, x)
   np.testing.assert_allclose(out, jax.jit(theirs.apply)(params, x), atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(out, np_module(params, x, x, x), **TOL)
+  np.testing.assert_allclose(out, np_mha(params, x, x, x), **TOL)
 
 
 def test_dropout(rng):
   x = randn(rng, B, T, DQ)
   model = flax_mha.SelfAttention(num_heads=H, qkv_features=H * K, dropout_rate=0.4)
-  params = _init(model, x)
+  params = random_params(model, x)
   apply = jax.jit(model.apply, static_argnames="deterministic")
   run = lambda key, deterministic: apply(
       params, x, deterministic=deterministic, rngs={"dropout": jax.random.key(key)})
-  clean = np_module(params, x, x, x)
+  clean = np_mha(params, x, x, x)
   np.testing.assert_allclose(run(0, True), clean, **TOL)  # inactive when deterministic
   np.testing.assert_allclose(jax.jit(model.apply)(params, x), clean, **TOL)  # the default
   np.testing.assert_array_equal(run(0, False), run(0, False))
@@ -147,18 +138,16 @@ def test_dropout(rng):
   weights = np.asarray(weights)
   dropped = weights == 0
   assert abs(dropped.mean() - 0.4) < 0.1
-  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params["params"])
-  proj = lambda name: np.einsum("...d,dhk->...hk", x, p[name]["kernel"]) + p[name]["bias"]
-  _, want = np_attention(proj("query"), proj("key"), return_weights=True)
+  _, want = np_mha(params, x, return_weights=True)
   np.testing.assert_allclose(weights[~dropped], want[~dropped] / 0.6, **TOL)
 
 
 def _decode_setup(rng, length=7):
   x = randn(rng, B, length, DQ)
   full = flax_mha.SelfAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K)
-  params = _init(full, x)
+  params = random_params(full, x)
   want = jax.jit(functools.partial(full.apply, is_causal=True))(params, x)
-  np.testing.assert_allclose(want, np_module(params, x, x, x, is_causal=True), **TOL)
+  np.testing.assert_allclose(want, np_mha(params, x, x, x, is_causal=True), **TOL)
   decoder = flax_mha.SelfAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K, decode=True)
   cache = jax.eval_shape(decoder.init, jax.random.key(0), x)["cache"]
   dims = chex.Dimensions(B=B, L=length, G=G, K=K)
@@ -200,24 +189,32 @@ def test_kv_cache_decode_with_padding_mask(rng):
     out, state = step(cache, x[:, t:t + 1])
     cache = state["cache"]
     outs.append(out)
-  want = np_module(params, x, x, x, mask=key_valid[:, None, None, :], is_causal=True)
+  want = np_mha(params, x, x, x, mask=key_valid[:, None, None, :], is_causal=True)
   np.testing.assert_allclose(jnp.concatenate(outs, axis=1), want, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_init_with_cross_attention_lengths(rng):
-  """Regression: the decode init call built a [S, S] causal mask for a [T, S] logit matrix."""
+  """Regression: the decode init call built a [S, S] causal mask for a [T, S] logit matrix. The
+  init call attends as a decoder at position 0 would (causal, top-left, over the S keys it is
+  given) and sizes an empty cache [B, S, G, K]."""
   xq, xk, xv = _inputs(rng)
-  decoder = flax_mha.MultiHeadAttention(num_heads=H, qkv_features=H * K, decode=True)
-  out, variables = jax.eval_shape(decoder.init_with_output, jax.random.key(0), xq, xk, xv)
+  decoder = flax_mha.MultiHeadAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K,
+                                        decode=True)
+  out, variables = jax.jit(decoder.init_with_output)(jax.random.key(0), xq, xk, xv)
   chex.assert_shape(out, (B, T, DQ))
-  chex.assert_shape(variables["cache"]["cached_key"], (B, S, H, K))
+  cache = variables["cache"]
+  chex.assert_shape([cache["cached_key"], cache["cached_value"]], [(B, S, G, K)] * 2)
+  np.testing.assert_allclose(out, np_mha(variables, xq, xk, xv, is_causal=True), **TOL)
+  assert not np.allclose(out, np_mha(variables, xq, xk, xv), atol=1e-3)  # causality shows
+  np.testing.assert_array_equal(cache["cached_key"], 0.0)  # the init call writes nothing
+  assert int(cache["cache_index"]) == 0
 
 
 def test_flax_float_masks_mean_attend(rng):
   """flax's own masks are float 1/0 (nonzero = attend): same output as the bool mask and as flax."""
   xq, xk, xv = _inputs(rng)
   ours, theirs = _flax_pair()
-  self_params = _init(theirs, xq)
+  self_params = random_params(theirs, xq)
   float_causal = nn.make_causal_mask(np.zeros((B, T)))  # [B, 1, T, T] float32
   assert float_causal.dtype == jnp.float32
   bool_causal = np.tril(np.ones((T, T), bool))
@@ -226,16 +223,16 @@ def test_flax_float_masks_mean_attend(rng):
   np.testing.assert_allclose(got, apply(self_params, xq, mask=bool_causal), atol=1e-6, rtol=1e-6)
   np.testing.assert_allclose(got, theirs.apply(self_params, xq, mask=float_causal), atol=1e-5,
                              rtol=1e-5)
-  np.testing.assert_allclose(got, np_module(self_params, xq, xq, xq, is_causal=True), **TOL)
+  np.testing.assert_allclose(got, np_mha(self_params, xq, xq, xq, is_causal=True), **TOL)
   # Cross attention with nn.make_attention_mask (float32 too) and an int mask.
-  params = _init(theirs, xq, xk, xv)
+  params = random_params(theirs, xq, xk, xv)
   q_valid, k_valid = np.ones((B, T)), (np.arange(S) < 4)[None].repeat(B, 0) * 1.0
   float_pad = nn.make_attention_mask(q_valid, k_valid)  # [B, 1, T, S]
   got = ours.apply(params, xq, xk, xv, mask=float_pad)
   np.testing.assert_allclose(got, theirs.apply(params, xq, xk, xv, mask=float_pad), atol=1e-5,
                              rtol=1e-5)
   np.testing.assert_allclose(got, ours.apply(params, xq, xk, xv, mask=float_pad.astype(jnp.int32)))
-  np.testing.assert_allclose(got, np_module(params, xq, xk, xv, float_pad != 0), **TOL)
+  np.testing.assert_allclose(got, np_mha(params, xq, xk, xv, mask=float_pad != 0), **TOL)
 
 
 def test_decode_under_x64(rng):
@@ -262,7 +259,96 @@ def test_callable_implementation_is_passed_through(rng):
 
   model = flax_mha.MultiHeadAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K,
                                       v_features=H * V, implementation=spy)
-  params = _init(model, xq, xk, xv)
+  params = random_params(model, xq, xk, xv)
   out = model.apply(params, xq, xk, xv, is_causal=True)
   assert calls[-1] == ((B, T, H, K), (B, S, G, K), (B, S, G, V))
-  np.testing.assert_allclose(out, np_module(params, xq, xk, xv, is_causal=True), **TOL)
+  np.testing.assert_allclose(out, np_mha(params, xq, xk, xv, is_causal=True), **TOL)
+
+
+# ---- bad input ----
+
+
+D = 12
+f32 = functools.partial(np.ones, dtype=np.float32)
+X = f32((B, T, D))
+
+
+def _module(**kwargs):
+  return flax_mha.MultiHeadAttention(**{"num_heads": 3, **kwargs})
+
+
+def _init_call(module, *args, **kwargs):
+  return lambda: module.init(jax.random.key(0), *args, **kwargs)
+
+
+BAD_MODULE = [
+    ("qkv_features", _init_call(_module(qkv_features=10), X), ValueError,
+     "qkv_features=10 must be divisible by num_heads=3"),
+    ("default qkv_features", _init_call(_module(num_heads=5), X), ValueError,
+     "qkv_features=12 must be divisible by num_heads=5"),
+    ("v_features", _init_call(_module(v_features=7), X), ValueError,
+     "v_features=7 must be divisible by num_heads=3"),
+    ("num_kv_heads", _init_call(_module(num_heads=6, num_kv_heads=4), X), ValueError,
+     "num_heads=6 must be a multiple of num_kv_heads=4"),
+    ("num_heads", _init_call(_module(num_heads=0), X), ValueError,
+     "num_heads must be a positive int, got 0"),
+    ("dropout_rate", _init_call(_module(dropout_rate=1.5), X), ValueError,
+     r"dropout_rate must be a finite number in \[0, 1\), got 1.5"),
+    ("inputs_q rank", _init_call(_module(), f32((D,))), ValueError,
+     r"inputs_q must have rank >= 2 with layout \[\.\.\., T, D_q\], got shape \(12,\)"),
+    ("batch mismatch", _init_call(_module(), X, f32((3, S, D))), ValueError,
+     r"share batch dims.*\(2, 5, 12\), \(3, 7, 12\)"),
+    ("key/value length", _init_call(_module(), X, f32((B, S, D)), f32((B, S + 2, D))), ValueError,
+     r"inputs_k.*inputs_v.*length S.*\(2, 7, 12\) and \(2, 9, 12\)"),
+    # Integer and float masks are flax's (nonzero = attend); other dtypes are refused.
+    ("mask dtype", _init_call(_module(), X, mask=np.ones((T, T), np.complex64)), TypeError,
+     "mask must be boolean.*or integer/float.*complex64"),
+    ("mask shape", _init_call(_module(), X, mask=np.ones((B, 4, T, T), bool)), ValueError,
+     r"mask must broadcast to \[\.\.\., H, T, S\] = \(2, 3, 5, 5\), got shape \(2, 4, 5, 5\)"),
+    ("implementation", _init_call(_module(implementation="nope"), X), ValueError,
+     "implementation must be None.*one of .*got 'nope'"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", [c[1:] for c in BAD_MODULE],
+                         ids=[c[0] for c in BAD_MODULE])
+def test_module_rejects(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_module_dropout_needs_rng():
+  module = flax_mha.SelfAttention(num_heads=3, dropout_rate=0.5)
+  params = module.init(jax.random.key(0), X)
+  match = "dropout_rate=0.5 with deterministic=False needs a dropout_rng"
+  with pytest.raises(ValueError, match=match):
+    module.apply(params, X, deterministic=False)
+  module.apply(params, X)  # deterministic (the default) needs no rng
+
+
+def test_module_decode_step_shape():
+  module = flax_mha.SelfAttention(num_heads=3, decode=True)
+  cache = module.init(jax.random.key(0), X)["cache"]
+  params = flax_mha.SelfAttention(num_heads=3).init(jax.random.key(0), X)
+  with pytest.raises(ValueError, match=r"decode step.*T<= 5.*got \(2, 6, 3, 4\)"):
+    module.apply({**params, "cache": cache}, f32((B, T + 1, D)), mutable=["cache"])
+  with pytest.raises(ValueError, match=r"decode step.*batch \(2,\).*got \(3, 1, 3, 4\)"):
+    module.apply({**params, "cache": cache}, f32((3, 1, D)), mutable=["cache"])
+
+
+def test_module_non_array_inputs_name_the_argument():
+  """Regression: a list as inputs_q gave AttributeError (_head_dims read .shape before checks)."""
+  with pytest.raises(TypeError, match="inputs_q must be an array .*got list"):
+    _module().init(jax.random.key(0), X.tolist())
+  with pytest.raises(TypeError, match="inputs_k must be an array .*got tuple"):
+    _module().init(jax.random.key(0), X, (1.0, 2.0))
+
+
+def test_module_inputs_v_without_inputs_k():
+  """Regression: inputs_v with inputs_k None silently took the keys from inputs_q (flax raises)."""
+  module = _module()
+  params = module.init(jax.random.key(0), X)
+  with pytest.raises(ValueError, match="inputs_v was given but inputs_k is None: pass inputs_k"):
+    module.apply(params, X, inputs_v=f32((B, T, D)))
+  with pytest.raises(ValueError, match="pass inputs_k too"):
+    module.apply(params, X, None, f32((B, T, D)))

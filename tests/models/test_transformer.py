@@ -1,5 +1,7 @@
 """flax_mha.models.transformer: shapes, masks, causality, cache equivalence, variants, bad configs."""
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -10,11 +12,14 @@ import pytest
 
 import flax_mha
 from flax_mha.models.transformer import Transformer, TransformerConfig, sinusoidal_positions
+from conftest import np_layer_norm, np_mha, randn
 
 VOCAB, B, S, T = 13, 3, 7, 5
 
 
+@functools.lru_cache
 def make(**overrides):
+  """(config, variables) of the small model with `overrides`, made once per overrides."""
   fields = dict(vocab_size=VOCAB, d_model=32, num_heads=2, d_ff=48, dropout_rate=0.0, max_len=16)
   cfg = TransformerConfig(**{**fields, **overrides})
   src, tgt = batch()
@@ -32,12 +37,76 @@ def batch():
   return jnp.asarray(src, jnp.int32), jnp.asarray(tgt, jnp.int32)
 
 
-def test_logits_shape_and_finite():
-  cfg, variables = make()
+def np_transformer(cfg, params, src, tgt_in):
+  """The Transformer's logits [B, T, C] in float64 NumPy, from its params and the paper: embeddings
+  scaled by sqrt(D) plus positions, post-LN (or pre-LN with a final norm) residual blocks of
+  attention (tests/conftest.py's np_mha) and a ReLU FFN, logits by the shared embedding (or a
+  dense layer)."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  d = cfg.d_model
+  norm = lambda x, q: np_layer_norm(x, q["scale"], q["bias"])
+
+  def positions(stack, length):
+    if cfg.learned_positions:
+      return stack["positions"]["pos_embedding"][:length]
+    angle = np.arange(length)[:, None] / 10000 ** (np.arange(0, d, 2) / d)  # [L, D/2]
+    return np.stack([np.sin(angle), np.cos(angle)], axis=-1).reshape(length, d)  # interleaved
+
+  def residual(x, block, sublayer):
+    if cfg.pre_layer_norm:
+      return x + sublayer(norm(x, block["norm"]))
+    return norm(x + sublayer(x), block["norm"])
+
+  def ffn(x, q):
+    hidden = np.maximum(x @ q["Dense_0"]["kernel"] + q["Dense_0"]["bias"], 0.0)
+    return hidden @ q["Dense_1"]["kernel"] + q["Dense_1"]["bias"]
+
+  def stack(name, tokens, embed, layer, num_layers):
+    x = embed[tokens] * np.sqrt(d) + positions(p[name], tokens.shape[1])
+    for i in range(num_layers):
+      x = layer(x, p[name][f"layer_{i}"])
+    return norm(x, p[name]["final_norm"]) if cfg.pre_layer_norm else x
+
+  src, tgt_in = np.asarray(src), np.asarray(tgt_in)
+  src_embed = p["embed" if cfg.share_embeddings else "src_embed"]["embedding"]
+  tgt_embed = p["embed" if cfg.share_embeddings else "tgt_embed"]["embedding"]
+  src_valid = src != cfg.pad_id
+  self_mask = (src_valid[:, :, None] & src_valid[:, None, :])[:, None]  # [B, 1, S, S]
+  cross_mask = src_valid[:, None, None, :]  # [B, 1, 1, S]
+  tgt_mask = (tgt_in != cfg.pad_id)[:, None, None, :]  # [B, 1, 1, T], with causality
+
+  def encoder_layer(x, q):
+    x = residual(x, q["attention_block"], lambda y: np_mha(q["self_attention"], y, mask=self_mask))
+    return residual(x, q["ffn_block"], lambda y: ffn(y, q["ffn"]))
+
+  memory = stack("encoder", src, src_embed, encoder_layer, cfg.num_encoder_layers)
+
+  def decoder_layer(x, q):
+    x = residual(x, q["self_attention_block"], lambda y: np_mha(
+        q["self_attention"], y, mask=tgt_mask, is_causal=True))
+    x = residual(x, q["cross_attention_block"], lambda y: np_mha(
+        q["cross_attention"], y, memory, mask=cross_mask))
+    return residual(x, q["ffn_block"], lambda y: ffn(y, q["ffn"]))
+
+  x = stack("decoder", tgt_in, tgt_embed, decoder_layer, cfg.num_decoder_layers)
+  if cfg.share_embeddings:
+    return x @ tgt_embed.T
+  return x @ p["logits"]["kernel"] + p["logits"]["bias"]
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, dict(pre_layer_norm=True, learned_positions=True, share_embeddings=False, num_kv_heads=1)])
+def test_logits_equal_a_numpy_forward(overrides):
+  """Post-LN with sinusoids and shared embeddings (the paper), and pre-LN with learned positions,
+  an output layer and MQA: every parameter perturbed (norms and biases too) so each one counts."""
+  cfg, variables = make(**overrides)
+  rng = np.random.default_rng(2)
+  params = jax.tree.map(lambda a: a + 0.1 * randn(rng, *a.shape), variables["params"])
   src, tgt = batch()
-  logits = jax.jit(Transformer(cfg).apply)(variables, src, tgt)
+  logits = Transformer(cfg).apply({"params": params}, src, tgt)
   chex.assert_shape(logits, (B, T, VOCAB))
   chex.assert_tree_all_finite(logits)
+  np.testing.assert_allclose(logits, np_transformer(cfg, params, src, tgt), atol=1e-4, rtol=1e-4)
 
 
 def test_sinusoids_match_the_paper():

@@ -2,8 +2,9 @@
 
 The suite runs each test against the linen module (`flax_mha.MultiHeadAttention`, behind a small
 adapter) and the NNX module (`flax_mha.nn.nnx.MultiHeadAttention`), given the same random params
-through `linen_params_to_nnx`, and checks both against a float64 NumPy forward pass (the modern
-options: rotary, windows, soft cap, normalize_qk, segment ids: test_modules_modern's reference).
+through `linen_params_to_nnx`, and checks both against the float64 NumPy forward pass of
+tests/conftest.py (np_mha, with the modern options: rotary, windows, soft cap, normalize_qk,
+segment ids).
 """
 
 import functools
@@ -17,8 +18,7 @@ import pytest
 from flax import nnx
 
 import flax_mha
-import test_modules_modern as modern  # its float64 reference of the modern options
-from conftest import DIMS, np_attention, randn, random_mask
+from conftest import DIMS, np_mha, np_window, randn, random_mask
 from flax_mha.nn import nnx as fnnx
 
 B, T, S, H, G, K, V = (DIMS[d] for d in "BTSHGKV")
@@ -41,27 +41,6 @@ def _nnx_jit_works() -> bool:
 
 
 NNX_JIT_WORKS = _nnx_jit_works()
-
-
-def _f64(params):
-  return jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-
-
-def _proj(p, x, name):
-  return np.einsum("...d,dhk->...hk", x, p[name]["kernel"]) + p[name].get("bias", 0)
-
-
-def _out_proj(p, out_THV):
-  return np.einsum("...hv,hvd->...d", out_THV, p["out"]["kernel"]) + p["out"].get("bias", 0)
-
-
-def np_module(params, xq, xk, xv, *, mask=None, bias=None, is_causal=False):
-  """(output, weights [..., H, T, S]) of the module in float64 NumPy."""
-  p = _f64(params)
-  out, weights = np_attention(
-      _proj(p, xq, "query"), _proj(p, xk, "key"), _proj(p, xv, "value"), bias, mask,
-      is_causal=is_causal, return_weights=True)
-  return _out_proj(p, out), weights
 
 
 def _random_params(module):
@@ -172,14 +151,15 @@ def _make_cross(make_attention, **kwargs):
 @pytest.mark.parametrize("g", [H, G, 1])
 def test_gqa_and_k_ne_v(make_attention, rng, g):
   attn, params = _make_cross(make_attention, num_kv_heads=g)
-  dims = chex.Dimensions(D=DQ, E=DK, P=DV, H=H, G=g, K=K, V=V, O=DOUT)
+  # D the query input (model) width; X, Y, O: key and value input widths and output width.
+  dims = chex.Dimensions(D=DQ, X=DK, Y=DV, H=H, G=g, K=K, V=V, O=DOUT)
   chex.assert_shape([params["query"]["kernel"], params["key"]["kernel"],
                      params["value"]["kernel"], params["out"]["kernel"]],
-                    [dims["DHK"], dims["EGK"], dims["PGV"], dims["HVO"]])
+                    [dims["DHK"], dims["XGK"], dims["YGV"], dims["HVO"]])
   xq, xk, xv = _cross_inputs(rng)
   out, _ = attn(xq, xk, xv)
   chex.assert_shape(out, (B, T, DOUT))
-  np.testing.assert_allclose(out, np_module(params, xq, xk, xv)[0], **TOL)
+  np.testing.assert_allclose(out, np_mha(params, xq, xk, xv), **TOL)
 
 
 @pytest.mark.parametrize("dtype", [bool, np.float32, np.int32])
@@ -189,7 +169,7 @@ def test_masks_bool_and_numeric(make_attention, rng, dtype):
   mask = random_mask(rng, B, 1, T, S)
   mask[0, 0, 1] = False  # a query that sees nothing: output is the out bias alone
   out, _ = attn(xq, xk, xv, mask=mask.astype(dtype))
-  want, _ = np_module(params, xq, xk, xv, mask=mask)
+  want = np_mha(params, xq, xk, xv, mask=mask)
   np.testing.assert_allclose(out, want, **TOL)
   np.testing.assert_allclose(out[0, 1], params["out"]["bias"], **TOL)
 
@@ -199,7 +179,7 @@ def test_bias(make_attention, rng):
   xq, xk, xv = _cross_inputs(rng)
   bias = randn(rng, 1, H, T, S) * 2
   out, _ = attn(xq, xk, xv, bias=bias)
-  np.testing.assert_allclose(out, np_module(params, xq, xk, xv, bias=bias)[0], **TOL)
+  np.testing.assert_allclose(out, np_mha(params, xq, xk, xv, bias=bias), **TOL)
 
 
 @pytest.mark.parametrize("batch", [(), (B,), (2, 3)])
@@ -209,7 +189,7 @@ def test_is_causal_with_mask(make_attention, rng, batch):
   mask = random_mask(rng, *batch, H, T, T)
   out, _ = attn(x, mask=mask, is_causal=True)
   chex.assert_shape(out, (*batch, T, DQ))
-  want, _ = np_module(params, x, x, x, mask=mask, is_causal=True)
+  want = np_mha(params, x, x, x, mask=mask, is_causal=True)
   np.testing.assert_allclose(out, want, **TOL)
 
 
@@ -218,7 +198,7 @@ def test_sow_weights(make_attention, rng):
   xq, xk, xv = _cross_inputs(rng)
   mask = random_mask(rng, B, H, T, S)
   out, weights = attn(xq, xk, xv, mask=mask, sow_weights=True)
-  want_out, want_weights = np_module(params, xq, xk, xv, mask=mask)
+  want_out, want_weights = np_mha(params, xq, xk, xv, mask=mask, return_weights=True)
   chex.assert_shape(weights, (B, H, T, S))
   np.testing.assert_allclose(weights, want_weights, **TOL)
   np.testing.assert_allclose(out, want_out, **TOL)
@@ -232,7 +212,7 @@ def test_dropout_on_weights_per_rng(make_attention, rng):
   out1, dropped = attn(xq, xk, xv, dropout_key=key1, sow_weights=True)
   np.testing.assert_array_equal(attn(xq, xk, xv, dropout_key=key1)[0], out1)
   assert np.abs(attn(xq, xk, xv, dropout_key=key2)[0] - out1).max() > 1e-3
-  want_out, want_weights = np_module(params, xq, xk, xv)
+  want_out, want_weights = np_mha(params, xq, xk, xv, return_weights=True)
   np.testing.assert_allclose(attn(xq, xk, xv)[0], want_out, **TOL)  # deterministic
   # Every weight is dropped or scaled by 1 / (1 - rate); about `rate` of them are dropped.
   kept = np.asarray(dropped) != 0
@@ -240,10 +220,12 @@ def test_dropout_on_weights_per_rng(make_attention, rng):
                              np.where(kept, want_weights, 0), **TOL)
   assert abs((1 - kept.mean()) - rate) < 0.1, 1 - kept.mean()
   # ... and the output is made of exactly those weights.
-  p = _f64(params)
-  value = np.repeat(_proj(p, xv, "value"), H // G, axis=-2)
-  out_THV = np.einsum("bhts,bshv->bthv", np.asarray(dropped, np.float64), value)
-  np.testing.assert_allclose(out1, _out_proj(p, out_THV), **TOL)
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  value_BSGV = np.einsum("bsd,dgv->bsgv", xv, p["value"]["kernel"]) + p["value"]["bias"]
+  out_BTHV = np.einsum("bhts,bshv->bthv", np.asarray(dropped, np.float64),
+                       np.repeat(value_BSGV, H // G, axis=-2))
+  np.testing.assert_allclose(
+      out1, np.einsum("bthv,hvd->btd", out_BTHV, p["out"]["kernel"]) + p["out"]["bias"], **TOL)
 
 
 @pytest.mark.parametrize("g", [G, 1])  # G = H: test_decode_equals_flax
@@ -252,7 +234,7 @@ def test_decode_equals_recompute(make_attention, rng, g):
   x = randn(rng, B, L, DQ)
   attn.init_cache((B, L, DQ))
   outs = [attn.step(x[:, a:b]) for a, b in ((0, 2), (2, 3), (3, 6), (6, 7))]  # T = 2, 1, 3, 1
-  want, _ = np_module(params, x, x, x, is_causal=True)
+  want = np_mha(params, x, x, x, is_causal=True)
   np.testing.assert_allclose(np.concatenate(outs, axis=1), want, **TOL)
 
 
@@ -277,8 +259,8 @@ def _np_modern(params, config, x, visible, positions=None):
   """The float64 forward of self-attention on x [B, L, DQ] under `config`."""
   positions = np.arange(x.shape[-2]) if positions is None else positions
   wavelength = config.get("rotary_max_wavelength")
-  return modern.np_module(
-      {"params": params}, x, x, x, visible=visible, soft_cap=config.get("logit_soft_cap"),
+  return np_mha(
+      params, x, x, x, mask=visible, soft_cap=config.get("logit_soft_cap"),
       normalize_qk=config.get("normalize_qk", False),
       rotary=None if wavelength is None else (wavelength, positions, positions))
 
@@ -286,7 +268,7 @@ def _np_modern(params, config, x, visible, positions=None):
 def _causal_visible(config, n=L):
   visible = np.tril(np.ones((n, n), bool))
   if "local_window_size" in config:
-    visible &= modern.np_window(n, n, config["local_window_size"])
+    visible &= np_window(n, n, config["local_window_size"])
   return visible
 
 
@@ -322,8 +304,8 @@ def test_cross_segment_ids(make_attention, rng):
   out, weights = attn(xq, xk, xv, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                       sow_weights=True)
   visible = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
-  want, want_weights = modern.np_module({"params": params}, xq, xk, xv, visible=visible,
-                                        soft_cap=4.0, return_weights=True)
+  want, want_weights = np_mha(params, xq, xk, xv, mask=visible, soft_cap=4.0,
+                              return_weights=True)
   np.testing.assert_allclose(out, want, **TOL)
   np.testing.assert_allclose(weights, want_weights, **TOL)
 
