@@ -22,14 +22,15 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 PAGES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
 
 
-def _hook():
-  spec = importlib.util.spec_from_file_location("docs_examples", REPO / "docs/hooks/examples.py")
+def _hook(name: str):
+  spec = importlib.util.spec_from_file_location(f"docs_{name}", REPO / f"docs/hooks/{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
-examples = _hook()
+examples = _hook("examples")
+docstrings = _hook("docstrings")
 
 
 def test_blocks_found_in_order_and_not_run_ones_skipped():
@@ -45,6 +46,17 @@ def test_a_failing_block_names_its_page_and_line(tmp_path):
   text = "intro\n\n```python\nx = 1\n```\n\n```python\nassert x == 2, 'x is 1'\n```\n"
   with pytest.raises(RuntimeError, match=r'(?s)docs/page\.md", line 8.*x is 1'):
     examples.run_page("docs/page.md", text, str(tmp_path))
+
+
+def test_docstrings_indented_blocks_become_code_and_lists_stand_apart():
+  text = "\n".join([
+      "Summary.", "", "  out = f(x)   # [B, T]", "  y = g(out)", "More text.", "Kinds:",
+      "- one", "  continued", "- two", "", "Args:", "  x: the input.", "", "    more on x.",
+      "", "Returns:", "  y."])
+  assert docstrings.markdown(text).split("\n") == [
+      "Summary.", "", "```text", "out = f(x)   # [B, T]", "y = g(out)", "```", "",
+      "More text.", "Kinds:", "", "- one", "  continued", "- two", "", "Args:",
+      "  x: the input.", "", "    more on x.", "", "Returns:", "  y."]
 
 
 def test_blocks_that_do_not_run_are_rare():
