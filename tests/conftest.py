@@ -14,6 +14,7 @@ import these helpers with `from conftest import ...`, so every test file needs a
 from __future__ import annotations
 
 import functools
+import itertools
 
 import chex
 import jax
@@ -124,6 +125,13 @@ def np_mha(params, xq, xk=None, xv=None, *, mask=None, bias=None, is_causal=Fals
                                   return_weights=True)
   out = np.einsum("...hv,hvd->...d", out_THV, p["out"]["kernel"]) + p["out"].get("bias", 0)
   return (out, weights) if return_weights else out
+
+
+def grid(keep, *axes):
+  """Every combination of the axes as pytest params, those `keep(*combination)` rejects marked
+  slow: the default run covers each value of each axis, `make test-slow` the full product."""
+  return [pytest.param(*combo, marks=[] if keep(*combo) else [pytest.mark.slow])
+          for combo in itertools.product(*axes)]
 
 
 def randn(rng: np.random.Generator, *shape, dtype=np.float32):

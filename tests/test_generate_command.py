@@ -16,16 +16,19 @@ from experiments import generate, train
 from tests.multidevice.run import ROOT
 
 
-@pytest.fixture(scope="module", params=["dates", "lm"])
-def workdir(request, tmp_path_factory):
-  config = (dates_config if request.param == "dates" else lm_config).get_config("tiny")
+def _trained(kind, tmp_path):
+  config = (dates_config if kind == "dates" else lm_config).get_config("tiny")
   config.train.steps = 10
-  path = tmp_path_factory.mktemp(request.param)
-  train.train_and_evaluate(config, str(path))
-  return path
+  train.train_and_evaluate(config, str(tmp_path))
+  return tmp_path
 
 
-def test_greedy_generation_is_the_runners_greedy_decoding(workdir):
+@pytest.mark.parametrize("kind", ["dates", "lm"])
+def test_a_trained_workdir_answers_prompts(kind, tmp_path):
+  """One training per model (each test a process of its own under xdist would train again):
+  greedy answers are the runner's own greedy decoding, printed one per prompt; samples are
+  reproducible by seed; the command line answers with a relative --workdir."""
+  workdir = _trained(kind, tmp_path)
   runner, params = generate.restore_params(str(workdir))
   sources = [source for source, _ in runner.pairs[:3]]
   out = io.StringIO()
@@ -33,15 +36,11 @@ def test_greedy_generation_is_the_runners_greedy_decoding(workdir):
   assert texts == runner.decode(params)[:3]
   assert out.getvalue().splitlines() == [f"{s} -> {t}" for s, t in zip(sources, texts)]
 
-
-def test_sampling_is_reproducible_by_seed(workdir):
   sample = lambda seed: generate.generate(str(workdir), ["3 août 2098"], samples=3,
                                           temperature=1.5, seed=seed, out=io.StringIO())
   assert sample(4) == sample(4)
   assert len(sample(4)) == 3
 
-
-def test_the_command_line_runs(workdir):
   result = subprocess.run(
       [sys.executable, "-m", "experiments.generate", "--workdir",
        os.path.relpath(workdir, ROOT), "--prompt",  # a relative workdir, as a user types it
