@@ -3,10 +3,11 @@
 The package is layered, each folder importing only from the ones above it:
 
   flax_mha/            the public pure API (no flax): `attention` (dot_product_attention,
-                       dispatch, checks of its arguments), `masks`, `mods` (mask and score
-                       terms), `rotary`, `cache` (the KV cache as data), `paged`
-                       (paged_attention), `checks` (the argument checks every layer shares),
-                       `interop` (torch weights), `sharding` (meshes and placement)
+                       explain, checks of its arguments), `dispatch` (what None runs on each
+                       platform, and why), `masks`, `mods` (mask and score terms), `rotary`,
+                       `cache` (the KV cache as data), `paged` (paged_attention), `checks`
+                       (the argument checks every layer shares), `interop` (torch weights),
+                       `sharding` (meshes and placement)
   flax_mha/kernels/    the implementations behind `implementation=`: reference (the oracle),
                        xla, rows, chunked, decode, cudnn, ring (sequence-parallel), helpers
   flax_mha/nn/         the front ends: `linen` (MultiHeadAttention, SelfAttention) and `nnx`
@@ -36,6 +37,7 @@ import importlib
 
 from flax_mha import cache
 from flax_mha import checks
+from flax_mha import dispatch
 from flax_mha import interop
 from flax_mha import masks
 from flax_mha import mods
@@ -45,6 +47,7 @@ from flax_mha import sharding
 from flax_mha.attention import IMPLEMENTATIONS
 from flax_mha.attention import dot_product_attention
 from flax_mha.attention import dot_product_attention_weights
+from flax_mha.attention import explain
 from flax_mha.attention import merge_heads
 from flax_mha.attention import split_heads
 from flax_mha.kernels.ring import attention as ring_implementation

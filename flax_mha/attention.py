@@ -8,6 +8,7 @@ broadcast to [..., H, T, S]. Everything here is a pure function (no flax import)
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flax_mha import checks
-from flax_mha import mods as mods_lib
+from flax_mha import dispatch
 from flax_mha.kernels import _shared
 from flax_mha import _options
 from flax_mha.kernels import chunked
@@ -37,57 +38,28 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "decode": decode.attention,        # a few queries over a long cache: keys split, merged
 }
 
-# Up to this many logits per (batch, head), `implementation=None` runs the plain XLA graph, and
-# beyond, "rows" where it applies (no dropout or mods; at most ROWS_MAX_KEYS keys) or the
-# chunked loops (memory-lean, take everything). Each crossover is where the two are level on a
-# 2-core CPU, float32, forward+backward: `python -m experiments.bench.attention` (plain),
-# `python -m experiments.bench.blocks --masked` (mask and bias) and `experiments.bench.blocks` (with
-# dropout: chunked's causal tile skipping moves its crossover down for causal K <= 64).
-SMALL_LOGITS_ROWS = 256 * 256
-SMALL_LOGITS_ROWS_CAUSAL = 128 * 128
-SMALL_LOGITS = 512 * 512
-SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
-ROWS_MAX_KEYS = 16384  # a "rows" tile holds >= 128 query rows x S keys: chunked's tiles beyond
-# Up to DECODE_MAX_QUERIES queries over at least DECODE_MIN_KEYS keys of a cache (positions or
-# key lengths: the decode kernel skips the blocks that hold nothing visible), or over at least
-# DECODE_MIN_KEYS_DENSE keys otherwise, `None` runs "decode" (keys split, merged by lse).
-DECODE_MAX_QUERIES = 32
-DECODE_MIN_KEYS = 1024
-DECODE_MIN_KEYS_DENSE = 8192
-
-
 def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
-                           dropout_rate: float, mods=None) -> str:
-  """What `implementation=None` runs, decided at trace time from static shapes and the backend.
+                           dropout_rate: float, mods=None, platform: str | None = None) -> str:
+  """What `implementation=None` runs on `platform` (None: the default backend's), decided at
+  trace time from static shapes (`flax_mha.explain` says why). The rule, in full in
+  `flax_mha.dispatch`:
 
-  1. On a GPU, "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
-  2. A few queries over many keys (generation): "decode" (DECODE_* above).
-  3. Without dropout and mods (a bias, a mask and is_causal are fine): "xla" up to
-     SMALL_LOGITS_ROWS logits per (batch, head) (SMALL_LOGITS_ROWS_CAUSAL when causal), "rows"
-     beyond (query-row blocks with an exact softmax, the fastest on CPU), "chunked" past
-     ROWS_MAX_KEYS keys. A dense mask that hides most of [T, S] (documents, bands) is faster
-     as segment ids or a window, which chunked skips tile by tile.
-  4. With dropout or mods: "xla" for small problems (T·S up to SMALL_LOGITS, or
-     SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64), where one fused XLA graph has the
-     least overhead, and "chunked" beyond, which is faster there and needs memory linear in S.
+  1. On 'cuda', "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
+  2. On other accelerators (and 'cuda' otherwise), the plain "xla" graph while its logits fit
+     in memory, "chunked" beyond: the CPU-tuned kernels are not picked there.
+  3. On CPU, a few queries over many keys (generation): "decode".
+  4. On CPU without dropout and mask/score terms (a bias, a mask and is_causal are fine):
+     "xla" for small T·S, "rows" beyond (query-row blocks, exact softmax), "chunked" for very
+     long keys.
+  5. On CPU otherwise: "xla" for small T·S, "chunked" beyond; earlier when causal with
+     K <= 64, when causal or windowed with K <= 32, or when static masks (windows, causality,
+     index-only mask_mods) hide most of chunked's tiles. Data-dependent masks (segment ids,
+     lengths) are unknown at trace time and move nothing.
   Every choice computes the same function (see `flax_mha.kernels.reference`).
   """
-  del bias, mask  # every implementation takes them
-  if cudnn.unsupported_reason(query, key, value, dropout_rate, mods) is None:
-    return "cudnn"
-  cache_like = mods is not None and any(
-      isinstance(t, (mods_lib.Positions, mods_lib.SeqLengths)) for t in mods.masks)
-  min_keys = DECODE_MIN_KEYS if cache_like else DECODE_MIN_KEYS_DENSE
-  if query.shape[1] <= DECODE_MAX_QUERIES and key.shape[1] >= min_keys:
-    return "decode"
-  logits = query.shape[1] * key.shape[1]
-  if rows.unsupported_reason(dropout_rate, mods) is None:
-    if logits <= (SMALL_LOGITS_ROWS_CAUSAL if is_causal else SMALL_LOGITS_ROWS):
-      return "xla"
-    return "rows" if key.shape[1] <= ROWS_MAX_KEYS else "chunked"
-  narrow_causal = is_causal and query.shape[-1] <= 64
-  limit = SMALL_LOGITS_CAUSAL_NARROW if narrow_causal else SMALL_LOGITS
-  return "xla" if logits <= limit else "chunked"
+  return dispatch.choose(query, key, value, bias, mask, is_causal=is_causal,
+                         dropout_rate=dropout_rate, mods=mods,
+                         platform=dispatch.check_platform(platform)).name
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
@@ -157,8 +129,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
       A row that sees nothing has lse finfo(lse.dtype).min (its sink, with sinks): finite, so
       partial results merge by `out = Σ exp(lse_i - logaddexp(lse...)) · out_i` with no
       special case. The lse carries no gradient (as jax.nn's).
-    implementation: None (the best available, chosen at trace time by
-      `default_implementation`), a name in `IMPLEMENTATIONS`, or a callable with their
+    implementation: None (the best available for the platform the program is lowered for,
+      chosen at trace time by `default_implementation`; `flax_mha.explain` says which and
+      why), a name in `IMPLEMENTATIONS`, or a callable with their
       signature (e.g. `flax_mha.ring_implementation`, ring attention). Every implementation
       computes the same function ("rows" and "cudnn" refuse, by name, the options they lack);
       forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) works with "reference" and
@@ -191,6 +164,42 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
     return result.reshape(out_shape)
   out_BTHV, lse_BTH = result
   return out_BTHV.reshape(out_shape), lax.stop_gradient(lse_BTH).reshape(query.shape[:-1])
+
+
+def explain(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
+            scale: float | None = None, dropout_rate: float = 0.0, dropout_rng=None,
+            platform: str | None = None, **options) -> dispatch.Explanation:
+  """Which implementation `dot_product_attention(..., implementation=None)` runs for these
+  arguments on `platform`, why, and what every other implementation says about them.
+
+  Takes `dot_product_attention`'s arguments (arrays, or `jax.ShapeDtypeStruct` for shapes
+  only; `options` as there: local_window_size, segment ids, mask_mod, ...), checked the same
+  way, and `platform`: 'cpu', 'cuda', 'rocm' or 'tpu', the one the program is lowered for
+  (None: the default backend's). Nothing is computed.
+
+  Returns:
+    a `flax_mha.dispatch.Explanation`: `.implementation` (the name None runs), `.reason`,
+    `.platform` and `.alternatives` (every other name, ring included -> "runs" or
+    "refuses: <why>"); `str()` of it reads as a short report.
+  """
+  platform = dispatch.check_platform(platform)
+  if dropout_rng is None and isinstance(dropout_rate, float) and dropout_rate > 0.0:
+    dropout_rng = jax.random.key(0)  # a stand-in: no choice reads the key
+  given = dict(query=query, key=key, value=value, bias=bias, mask=mask, **options)
+  arrays = {name: x for name, x in given.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
+  found = []
+
+  def decide(arrays):  # traced on shapes: options made of arrays need no values
+    args = {**given, **arrays}
+    q, k, v, bias4, mask4, _, mods, causal = _prepare(
+        *(args.pop(name) for name in ("query", "key", "value", "bias", "mask")), is_causal,
+        scale, dropout_rate, dropout_rng, args)
+    found.append(dispatch.explanation(q, k, v, bias4, mask4, is_causal=causal,
+                                      dropout_rate=float(dropout_rate), mods=mods,
+                                      platform=platform))
+
+  jax.eval_shape(decide, arrays)
+  return found[0]
 
 
 def _empty(query, out_shape, mods, return_residual):
@@ -244,14 +253,36 @@ def merge_heads(x):
 
 
 def _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate, mods) -> Callable:
-  """The implementation function that `implementation` names (or is)."""
+  """The implementation function that `implementation` names (or is); for None, the choice for
+  each platform, staged by `lax.platform_dependent` where they differ."""
   check_implementation(implementation)
   if callable(implementation):
     return implementation
-  if implementation is None:
-    implementation = default_implementation(q, k, v, bias, mask, is_causal=is_causal,
-                                            dropout_rate=dropout_rate, mods=mods)
-  return IMPLEMENTATIONS[implementation]
+  if implementation is not None:
+    return IMPLEMENTATIONS[implementation]
+  picks = {platform: dispatch.choose(q, k, v, bias, mask, is_causal=is_causal,
+                                     dropout_rate=dropout_rate, mods=mods,
+                                     platform=platform).name
+           for platform in dispatch.PLATFORMS}
+  if len(set(picks.values())) == 1:
+    return IMPLEMENTATIONS[picks["cpu"]]
+  return functools.partial(_per_platform, picks)
+
+
+def _per_platform(picks: dict, query, key, value, bias, mask, *, dropout_rng, mods=None,
+                  **static):
+  """The implementation picks[platform] for the platform the program is lowered for (any other
+  platform: the 'tpu' pick, the generic accelerator's): one branch survives each lowering."""
+  def branch(name):
+    def run(query, key, value, bias, mask, dropout_rng, mods):
+      extra = {} if mods is None else dict(mods=mods)
+      return IMPLEMENTATIONS[name](query, key, value, bias, mask, dropout_rng=dropout_rng,
+                                   **static, **extra)
+    return run
+  branches = {name: branch(name) for name in set(picks.values())}
+  return lax.platform_dependent(query, key, value, bias, mask, dropout_rng, mods,
+                                default=branches[picks["tpu"]],
+                                **{platform: branches[name] for platform, name in picks.items()})
 
 
 def check_implementation(implementation) -> None:

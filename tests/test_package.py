@@ -12,8 +12,8 @@ from tests.multidevice.run import ROOT
 
 
 def test_the_pure_api_loads_no_flax():
-  """`import flax_mha`, a call of dot_product_attention (and masks, mods, rotary, sharding):
-  neither flax nor optax is imported; the front ends load on first access."""
+  """`import flax_mha`, a call of dot_product_attention (and explain, masks, mods, rotary,
+  sharding): neither flax nor optax is imported; the front ends load on first access."""
   code = """
 import sys
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ x = jnp.ones((1, 4, 2, 8))
 flax_mha.dot_product_attention(x, x, x, is_causal=True, mask_mod=lambda b, h, q, k: q >= k,
                                implementation="chunked")
 flax_mha.apply_rotary(x, jnp.arange(4))
+flax_mha.explain(x, x, x, local_window_size=2, platform="cuda")
 flax_mha.padding_mask(jnp.array([3]), 4)
 flax_mha.sharding.make_mesh()
 loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'optax'))

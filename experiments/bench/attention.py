@@ -168,7 +168,7 @@ def memory(sizes, cap):
   largest = {}
   for name, fn in impls.items():  # doubling N at H=8 until the temp bytes pass 20 GiB
     if name == "rows":
-      continue  # None runs rows up to attention_lib.ROWS_MAX_KEYS keys: the table shows it
+      continue  # None runs rows up to dispatch.ROWS_MAX_KEYS keys: the table shows it
     n = sizes[0][0]
     while n < cap and temp_bytes(fn, n * 2, 8) <= 20 * GIB:
       n *= 2

@@ -1,10 +1,11 @@
 """Tile sizes of the chunked and rows kernels, and the crossover to the plain graph: the sweeps
 behind `flax_mha.kernels.chunked.default_blocks`, `flax_mha.kernels.rows`' TILE_* budgets and
-`flax_mha.attention.SMALL_LOGITS*`.
+`flax_mha.dispatch.SMALL_LOGITS*`.
 
   python -m experiments.bench.blocks [--quick]          # chunked blocks (dropout, mods)
   python -m experiments.bench.blocks --rows [--quick]   # rows tile budgets (plain calls)
   python -m experiments.bench.blocks --masked [--quick] # rows vs chunked vs xla, masked
+  python -m experiments.bench.blocks --sparse [--quick] # chunked vs xla, windows and caps
 
 Float32, H=8, B·N = 4096, on this machine's CPU: for each (D, N, causal) the chunked kernel with
 square blocks of 128, 256 and 512 rows (forward+backward), or "rows" with forward tile budgets
@@ -13,6 +14,10 @@ the plain graph ("xla") up to N = 2048, timed round-robin in one process (median
 warm-ups). Prints one row per shape with the fastest and what the default runs. --masked times
 rows, chunked and xla with a key-padding mask [B, 1, 1, S] (each example keeps at least half
 of its keys) and a bias [1, H, T, S], forward+backward: the crossovers of masked calls.
+--sparse times chunked and xla through `dot_product_attention` with causality, windows
+and a soft cap (D = 32, 64, 128; N = 256, 384, 512), beside the share of its tiles chunked
+visits (`flax_mha.dispatch.visited_fraction`) and what None runs: the evidence for
+SMALL_LOGITS_SPARSE.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+import flax_mha
 from experiments.bench import timing
 from flax_mha import attention as attention_lib
+from flax_mha import dispatch
+from flax_mha import mods as mods_lib
 from flax_mha.kernels import chunked
 from flax_mha.kernels import rows
 from flax_mha.kernels import xla
@@ -89,6 +97,40 @@ def sweep(grid, peers, runs=5, tokens=4096):
           flush=True)
 
 
+# name -> (is_causal, local_window_size, logit_soft_cap): static masks that hide tiles, and a
+# cap alone (a score term, which only makes rows refuse the call).
+SPARSE_VARIANTS = {
+    "causal": (True, None, None),
+    "causal window 16": (True, (16, 0), None),
+    "window 32": (False, (32, 32), None),
+    "causal soft cap": (True, None, 30.0),
+}
+
+
+def sparse_sweep(ds, ns, variants, runs=5, tokens=4096):
+  """chunked vs xla for each of `variants` (SPARSE_VARIANTS names), fwd+bwd, and what None
+  runs."""
+  for d in ds:
+    for n in ns:
+      keys = jax.random.split(jax.random.key(0), 3)
+      q, k, v = (jax.random.normal(key, (max(1, tokens // n), n, 8, d)) for key in keys)
+      for variant in variants:
+        causal, window, cap = SPARSE_VARIANTS[variant]
+        options = dict(is_causal=causal, local_window_size=window, logit_soft_cap=cap)
+        fns = {}
+        for name in ("xla", "chunked"):
+          loss = lambda q, k, v, name=name: jnp.sum(flax_mha.dot_product_attention(
+              q, k, v, implementation=name, **options))
+          fns[name] = timing.blocking(timing.qkv_grad(loss), q, k, v)
+        ms = {name: 1e3 * t for name, t in timing.median_seconds(fns, runs).items()}
+        terms = () if window is None else (mods_lib.LocalWindow(*window),)
+        visited = dispatch.visited_fraction(n, n, d, causal, mods_lib.Mods(terms))
+        picked = flax_mha.explain(q, k, v, platform="cpu", **options).implementation
+        print(f"D={d} N={n} {variant}: xla {ms['xla']:.1f}, chunked {ms['chunked']:.1f} "
+              f"ms | chunked/xla {ms['chunked'] / ms['xla']:.2f}, chunked "
+              f"visits {visited:.3f} of its tiles; None runs {picked}", flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   size = parser.add_mutually_exclusive_group()
@@ -98,7 +140,14 @@ def main():
   group = parser.add_mutually_exclusive_group()
   group.add_argument("--rows", action="store_true", help="sweep rows' tiles, not chunked's")
   group.add_argument("--masked", action="store_true", help="rows/chunked/xla with mask and bias")
+  group.add_argument("--sparse", action="store_true", help="chunked/xla with windows and caps")
   args = parser.parse_args()
+  if args.sparse:
+    sparse_sweep((16,) if args.smoke else (64,) if args.quick else (32, 64, 128),
+                 (128,) if args.smoke else (256, 384, 512),
+                 ["causal window 16"] if args.smoke else list(SPARSE_VARIANTS),
+                 runs=1 if args.smoke else 5)
+    return
   ds, ns = ((64,), (256, 512, 1024)) if args.quick else ((64, 128), (256, 512, 1024, 2048, 4096))
   grid = [(d, n, c) for d in ds for n in ns for c in (False, True)]
   sweep([(16, 128, True)] if args.smoke else grid,

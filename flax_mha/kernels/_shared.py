@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from flax_mha import masks as masks_lib
@@ -49,3 +50,21 @@ def without_forward_mode(name: str, fn, *args):
         "jax.linearize of a custom_vjp function): its backward is a custom VJP. Use "
         "implementation='xla' or 'reference' for forward mode, or reverse mode (jax.grad, "
         f"jax.vjp, jax.jacrev) with {name!r}.") from e
+
+
+def backend_platform() -> str:
+  """The default backend as `lax.platform_dependent` names platforms: 'cpu', 'cuda', 'rocm' or
+  'tpu' (jax.default_backend() says 'gpu' for both GPU kinds)."""
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return backend
+  return "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
+
+
+def has_platform(platform: str) -> bool:
+  """Whether this process has devices of `platform` ('cuda', ...): what tracing needs when a
+  library reads the hardware while it traces (jax.nn's cuDNN path does)."""
+  try:
+    return bool(jax.devices(platform))
+  except RuntimeError:
+    return False

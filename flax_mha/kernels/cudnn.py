@@ -10,19 +10,26 @@ import jax
 import jax.numpy as jnp
 
 from flax_mha import masks
+from flax_mha.kernels import _shared
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 128
 
 
-def unsupported_reason(query, key, value, dropout_rate, mods=None) -> str | None:
-  """Why cuDNN can't run this call (None when it can). Reads static facts only."""
+def unsupported_reason(query, key, value, dropout_rate, mods=None,
+                       platform: str | None = None) -> str | None:
+  """Why cuDNN can't run this call lowered for `platform` (None: the default backend's), or
+  None when it can. Reads static facts only."""
   if mods is not None and (mods.masks or mods.scores or mods.sinks is not None):
     return ("flax_mha's cuDNN path takes mask, bias and is_causal only, not windows, lengths, "
             "segment ids, positions, soft-capping, mask/score functions or sinks: use "
             "implementation='chunked'")
-  if jax.default_backend() != "gpu":
-    return f"cuDNN needs a GPU backend, the default backend is {jax.default_backend()!r}"
+  platform = _shared.backend_platform() if platform is None else platform
+  if platform != "cuda":
+    return f"cuDNN needs an NVIDIA GPU (platform 'cuda'), not {platform!r}"
+  if not _shared.has_platform("cuda"):
+    return ("jax.nn's cuDNN path reads the installed cuDNN while it traces, and this process "
+            "has no CUDA GPU: a program lowered for 'cuda' here cannot use it")
   if query.dtype not in SUPPORTED_DTYPES:
     return f"cuDNN needs bfloat16 or float16 inputs, got {query.dtype}"
   if dropout_rate > 0.0:

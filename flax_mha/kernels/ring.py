@@ -102,17 +102,32 @@ def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
   return (out, lax.stop_gradient(lse)) if return_residual else out
 
 
+def unsupported_reason(bias, dropout_rate, mods=None) -> str | None:
+  """Why ring attention can't run this call (None when it can), the mesh aside: what follows
+  "ring attention" in its error."""
+  if bias is not None or dropout_rate:
+    return (f"supports mask and is_causal, not bias or dropout; got bias="
+            f"{'None' if bias is None else 'an array'}, dropout_rate={dropout_rate}")
+  return None if mods is None else _array_terms(mods)
+
+
+def _array_terms(mods) -> str | None:
+  if not jax.tree.leaves((mods.masks, mods.scores)):
+    return None
+  kinds = sorted({type(t).__name__ for t in (*mods.masks, *mods.scores) if jax.tree.leaves(t)})
+  return ("takes windows, soft-capping and mask_mod/score_mod functions of the indices only, "
+          f"got terms holding arrays: {kinds} (segment ids, sequence lengths or closed-over "
+          "arrays): use implementation='chunked' on one device, or a mask")
+
+
 def _check_mods(mods, batch_axis, head_axis):
   """Ring attention takes index-only mask and score terms (positions are global on every device);
   arrays (segment ids, lengths, a score_mod's table) would need sharding of their own."""
   if mods is None:
     return
-  if jax.tree.leaves((mods.masks, mods.scores)):
-    kinds = sorted({type(t).__name__ for t in (*mods.masks, *mods.scores) if jax.tree.leaves(t)})
-    raise ValueError(
-        f"ring attention takes windows, soft-capping and mask_mod/score_mod functions of the "
-        f"indices only, got terms holding arrays: {kinds} (segment ids, sequence lengths or "
-        "closed-over arrays): use implementation='chunked' on one device, or a mask")
+  reason = _array_terms(mods)
+  if reason is not None:
+    raise ValueError(f"ring attention {reason}")
   reads_bh = any(isinstance(t, mods_lib.MaskMod) and t.sizes != (1, 1) for t in mods.masks)
   reads_bh |= any(isinstance(t, mods_lib.ScoreMod) for t in mods.scores)
   if reads_bh and (batch_axis or head_axis):
@@ -175,10 +190,9 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
   dropout, segment ids, positions and sequence lengths raise.
   """
   del dropout_rng
-  if bias is not None or dropout_rate:
-    raise ValueError("ring attention supports mask and is_causal, not bias or dropout; "
-                     f"got bias={'None' if bias is None else 'an array'}, "
-                     f"dropout_rate={dropout_rate}")
+  reason = unsupported_reason(bias, dropout_rate, mods)
+  if reason is not None:
+    raise ValueError(f"ring attention {reason}")
   mesh = jax.sharding.get_abstract_mesh()
   if SEQ_AXIS not in mesh.axis_names:
     raise ValueError(f"ring attention needs a mesh with a {SEQ_AXIS!r} axis in context: call it "

@@ -25,7 +25,7 @@ def test_ring_matches_single_device_on_8_devices():
       "full", "gqa_causal", "mqa_full",
       "mesh_Auto", "abstract_mesh_Auto", "mesh_Explicit", "abstract_mesh_Explicit",
       "mesh_mixed", "abstract_mesh_mixed", "explicit_query_type_kept",
-      "key_padding_causal", "full_mask", "sinks_residual"]
+      "key_padding_causal", "full_mask", "sinks_residual", "export_cuda_tpu"]
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

@@ -3,7 +3,8 @@
 Ring attention over 4 sequence shards (x 2 batch shards) must equal the float64 NumPy attention
 of tests/conftest.py in values and single-device `flax_mha.kernels.reference` in loss and gradients:
 causal and not, MHA, GQA and MQA, T != S, V != K, on meshes with Auto, Explicit and mixed axes,
-and as the `implementation` callable of `flax_mha.dot_product_attention`.
+and as the `implementation` callable of `flax_mha.dot_product_attention`; and that forward+backward
+lowers for 'cuda' and 'tpu' (`jax.export`, lowering only) from this CPU mesh.
 Prints one 'OK ...' per check.
 """
 
@@ -150,6 +151,23 @@ def check_sinks_and_residual(rng):
   print(f"OK sinks_residual loss={float(loss):.6f}")
 
 
+def check_export():
+  """Forward+backward of ring attention with a window and a soft cap, exported for GPU and TPU
+  on the 8-device mesh: lowering only, one ring of collective permutes in it."""
+  x = jax.ShapeDtypeStruct((B, 16, H, K), jnp.float32)
+  def loss(q, k, v):
+    out = flax_mha.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=(4, 0), logit_soft_cap=20.0,
+        implementation=ring_implementation)
+    return jnp.sum(out * out)
+  with jax.set_mesh(sharding.make_mesh(data=2, seq=4)):
+    exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
+                                 platforms=("cuda", "tpu"))(x, x, x)
+  assert exported.platforms == ("cuda", "tpu") and exported.nr_devices == 8
+  assert "collective_permute" in exported.mlir_module()
+  print("OK export_cuda_tpu")
+
+
 def main():
   assert jax.device_count() == 8, jax.device_count()
   rng = np.random.default_rng(0)
@@ -157,6 +175,7 @@ def main():
   check_mesh_kinds(rng)
   check_masked_via_dot_product_attention(rng)
   check_sinks_and_residual(rng)
+  check_export()
 
 
 if __name__ == "__main__":

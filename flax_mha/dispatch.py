@@ -1,0 +1,224 @@
+"""What `implementation=None` runs, and why: the one decision behind `dot_product_attention`'s
+dispatch and `flax_mha.explain`.
+
+The choice reads static facts only (shapes, dtype, `is_causal`, the dropout rate, which mask and
+score terms a call has, the tiles its static masks hide) and the platform the program is
+lowered for: `dot_product_attention` asks for every platform in PLATFORMS and, where the answers
+differ, stages them with `lax.platform_dependent`, so a program exported for 'cuda' from a CPU
+runs the GPU choice, and each lowering keeps only its own branch.
+
+On CPU (each threshold a crossover measured on a 2-core CPU, float32, forward+backward):
+  1. A few queries over many keys (generation): "decode" (DECODE_* below).
+  2. No dropout and no mask/score terms (bias, mask, is_causal and sinks are fine): "xla" up to
+     SMALL_LOGITS_ROWS logits per (batch, head) (SMALL_LOGITS_ROWS_CAUSAL when causal), "rows"
+     beyond, "chunked" past ROWS_MAX_KEYS keys.
+  3. Otherwise "xla" up to SMALL_LOGITS logits per (batch, head), "chunked" beyond: chunked
+     skips the tiles its masks hide, so it wins earlier where they hide many. The limit falls
+     to SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64; without dropout (how they were
+     timed) to SMALL_LOGITS_BANDED_32 when causal or windowed with K <= 32, and to
+     SMALL_LOGITS_SPARSE where the static masks (causality, windows, a `mask_mod` that reads
+     only indices) leave chunked at most SPARSE_VISITED of its tiles. Segment ids, lengths
+     and positions are data: how much they hide is unknown at trace time, so they move
+     nothing.
+On GPU and TPU (none measured here): "cudnn" on 'cuda' where it applies; otherwise, like
+jax.nn's own default, the plain XLA graph while the B·H·T·S logits fit
+ACCELERATOR_MAX_LOGITS, and "chunked" beyond (memory linear in S). "rows" sizes its tiles for a
+CPU cache and "decode" its loop for CPU cores: neither is picked there.
+Every choice computes the same function (`flax_mha.kernels.reference`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from flax_mha import mods as mods_lib
+from flax_mha.kernels import _shared
+from flax_mha.kernels import chunked
+from flax_mha.kernels import cudnn
+from flax_mha.kernels import ring
+from flax_mha.kernels import rows
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what lax.platform_dependent calls them
+NAMES = ("reference", "xla", "chunked", "rows", "cudnn", "decode", "ring")
+
+# CPU crossovers, forward+backward, float32:
+#   `python -m experiments.bench.attention` (plain calls),
+#   `python -m experiments.bench.blocks --masked` (mask and bias),
+#   `python -m experiments.bench.blocks` (dropout: chunked's causal tile skipping moves its
+#   crossover down for causal K <= 64),
+#   `python -m experiments.bench.blocks --sparse` (windows: chunked took 0.39-0.69x xla's time
+#   at N=384-512 where it visits <= 0.625 of its tiles, 1.1x where it visits 0.78 (K=64); with
+#   K=32, causal or windowed, 0.72-0.90x from N=256 on, level or slower at N=128).
+SMALL_LOGITS_ROWS = 256 * 256
+SMALL_LOGITS_ROWS_CAUSAL = 128 * 128
+SMALL_LOGITS = 512 * 512
+SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
+SMALL_LOGITS_BANDED_32 = 128 * 128  # causal or a window, K <= 32
+SMALL_LOGITS_SPARSE = 256 * 256  # chunked visits at most SPARSE_VISITED of its tiles
+SPARSE_VISITED = 0.625
+ROWS_MAX_KEYS = 16384  # a "rows" tile holds >= 128 query rows x S keys: chunked's tiles beyond
+# Up to DECODE_MAX_QUERIES queries over at least DECODE_MIN_KEYS keys of a cache (positions or
+# key lengths: the decode kernel skips the blocks that hold nothing visible), or over at least
+# DECODE_MIN_KEYS_DENSE keys otherwise, "decode" (keys split, merged by lse;
+# `python -m experiments.bench.decode`).
+DECODE_MAX_QUERIES = 32
+DECODE_MIN_KEYS = 1024
+DECODE_MIN_KEYS_DENSE = 8192
+# GPU/TPU: the most B·H·T·S logits "xla" materialises (1 GiB of float32 per [B, H, T, S] array;
+# its backward holds a few), chosen for memory, not timed: no accelerator is lent here.
+ACCELERATOR_MAX_LOGITS = 2**28
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """An implementation's name and why the dispatch picked it."""
+  name: str
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+  """What `implementation=None` runs for one call on one platform, and what every other
+  implementation says about the call: "runs", or the option or shape it refuses."""
+  implementation: str
+  reason: str
+  platform: str
+  alternatives: Mapping[str, str]
+
+  def __str__(self):
+    lines = [f"implementation=None runs {self.implementation!r} on {self.platform!r}: "
+             f"{self.reason}", "other implementations:"]
+    lines += [f"  {name}: {verdict}" for name, verdict in self.alternatives.items()]
+    return "\n".join(lines)
+
+
+def check_platform(platform) -> str:
+  """`platform`, or the default backend's for None; a name in PLATFORMS."""
+  if platform is None:
+    return _shared.backend_platform()
+  if not isinstance(platform, str):
+    raise TypeError(f"platform must be None or a str, got {type(platform).__name__}")
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform must be None or one of {PLATFORMS}, got {platform!r}")
+  return platform
+
+
+def choose(query, key, value, bias, mask, *, is_causal: bool, dropout_rate: float,
+           mods=None, platform: str) -> Choice:
+  """What `implementation=None` runs for flattened inputs (query [B, T, H, K], key [B, S, G, K],
+  value [B, S, G, V]; arrays or shapes) lowered for `platform` (see the module docstring)."""
+  del bias, mask  # every implementation takes them
+  if cudnn.unsupported_reason(query, key, value, dropout_rate, mods, platform) is None:
+    return Choice("cudnn", "cuDNN flash attention applies (16-bit, no dropout, K == V <= 128, "
+                           "no mask/score terms)")
+  b, t, h, k = query.shape
+  s = key.shape[1]
+  if platform != "cpu":
+    logits = b * h * t * s
+    if logits <= ACCELERATOR_MAX_LOGITS:
+      return Choice("xla", f"on {platform!r} the plain XLA graph, as jax.nn's default, while "
+                           f"B·H·T·S = {logits} logits <= ACCELERATOR_MAX_LOGITS = "
+                           f"{ACCELERATOR_MAX_LOGITS} (a memory bound, not a timing)")
+    return Choice("chunked", f"on {platform!r}: B·H·T·S = {logits} logits > "
+                             f"ACCELERATOR_MAX_LOGITS = {ACCELERATOR_MAX_LOGITS}, too many to "
+                             "materialise; chunked's memory is linear in S")
+  decode = _decode_choice(t, s, mods)
+  if decode is not None:
+    return decode
+  logits = t * s
+  refused = rows.unsupported_reason(dropout_rate, mods)
+  if refused is None:
+    limit, name = ((SMALL_LOGITS_ROWS_CAUSAL, "SMALL_LOGITS_ROWS_CAUSAL") if is_causal
+                   else (SMALL_LOGITS_ROWS, "SMALL_LOGITS_ROWS"))
+    if logits <= limit:
+      return Choice("xla", f"no dropout or mask/score terms and T·S = {logits} logits per "
+                           f"(batch, head) <= {name} = {limit}: one fused XLA graph has the "
+                           "least overhead (CPU crossover)")
+    if s <= ROWS_MAX_KEYS:
+      return Choice("rows", f"no dropout or mask/score terms, T·S = {logits} > {name} = "
+                            f"{limit} and S = {s} <= ROWS_MAX_KEYS = {ROWS_MAX_KEYS}: query-row "
+                            "blocks with an exact softmax, the fastest on CPU")
+    return Choice("chunked", f"S = {s} > ROWS_MAX_KEYS = {ROWS_MAX_KEYS}: rows' tiles of >= 128 "
+                             "rows x S keys outgrow the cache; chunked's tiles do not")
+  return _cpu_with_terms(t, s, k, is_causal, dropout_rate, mods, refused)
+
+
+def _cpu_with_terms(t, s, k, is_causal, dropout_rate, mods, refused: str) -> Choice:
+  """On CPU, a call that "rows" refuses (`refused` says why): "xla" or "chunked"."""
+  logits = t * s
+  limit, name, why = SMALL_LOGITS, "SMALL_LOGITS", ""
+  if is_causal and k <= 64:
+    limit, name = SMALL_LOGITS_CAUSAL_NARROW, "SMALL_LOGITS_CAUSAL_NARROW (causal, K <= 64)"
+  window = mods_lib.narrowest_window(mods)
+  banded = is_causal or (window is not None and window < s)
+  if not dropout_rate and banded and k <= 32:  # timed without dropout only
+    limit, name = SMALL_LOGITS_BANDED_32, "SMALL_LOGITS_BANDED_32 (causal or a window, K <= 32)"
+  if not dropout_rate and SMALL_LOGITS_SPARSE < logits <= limit:
+    visited = visited_fraction(t, s, k, is_causal, mods)
+    if visited <= SPARSE_VISITED:
+      limit, name = SMALL_LOGITS_SPARSE, "SMALL_LOGITS_SPARSE"
+      why = (f" (its static masks leave chunked {visited:.3f} of its tiles, <= SPARSE_VISITED "
+             f"= {SPARSE_VISITED})")
+  if logits <= limit:
+    return Choice("xla", f"not 'rows' ({refused}); T·S = {logits} logits per (batch, head) <= "
+                         f"{name} = {limit}: one fused XLA graph has the least overhead (CPU "
+                         "crossover)")
+  return Choice("chunked", f"not 'rows' ({refused}); T·S = {logits} logits per (batch, head) "
+                           f"> {name} = {limit}{why}: chunked skips the tiles its masks hide "
+                           "and needs memory linear in S")
+
+
+def _decode_choice(t: int, s: int, mods) -> Choice | None:
+  cache_like = mods is not None and any(
+      isinstance(term, (mods_lib.Positions, mods_lib.SeqLengths)) for term in mods.masks)
+  min_keys, name = ((DECODE_MIN_KEYS, "DECODE_MIN_KEYS (a cache: positions or lengths)")
+                    if cache_like else (DECODE_MIN_KEYS_DENSE, "DECODE_MIN_KEYS_DENSE"))
+  if t <= DECODE_MAX_QUERIES and s >= min_keys:
+    return Choice("decode", f"T = {t} queries <= DECODE_MAX_QUERIES = {DECODE_MAX_QUERIES} over "
+                            f"S = {s} keys >= {name} = {min_keys}: keys split into partitions "
+                            "merged by log-sum-exp")
+  return None
+
+
+def visited_fraction(t: int, s: int, k: int, is_causal: bool, mods) -> float:
+  """The share of its [T, S] tiles that "chunked" visits under the masks known from static
+  shapes (causality, windows, index-only mask_mods); data-dependent terms count as visible."""
+  static = tuple(term for term in (mods.masks if mods else ())
+                 if isinstance(term, mods_lib.LocalWindow)
+                 or (isinstance(term, mods_lib.MaskMod) and not term.consts))
+  if not static and not is_causal:
+    return 1.0
+  static_mods = mods_lib.with_causal(mods_lib.Mods(static), is_causal)
+  bq, bk = chunked.default_blocks(t, s, k, is_causal, mods_lib.narrowest_window(mods))
+  maybe, _ = static_mods.tile_map(mods_lib.make_tiles(t, s, bq, bk))
+  return float(np.mean(maybe))
+
+
+def refusals(query, key, value, bias, mask, *, dropout_rate: float, mods=None,
+             platform: str) -> dict[str, str | None]:
+  """name -> why that implementation cannot run this call on `platform` (None: it runs)."""
+  del mask
+  out = dict.fromkeys(NAMES)
+  out["rows"] = rows.unsupported_reason(dropout_rate, mods)
+  out["cudnn"] = cudnn.unsupported_reason(query, key, value, dropout_rate, mods, platform)
+  out["ring"] = ring.unsupported_reason(bias, dropout_rate, mods)
+  if out["ring"] is None and ring.SEQ_AXIS not in jax.sharding.get_abstract_mesh().axis_names:
+    out["ring"] = (f"it needs a mesh with a {ring.SEQ_AXIS!r} axis in context (`with "
+                   "jax.set_mesh(flax_mha.sharding.make_mesh(seq=n))`), and there is none")
+  return out
+
+
+def explanation(query, key, value, bias, mask, *, is_causal: bool, dropout_rate: float,
+                mods=None, platform: str) -> Explanation:
+  """`choose` and `refusals` together, for `flax_mha.explain`."""
+  picked = choose(query, key, value, bias, mask, is_causal=is_causal,
+                  dropout_rate=dropout_rate, mods=mods, platform=platform)
+  refused = refusals(query, key, value, bias, mask, dropout_rate=dropout_rate, mods=mods,
+                     platform=platform)
+  alternatives = {name: "runs" if why is None else f"refuses: {why}"
+                  for name, why in refused.items() if name != picked.name}
+  return Explanation(picked.name, picked.reason, platform, alternatives)

@@ -1,0 +1,150 @@
+"""`flax_mha.explain`: which implementation `implementation=None` runs, why, and what every other
+implementation says, on each platform; one decision with the dispatch (`flax_mha.dispatch`).
+
+Everything here reads shapes only (jax.ShapeDtypeStruct): nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+
+import flax_mha
+from flax_mha import dispatch
+from flax_mha import mods as mods_lib
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def shapes(t, s=None, *, b=2, h=4, g=2, k=64, v=None, dtype=jnp.float32):
+  """(query [B, T, H, K], key [B, S, G, K], value [B, S, G, V]) as shapes."""
+  s = t if s is None else s
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)
+  return sds(b, t, h, k), sds(b, s, g, k), sds(b, s, g, k if v is None else v)
+
+
+def ids(b, n):
+  return jax.ShapeDtypeStruct((b, n), jnp.int32)
+
+
+@pytest.mark.parametrize("t, s, k, options, picked, says", [
+    (64, 64, 64, {}, "xla", "SMALL_LOGITS_ROWS"),
+    (640, 640, 64, {}, "rows", "query-row blocks"),
+    (256, 256, 64, dict(is_causal=True), "rows", "SMALL_LOGITS_ROWS_CAUSAL"),
+    (128, 32768, 64, {}, "chunked", "ROWS_MAX_KEYS"),
+    (1, 8192, 64, {}, "decode", "DECODE_MIN_KEYS_DENSE"),
+    (512, 512, 64, dict(logit_soft_cap=30.0), "xla", "SMALL_LOGITS = "),
+    # A window: chunked visits 10 of its 16 tiles, so it takes over at 256² (measured).
+    (512, 512, 64, dict(local_window_size=32), "chunked", "SMALL_LOGITS_SPARSE"),
+    (512, 512, 64, dict(is_causal=True, local_window_size=(16, 0)), "chunked", "causal, K <= 64"),
+    (512, 512, 128, dict(is_causal=True, local_window_size=(128, 0)), "chunked",
+     "SMALL_LOGITS_SPARSE"),
+    # Narrow heads with a causal or windowed mask: chunked from 128² (measured).
+    (256, 256, 32, dict(is_causal=True, logit_soft_cap=50.0), "chunked", "BANDED_32"),
+    (128, 128, 32, dict(is_causal=True, logit_soft_cap=50.0), "xla", "BANDED_32"),
+    (256, 256, 32, dict(local_window_size=16), "chunked", "BANDED_32"),
+    (256, 256, 32, dict(local_window_size=300), "xla", "SMALL_LOGITS = "),  # no limit: dense
+    (256, 256, 32, dict(q_segment_ids=ids(2, 256)), "xla", "SMALL_LOGITS = "),
+    # Segment ids are data: how much they hide is unknown at trace time, nothing moves.
+    (512, 512, 64, dict(q_segment_ids=ids(2, 512)), "xla", "SMALL_LOGITS = "),
+])
+def test_explains_the_cpu_choice(t, s, k, options, picked, says):
+  q, key, v = shapes(t, s, k=k)
+  got = flax_mha.explain(q, key, v, platform="cpu", **options)
+  assert (got.implementation, got.platform) == (picked, "cpu")
+  assert says in got.reason, got.reason
+  assert picked not in got.alternatives
+  assert set(got.alternatives) == set(dispatch.NAMES) - {picked}
+  assert str(got).startswith(f"implementation=None runs {picked!r} on 'cpu': ")
+  assert all(f"  {name}: " in str(got) for name in got.alternatives)
+
+
+def test_one_decision_with_the_dispatch():
+  """explain's answer is default_implementation's for each platform, arrays or shapes."""
+  rng = np.random.default_rng(0)
+  for t, causal in ((64, False), (256, True), (640, False)):
+    q, k, v = shapes(t)
+    arrays = [jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in (q, k, v)]
+    for platform in dispatch.PLATFORMS:
+      want = flax_mha.attention.default_implementation(q, k, v, None, None, is_causal=causal,
+                                                       dropout_rate=0.0, platform=platform)
+      for args in ((q, k, v), arrays):
+        assert flax_mha.explain(*args, is_causal=causal,
+                                platform=platform).implementation == want
+
+
+def test_refusals_name_the_option():
+  q, k, v = shapes(64)
+  got = flax_mha.explain(q, k, v, q_segment_ids=ids(2, 64), dropout_rate=0.1, platform="cpu")
+  assert got.alternatives["rows"] == "refuses: it has no dropout"
+  assert "segment ids" in got.alternatives["cudnn"]
+  assert "not bias or dropout" in got.alternatives["ring"]
+  assert got.alternatives["chunked"] == got.alternatives["reference"] == "runs"
+  ring = flax_mha.explain(q, k, v, q_segment_ids=ids(2, 64)).alternatives["ring"]
+  assert "terms holding arrays: ['Segments']" in ring
+  with jax.sharding.use_abstract_mesh(AbstractMesh((4,), ("seq",))):
+    assert flax_mha.explain(q, k, v, is_causal=True).alternatives["ring"] == "runs"
+  assert "needs a mesh with a 'seq' axis" in flax_mha.explain(q, k, v).alternatives["ring"]
+
+
+def test_platforms():
+  """On an accelerator the CPU-tuned kernels are not picked; cuDNN only on 'cuda', and only
+  where this process can trace it."""
+  q, k, v = shapes(640, dtype=jnp.bfloat16)
+  assert flax_mha.explain(q, k, v, platform="cpu").implementation == "rows"
+  tpu = flax_mha.explain(q, k, v, platform="tpu")
+  assert tpu.implementation == "xla" and "ACCELERATOR_MAX_LOGITS" in tpu.reason
+  assert "not 'tpu'" in tpu.alternatives["cudnn"]
+  cuda = flax_mha.explain(q, k, v, platform="cuda")
+  if ON_GPU:
+    assert cuda.implementation == "cudnn"
+  else:
+    assert cuda.implementation == "xla"
+    assert "no CUDA GPU" in cuda.alternatives["cudnn"]
+  big = shapes(8192, b=8, h=8, g=8)
+  assert flax_mha.explain(*big, is_causal=True, platform="tpu").implementation == "chunked"
+  # Decode shapes: the CPU's split-key loop there, the plain graph on an accelerator.
+  cache = shapes(1, 8192)
+  assert flax_mha.explain(*cache, platform="cpu").implementation == "decode"
+  assert flax_mha.explain(*cache, platform="rocm").implementation == "xla"
+
+
+def test_decode_for_a_cache():
+  """Positions make a call cache-like: decode from DECODE_MIN_KEYS keys, not the dense bound."""
+  q, k, v = shapes(4, 1024)
+  pos = dict(q_positions=ids(2, 4), kv_positions=ids(2, 1024))
+  got = flax_mha.explain(q, k, v, is_causal=True, platform="cpu", **pos)
+  assert got.implementation == "decode" and "a cache" in got.reason
+  assert flax_mha.explain(q, k, v, is_causal=True, platform="cpu").implementation != "decode"
+
+
+def test_visited_fraction_reads_static_masks_only():
+  window = mods_lib.Mods((mods_lib.LocalWindow(32, 32),))
+  assert dispatch.visited_fraction(512, 512, 64, False, window) == 10 / 16  # 128-blocks, a band
+  assert dispatch.visited_fraction(512, 512, 64, True, None) == 10 / 16
+  band = lambda b, h, q, kv: jnp.abs(q - kv) <= 32
+  got = flax_mha.explain(*shapes(2048), mask_mod=band, platform="cpu")
+  assert got.implementation == "chunked"
+  index_only = mods_lib.Mods((mods_lib.MaskMod(lambda b, h, q, kv: jnp.abs(q - kv) <= 32),))
+  assert dispatch.visited_fraction(2048, 2048, 64, False, index_only) == 10 / 16  # 512-blocks
+  closes_over = mods_lib.Mods((mods_lib.MaskMod(lambda b, h, q, kv, t: q >= kv, consts=(1,)),))
+  assert dispatch.visited_fraction(2048, 2048, 64, False, closes_over) == 1.0  # data: unknown
+
+
+def test_checks_arguments():
+  q, k, v = shapes(8)
+  with pytest.raises(ValueError, match=r"platform must be None or one of \('cpu'"):
+    flax_mha.explain(q, k, v, platform="gpu")
+  with pytest.raises(TypeError, match="platform must be None or a str, got int"):
+    flax_mha.explain(q, k, v, platform=0)
+  with pytest.raises(TypeError, match="query must be an array"):
+    flax_mha.explain([1.0], k, v)
+  with pytest.raises(TypeError, match="unexpected keyword arguments"):
+    flax_mha.explain(q, k, v, implementation="xla")
+  with pytest.raises(ValueError, match="local_window_size needs T == S"):
+    flax_mha.explain(q, shapes(8, 9)[1], shapes(8, 9)[2], local_window_size=2)
+  with pytest.raises(TypeError, match="q_segment_ids must have an integer dtype"):
+    flax_mha.explain(q, k, v, q_segment_ids=jax.ShapeDtypeStruct((2, 8), jnp.float32))
