@@ -52,12 +52,13 @@ def test_a_failing_block_names_its_page_and_line(tmp_path):
 def test_docstrings_indented_blocks_become_code_and_lists_stand_apart():
   text = "\n".join([
       "Summary.", "", "  out = f(x)   # [B, T]", "  y = g(out)", "More text.", "Kinds:",
-      "- one", "  continued", "- two", "", "Args:", "  x: the input.", "", "    more on x.",
-      "", "Returns:", "  y."])
+      "- one", "  continued", "- two", "", "Rules:", "  1. first", "     wrapped", "  2. second",
+      "After.", "", "Args:", "  x: the input.", "", "    more on x.", "", "Returns:", "  y."])
   assert docstrings.markdown(text).split("\n") == [
       "Summary.", "", "```text", "out = f(x)   # [B, T]", "y = g(out)", "```", "",
-      "More text.", "Kinds:", "", "- one", "  continued", "- two", "", "Args:",
-      "  x: the input.", "", "    more on x.", "", "Returns:", "  y."]
+      "More text.", "Kinds:", "", "- one", "  continued", "- two", "", "Rules:", "",
+      "1. first", "   wrapped", "2. second", "", "After.", "", "Args:", "  x: the input.", "",
+      "    more on x.", "", "Returns:", "  y."]
 
 
 def test_blocks_that_do_not_run_are_rare():

@@ -3,10 +3,10 @@
 
 The package's docstrings are written for `help()` and the source: a formula, a table of names
 or a usage line is indented by two spaces under its paragraph, and a list may follow its
-introducing line directly. Markdown would run both into the paragraph. This turns an indented
+introducing line directly, or be indented under it. Markdown would run both into the paragraph. This turns an indented
 block that follows a blank line (outside the Args/Returns/Raises sections, whose items are
-indented too) into a code block, kept as written, and puts a blank line before a list that
-follows a line of text. The source stays as it is.
+indented too) into a code block, kept as written, and sets a list that follows a line of text
+apart (at the margin, if it was indented). The source stays as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import griffe
 _SECTION = re.compile(r"^(Args|Arguments|Returns|Yields|Raises|Attributes|Examples?|Notes?|"
                       r"Warns|Warnings?|Parameters|Keyword Args|Other Parameters|Methods):\s*$")
 _ITEM = re.compile(r"^[-*] ")
+_INDENTED_ITEM = re.compile(r"^ +([-*]|\d+\.) ")
 _FENCE = "```"
 
 
@@ -34,6 +35,17 @@ def markdown(text: str) -> str:
       in_section = True
     elif line.strip() and not indented:
       in_section = False
+    after_text = previous.strip() and not previous.startswith(" ") and not _ITEM.match(previous)
+    if indented and not in_section and after_text and _INDENTED_ITEM.match(line):
+      # A list indented under its introducing line: set apart, brought to the margin.
+      block = []
+      while i < len(lines) and lines[i].startswith(" ") and lines[i].strip():
+        block.append(lines[i])
+        i += 1
+      out += ["", *textwrap.dedent("\n".join(block)).split("\n")]
+      if i < len(lines) and lines[i].strip():
+        out.append("")
+      continue
     if indented and not in_section and previous == "":
       block = []
       while i < len(lines) and lines[i].startswith(" ") and lines[i].strip():
