@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.models.transformer import Transformer, TransformerConfig
 
@@ -110,6 +111,7 @@ def _check(prompts, prompt_lengths, max_new_tokens):
   return jnp.asarray(prompts, jnp.int32), lengths.astype(jnp.int32)
 
 
+@cache_lib.caller_makes_room  # sized below for every token written
 def _prefill(model, params, context, prompts, lengths, max_new_tokens):
   """(cache, last logits [B, C]): the prompts run in one call, each row at its own positions."""
   length = prompts.shape[1]
@@ -122,6 +124,7 @@ def _prefill(model, params, context, prompts, lengths, max_new_tokens):
   return cache, jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 
+@cache_lib.caller_makes_room  # the loops stop at the _prefill's max_new_tokens
 def _step(model, params, tokens_B, cache, logits, more):
   """Logits [B, C] of the next token after `tokens_B`, and the cache; unchanged (`logits`,
   `cache`) unless `more` tokens are to come."""
@@ -172,6 +175,7 @@ _jitted_prefill = jax.jit(_prefill, static_argnums=(0, 5))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
+@cache_lib.caller_makes_room  # stream stops at the _prefill's max_new_tokens
 def _jitted_step(model, params, tokens_B, cache):
   logits, cache = model.apply(params, tokens_B[:, None], cache, method=type(model).logits)
   return logits[:, 0], cache

@@ -89,25 +89,27 @@ def _put_row(cache, row, row_cache):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(2,))
-def _prefill(model, params, cache, table, tokens_1L, length, row, sampler, rng):
+@cache_lib.caller_makes_room  # serve checks the pool and hands out the pages
+def _prefill(model, params, cache, table, tokens_1L, length, row, sampler, rng, request):
   """Row `row` takes a prompt (tokens [1, L] padded past `length`): its first new token."""
   cache = _reset_row(_with_table(cache, table), row)
   ar = jnp.arange(tokens_1L.shape[1], dtype=jnp.int32)
   positions = jnp.where(ar < length, ar, -1)[None]
   logits, row_cache = model.apply(params, tokens_1L, _take_row(cache, row), positions,
                                   method=type(model).logits)
-  token = sampler(logits[:, length - 1], rng)[0]
+  token = sampler(logits[:, length - 1], jax.random.fold_in(rng, 2 * request))[0]
   return token, _put_row(cache, row, row_cache)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2,))
-def _step(model, params, cache, table, tokens_B, active_B, sampler, rng):
+@cache_lib.caller_makes_room
+def _step(model, params, cache, table, tokens_B, active_B, sampler, rng, step):
   """One token for every active row (inactive rows: position -1, nothing written)."""
   cache = _with_table(cache, table)
   positions = jnp.where(active_B, cache_lib.next_positions(cache[0], 1)[:, 0], -1)[:, None]
   logits, cache = model.apply(params, tokens_B[:, None], cache, positions,
                               method=type(model).logits)
-  return sampler(logits[:, 0], rng), cache
+  return sampler(logits[:, 0], jax.random.fold_in(rng, 2 * step + 1)), cache
 
 
 def _bucket(length: int) -> int:
@@ -163,7 +165,7 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
       padded = np.zeros((1, _bucket(len(prompt))), np.int32)
       padded[0, :len(prompt)] = prompt
       token, cache = _prefill(model, params, cache, table, padded, len(prompt), row, sampler,
-                              jax.random.fold_in(rng, 2 * request))
+                              rng, request)
       rows[row], lengths[row] = request, len(prompt)
       if not finish(row, token):
         tokens[row], active[row] = int(token), True
@@ -176,8 +178,7 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
       held = lengths[active] + 1
       peak = num_pages - len(free)
       peak_held = int(held.sum()), int(np.sum(-(-held // page_size) * page_size))
-    new, cache = _step(model, params, cache, table, tokens, active, sampler,
-                       jax.random.fold_in(rng, 2 * steps + 1))
+    new, cache = _step(model, params, cache, table, tokens, active, sampler, rng, steps)
     new, steps = np.asarray(new), steps + 1
     for row in np.flatnonzero(active):
       lengths[row] += 1

@@ -142,3 +142,18 @@ def test_bad_generation_arguments_are_named(kwargs, error, match):
   args.update(kwargs)
   with pytest.raises(error, match=match):
     decoding.generate(model, params, (PROMPTS,), PROMPTS, **args)
+
+
+def test_decoding_loops_trace_no_host_callback():
+  """generate and beam search size their caches for every token they write, so their loops
+  trace no capacity callback (one per token cost 5-7x a small model's step, and takes jit off
+  its fast path); the same cache write of a user's own under jit keeps its check."""
+  model, params = _lm()
+  for fn in (decoding.generate, decoding.generate_beam):
+    jaxpr = jax.make_jaxpr(lambda p, fn=fn: fn(model, p, (PROMPTS,), PROMPTS, LENGTHS,
+                                               max_new_tokens=3))(params)
+    assert "callback" not in str(jaxpr)
+  cache = model.apply(params, PROMPTS, max_length=8, method=DecoderLM.init_cache)
+  user_step = jax.make_jaxpr(lambda c: model.apply(params, PROMPTS[:, :1], c,
+                                                   method=DecoderLM.logits))(cache)
+  assert "callback" in str(user_step)
