@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 WORKDIR ?= runs/dates
 
-.PHONY: run test test-slow test-min bench venv clean
+.PHONY: run test test-slow test-min bench docs docs-serve venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -41,5 +41,14 @@ test-min: $(MIN_STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m experiments.bench.attention
 
+# The documentation site (mkdocs.yml): built into site/, every page's examples run on the way
+# (docs/hooks/examples.py); --strict makes a warning (a broken link, a missing reference) fatal.
+export NO_MKDOCS_2_WARNING := 1
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve --strict
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site

@@ -5,9 +5,11 @@ D d_model, F d_ff, C vocabulary size. Token id conventions live in `TransformerC
 bos 1, eos 2).
 
 Attention weights, with `sow_weights=True` and `mutable=['intermediates']`, are sown at
+
   encoder/layer_{i}/self_attention/attention_weights   [B, H, S, S]
   decoder/layer_{i}/self_attention/attention_weights   [B, H, T, T]
   decoder/layer_{i}/cross_attention/attention_weights  [B, H, T, S]
+
 (each a 1-tuple, as `Module.sow` stores it).
 """
 

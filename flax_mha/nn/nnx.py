@@ -72,8 +72,8 @@ class MultiHeadAttention(nnx.Module):
     in_kv_features: width of inputs_k (default in_features).
     v_features: H·V, the value width before `out` (default qkv_features): V may differ from K.
     in_v_features: width of inputs_v (default in_kv_features).
-    dtype, param_dtype, precision, use_bias, kernel_init, out_kernel_init, bias_init,
-      out_bias_init: as in `flax.nnx.MultiHeadAttention`.
+    dtype, param_dtype, precision: as in `flax.nnx.MultiHeadAttention`.
+    use_bias, kernel_init, out_kernel_init, bias_init, out_bias_init: likewise.
     dropout_rate: dropout on the attention weights, in [0, 1).
     deterministic: default of the call argument (needed when dropout_rate > 0); `eval()`,
       `train()` and `nnx.view` set it.
