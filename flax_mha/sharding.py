@@ -17,9 +17,10 @@ propagates these layouts through the step; no sharding constraint inside the mod
 
 FSDP (ZeRO-3) on top: with an 'fsdp' mesh axis of size n > 1, each parameter (and, matched by
 path suffix, each of its optimizer moments) is also split n ways along the dim with the largest
-per-device size that n still divides (after the rules' split of that dim, if any), and the batch is split over data x fsdp. Between steps a device
-holds 1/n of the state; `jit` gathers each weight where the step uses it (GSPMD) and
-reduce-scatters its gradient. 'data' stays plain replication (with fsdp: HSDP).
+per-device size that n still divides (after the rules' split of that dim, if any), and the
+batch is split over data x fsdp. Between steps a device holds 1/n of the state; `jit` gathers
+each weight where the step uses it (GSPMD) and reduce-scatters its gradient. 'data' stays plain
+replication (with fsdp: HSDP).
 
 A parameter that matches no pattern is an error, never a silent replication: a model declares
 what it replicates (norm scales) with None axes. A dim whose size the mesh axis does not divide

@@ -5,11 +5,12 @@
 state: parameters + Adam moments of configs/dates.py and configs/lm.py laid out by
   experiments.train on 8 devices (config.mesh.*), bytes summed per device from the arrays'
   addressable shards; the largest device's share, and that over 1/8 of the one-device total.
-remat: the LM's training step (configs/lm.py, --rows rows of --length tokens) compiled (never run) on
-  one device for each config.train.remat: the optimization barriers jax.checkpoint puts in the
-  lowered program, and XLA's `memory_analysis()` temp bytes (what the step keeps alive beyond
-  its arguments). XLA's CPU pipeline drops those barriers and merges the recomputation back
-  into the forward, so on CPU the temp bytes do not move; on GPU and TPU they do.
+remat: the LM's training step (configs/lm.py, --rows rows of --length tokens) compiled (never
+  run) on one device for each config.train.remat: the optimization barriers jax.checkpoint puts
+  in the lowered program, and XLA's `memory_analysis()` temp bytes (what the step keeps alive
+  beyond its arguments). XLA's CPU pipeline drops those barriers and merges the recomputation
+  back into the forward, so on CPU the temp bytes do not move (GPU and TPU keep the barriers;
+  not measured here).
 On a CPU host the devices are emulated (XLA_FLAGS=--xla_force_host_platform_device_count, set
 here): this measures placement and compiled memory, not speed.
 """
