@@ -33,9 +33,11 @@ def base_config(task: str, **task_kwargs) -> ml_collections.ConfigDict:
   config.train.length_buckets = (12, 16, 24, 40, 64, 96, 128)  # padded lengths: few shapes
   config.train.log_every = 50  # steps between training-metric rows
   config.train.checkpoint_every = 250  # steps between checkpoints (and at the end)
+  config.train.remat = "none"  # recompute in the backward: "none", "layer" or "attention"
 
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = 1  # devices the batch is split over (must divide the batch sizes)
+  config.mesh.fsdp = 1  # devices parameters, optimizer state and the batch are split over
   config.mesh.model = 1  # devices heads and FFN width are split over (Megatron-style)
   config.mesh.seq = 1  # devices the sequence is split over in training (ring attention)
 

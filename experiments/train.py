@@ -37,6 +37,7 @@ from experiments.lm import LMRunner
 from experiments.runner import Runner
 from experiments.seq2seq import Seq2SeqRunner
 from flax_mha import checks
+from flax_mha import remat
 from flax_mha import sharding
 # The module's function (flax_mha re-exports the name ring_attention for another function).
 from flax_mha.kernels.ring import attention as ring_implementation
@@ -54,7 +55,7 @@ _INT_KEYS = {
     "seed": 0, "train.steps": 1, "train.batch_size": 1, "train.warmup_steps": 0,
     "train.bucket_window": 1, "train.log_every": 1, "train.checkpoint_every": 1,
     "eval.every": 1, "eval.num_examples": 1, "eval.batch_size": 1,
-    "mesh.data": 1, "mesh.model": 1, "mesh.seq": 1,
+    "mesh.data": 1, "mesh.model": 1, "mesh.seq": 1, "mesh.fsdp": 1,
 }
 # key -> the bounds of a finite float (flax_mha.checks.check_real's keywords).
 _FLOAT_KEYS = {
@@ -83,6 +84,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     checks.check_int(f"config.{key}", _get(config, key), lowest)
   for key, bounds in _FLOAT_KEYS.items():
     checks.check_real(f"config.{key}", _get(config, key), **bounds)
+  remat.check_policy("config.train.remat", config.train.remat)
   buckets = config.train.length_buckets
   if not buckets or not all(isinstance(b, int) and b >= 1 for b in buckets):
     raise ValueError(
@@ -153,25 +155,30 @@ def init_state(runner: Runner, tx) -> TrainState:
 
 
 def shard_and_compile(runner: Runner, state: TrainState, tx):
-  """`state` laid out on the config's (data, model, seq) mesh, and the jitted step for it.
+  """`state` laid out on the config's (data, fsdp, model, seq) mesh, and the jitted step for it.
 
-  Parameters and Adam moments follow the model's declared axes (runner.param_axes); batches are
-  split over 'data'; with seq > 1 the training model's attention is ring attention over 'seq'
-  (evaluation and decoding use the model as configured). A 1 x 1 x 1 mesh is the single-device
-  run; the same seed gives the same losses on any mesh.
+  Parameters and Adam moments follow the model's declared axes (runner.param_axes), and with
+  fsdp > 1 are split over 'fsdp' too (flax_mha.sharding); batches are split over 'data' (x
+  'fsdp'); with seq > 1 the training model's attention is ring attention over 'seq', and it
+  recomputes what config.train.remat says (evaluation and decoding use the model as
+  configured). A mesh of size 1 is the single-device run; the same seed gives the same losses
+  on any mesh.
   """
   config, model = runner.config, runner.model
   mesh_cfg = config.mesh
-  if config.train.batch_size % mesh_cfg.data:
+  if config.train.batch_size % (mesh_cfg.data * mesh_cfg.fsdp):
     raise ValueError(f"train.batch_size={config.train.batch_size} must be a multiple of "
-                     f"mesh.data={mesh_cfg.data}")
+                     f"mesh.data={mesh_cfg.data} x mesh.fsdp={mesh_cfg.fsdp}")
   if any(length % mesh_cfg.seq for length in config.train.length_buckets):
     raise ValueError(f"train.length_buckets={tuple(config.train.length_buckets)} must be "
                      f"multiples of mesh.seq={mesh_cfg.seq}")
-  mesh = sharding.make_mesh(data=mesh_cfg.data, model=mesh_cfg.model, seq=mesh_cfg.seq)
+  mesh = sharding.make_mesh(data=mesh_cfg.data, fsdp=mesh_cfg.fsdp, model=mesh_cfg.model,
+                            seq=mesh_cfg.seq)
   if mesh_cfg.seq > 1:
     model = type(model)(dataclasses.replace(model.config,
                                             attention_implementation=ring_implementation))
+  if config.train.remat != "none":
+    model = type(model)(dataclasses.replace(model.config, remat=config.train.remat))
   param_axes = runner.param_axes + ((r"(^|/)rng$", (None,)),)  # the state's raw key
   state = sharding.shard_params(state, mesh, param_axes)
   state_shardings = sharding.shardings_for(state, mesh, param_axes)

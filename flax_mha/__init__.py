@@ -7,7 +7,8 @@ The package is layered, each folder importing only from the ones above it:
                        platform, and why), `masks`, `mods` (mask and score terms), `rotary`,
                        `cache` (the KV cache as data), `paged` (paged_attention), `checks`
                        (the argument checks every layer shares), `interop` (torch weights),
-                       `sharding` (meshes and placement)
+                       `sharding` (meshes, placement, FSDP), `remat` (what a training step
+                       recomputes)
   flax_mha/kernels/    the implementations behind `implementation=`: reference (the oracle),
                        xla, rows, chunked, decode, cudnn, ring (sequence-parallel), helpers
   flax_mha/nn/         the front ends: `linen` (MultiHeadAttention, SelfAttention) and `nnx`
@@ -42,6 +43,7 @@ from flax_mha import interop
 from flax_mha import masks
 from flax_mha import mods
 from flax_mha import paged
+from flax_mha import remat
 from flax_mha import rotary
 from flax_mha import sharding
 from flax_mha.attention import IMPLEMENTATIONS
@@ -58,6 +60,7 @@ from flax_mha.masks import make_attention_mask
 from flax_mha.masks import padding_mask
 from flax_mha.masks import segment_mask
 from flax_mha.paged import paged_attention
+from flax_mha.remat import remat_implementation
 from flax_mha.rotary import apply_rotary
 
 __version__ = "0.1.0"

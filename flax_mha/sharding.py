@@ -15,6 +15,13 @@ Megatron-style tensor parallelism, as the models declare it: the query/key/value
 all-reduce after each sublayer. The batch of activations is split over 'data'. `jit`
 propagates these layouts through the step; no sharding constraint inside the modules is needed.
 
+FSDP (ZeRO-3) on top: with an 'fsdp' mesh axis of size n > 1, each parameter (and, matched by
+path suffix, each of its optimizer moments) is also split n ways along the dim with the largest
+per-device size that n still divides (after the rules' split of that dim, if any), and the
+batch is split over data x fsdp. Between steps a device holds 1/n of the state; `jit` gathers
+each weight where the step uses it (GSPMD) and reduce-scatters its gradient. 'data' stays plain
+replication (with fsdp: HSDP).
+
 A parameter that matches no pattern is an error, never a silent replication: a model declares
 what it replicates (norm scales) with None axes. A dim whose size the mesh axis does not divide
 (e.g. G=1 key/value head on model=2, a vocab of 11) is replicated instead, so any config runs on
@@ -23,17 +30,21 @@ any mesh. Scalars (step counts) need no entry.
 
 from __future__ import annotations
 
+import collections
+import math
 import re
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# Mesh axis names, defined here only: batch, tensor (heads / FFN width), sequence (ring
-# attention). flax_mha.kernels.ring imports them, so this module must not import flax.
+# Mesh axis names, defined here only: batch, fully sharded data parallelism (batch and state),
+# tensor (heads / FFN width), sequence (ring attention). flax_mha.kernels.ring imports them, so
+# this module must not import flax. Outermost first: the slowest links carry 'data'.
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
 MODEL_AXIS = "model"
 SEQ_AXIS = "seq"
-MESH_AXES = (DATA_AXIS, MODEL_AXIS, SEQ_AXIS)
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, MODEL_AXIS, SEQ_AXIS)
 
 # A pattern table: (regex searched in 'a/b/c' parameter paths, logical axes); first match of the
 # leaf's rank wins.
@@ -47,15 +58,18 @@ LOGICAL_RULES: dict[str, str | None] = {
 }
 
 
-def make_mesh(data: int = 1, model: int = 1, seq: int = 1, devices=None) -> Mesh:
-  """A (data, model, seq) mesh over the first data·model·seq devices (default: all local ones)."""
+def make_mesh(data: int = 1, model: int = 1, seq: int = 1, devices=None, *,
+              fsdp: int = 1) -> Mesh:
+  """A (data, fsdp, model, seq) mesh over the first data·fsdp·model·seq devices (default: all
+  local ones)."""
   devices = jax.devices() if devices is None else devices
-  n = data * model * seq
-  if min(data, model, seq) < 1 or n > len(devices):
-    raise ValueError(f"mesh data={data} x model={model} x seq={seq} needs {n} devices, "
-                     f"{len(devices)} available")
-  return jax.make_mesh((data, model, seq), MESH_AXES,
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices[:n])
+  n = data * fsdp * model * seq
+  if min(data, fsdp, model, seq) < 1 or n > len(devices):
+    raise ValueError(f"mesh data={data} x fsdp={fsdp} x model={model} x seq={seq} needs {n} "
+                     f"devices, {len(devices)} available")
+  return jax.make_mesh((data, fsdp, model, seq), MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices[:n])
 
 
 def logical_axes(path: str, ndim: int, param_axes: ParamAxes) -> tuple[str | None, ...]:
@@ -77,7 +91,9 @@ def logical_axes(path: str, ndim: int, param_axes: ParamAxes) -> tuple[str | Non
 
 
 def spec_for(axes, shape, mesh: Mesh, rules=None) -> P:
-  """PartitionSpec of logical `axes` under `rules`, replicating dims the mesh axis can't divide."""
+  """PartitionSpec of logical `axes` under `rules`, replicating dims the mesh axis can't divide;
+  then, on a mesh with fsdp > 1, the dim with the largest per-device size that fsdp still
+  divides split over it as well (after the rules' axis, if any)."""
   rules = LOGICAL_RULES if rules is None else rules
   spec = []
   for name, size in zip(axes, shape):
@@ -85,7 +101,20 @@ def spec_for(axes, shape, mesh: Mesh, rules=None) -> P:
     if mesh_axis is not None and size % mesh.shape[mesh_axis]:
       mesh_axis = None
     spec.append(mesh_axis)
-  return P(*spec)
+  return P(*_with_fsdp(spec, shape, mesh))
+
+
+def _with_fsdp(spec: list, shape, mesh: Mesh) -> list:
+  """`spec` with FSDP_AXIS added to the dim of the largest per-device size that it divides
+  (ties: the last); unchanged without an fsdp axis > 1 or such a dim."""
+  fsdp = dict(mesh.shape).get(FSDP_AXIS, 1)
+  split = [1 if axis is None else mesh.shape[axis] for axis in spec]
+  local = [(size // n, i) for i, (size, n) in enumerate(zip(shape, split))
+           if size % (n * fsdp) == 0]
+  if fsdp > 1 and local:
+    i = max(local)[1]
+    spec[i] = FSDP_AXIS if spec[i] is None else (spec[i], FSDP_AXIS)
+  return spec
 
 
 def shardings_for(tree, mesh: Mesh, param_axes: ParamAxes, rules=None):
@@ -103,19 +132,38 @@ def shard_params(params, mesh: Mesh, param_axes: ParamAxes, rules=None):
   return jax.device_put(params, shardings_for(params, mesh, param_axes, rules))
 
 
+def batch_axes(mesh: Mesh) -> str | tuple[str, ...]:
+  """The mesh axes a batch is split over: 'data', and 'fsdp' too where its size is > 1."""
+  if dict(mesh.shape).get(FSDP_AXIS, 1) > 1:
+    return (LOGICAL_RULES["batch"], FSDP_AXIS)
+  return LOGICAL_RULES["batch"]
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
-  """Sharding of an array [B, ...] of rank `ndim`: the batch over 'data', the rest replicated."""
-  return NamedSharding(mesh, P(LOGICAL_RULES["batch"], *(None,) * (ndim - 1)))
+  """Sharding of an array [B, ...] of rank `ndim`: the batch over `batch_axes(mesh)`, the rest
+  replicated."""
+  return NamedSharding(mesh, P(batch_axes(mesh), *(None,) * (ndim - 1)))
 
 
 def shard_batch(batch, mesh: Mesh):
-  """Every array [B, ...] in `batch` split over 'data' (B must be a multiple of its size)."""
-  data = mesh.shape[LOGICAL_RULES["batch"]]
+  """Every array [B, ...] in `batch` split over `batch_axes(mesh)` (B must be a multiple of
+  their size)."""
+  axes = batch_axes(mesh)
+  size = math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
   def one(x):
-    if x.shape[0] % data:
-      raise ValueError(f"batch size {x.shape[0]} must be a multiple of mesh data={data}")
+    if x.shape[0] % size:
+      raise ValueError(f"batch size {x.shape[0]} must be a multiple of mesh {axes}={size}")
     return jax.device_put(x, batch_sharding(mesh, x.ndim))
   return jax.tree_util.tree_map(one, batch)
+
+
+def bytes_per_device(tree) -> dict:
+  """{device: bytes of the shards of `tree`'s arrays that it holds} (addressable devices)."""
+  held = collections.Counter()
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      held[shard.device] += shard.data.nbytes
+  return dict(held)
 
 
 def path_str(path) -> str:

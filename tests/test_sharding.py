@@ -54,7 +54,7 @@ def test_every_parameter_of_each_model_is_declared(model):
     module = DecoderLM(LMConfig(vocab_size=11, d_model=16, normalize_qk=True))
     axes, args = lm.PARAM_AXES, (jnp.zeros((1, 5), jnp.int32),) * 3
   params = jax.eval_shape(lambda: module.init(jax.random.key(0), *args))["params"]
-  mesh = jax.sharding.AbstractMesh((1, 2, 1), sharding.MESH_AXES)
+  mesh = jax.sharding.AbstractMesh((1, 1, 2, 1), sharding.MESH_AXES)
   specs = sharding.shardings_for(params, mesh, axes)
   kernels = [s.spec for p, s in jax.tree_util.tree_flatten_with_path(specs)[0]
              if sharding.path_str(p).endswith("kernel") and "logits" not in sharding.path_str(p)]
@@ -90,3 +90,23 @@ def test_ring_attention_and_the_rules_name_the_mesh_axes_make_mesh_builds():
   assert set(sharding.LOGICAL_RULES.values()) <= set(mesh.axis_names)
   default = inspect.signature(ring_attention).parameters["axis_name"].default
   assert default in mesh.axis_names
+
+
+@pytest.mark.parametrize("axes, shape, want", [
+    (("embed", "heads", "head_dim"), (32, 2, 16), P("fsdp", "model", None)),  # D, the largest
+    (("embed", "heads", "head_dim"), (30, 4, 16), P(None, "model", "fsdp")),  # 4 splits 16 only
+    (("heads", "head_dim", "embed"), (2, 8, 8), P("model", None, "fsdp")),  # a tie: the last
+    (("vocab", "embed"), (11, 32), P(None, "fsdp")),
+    (("embed",), (6,), P(None)),  # nothing fsdp divides: replicated
+    (("mlp",), (64,), P(("model", "fsdp"))),  # 32 per model shard, split 4 ways again
+    (("embed", "mlp"), (8, 64), P(None, ("model", "fsdp"))),  # 8 < 32 per model shard
+])
+def test_fsdp_splits_the_largest_dim_per_device(axes, shape, want):
+  mesh = jax.sharding.AbstractMesh((2, 4, 2, 1), sharding.MESH_AXES)
+  assert sharding.spec_for(axes, shape, mesh) == want
+
+
+def test_fsdp_splits_the_batch_over_data_and_fsdp():
+  mesh = jax.sharding.AbstractMesh((2, 4, 1, 1), sharding.MESH_AXES)
+  assert sharding.batch_sharding(mesh, ndim=2).spec == P(("data", "fsdp"), None)
+  assert sharding.batch_sharding(sharding.make_mesh(), ndim=2).spec == P("data", None)

@@ -293,6 +293,9 @@ def test_learning_rate_schedule():
     ("eval.num_examples", 0, "config.eval.num_examples must be a positive int, got 0"),
     ("eval.batch_size", -2, "config.eval.batch_size must be a positive int, got -2"),
     ("seed", -1, "config.seed must be an int >= 0, got -1"),
+    ("mesh.fsdp", 0, "config.mesh.fsdp must be a positive int, got 0"),
+    ("train.remat", "blocks", "config.train.remat must be one of ['none', 'layer', 'attention'], "
+                              "got 'blocks'"),
 ])
 def test_bad_config_values_raise_before_anything_runs(tmp_path, key, value, message):
   config = tiny_config()
@@ -403,6 +406,17 @@ def test_sharded_run_matches_single_device():
   assert any(line.startswith("OK runner data_x_model_x_seq") for line in lines), lines
 
 
+@pytest.mark.multidevice
+def test_fsdp_with_remat_matches_single_device():
+  """--config.mesh.data=2 --config.mesh.fsdp=4 --config.train.remat=layer on 8 emulated devices:
+  the 1-device losses of the tiny dates and LM configs, 1/fsdp of the state on each device."""
+  lines = run_check("check_fsdp.py")
+  for name in ("dates", "lm"):
+    assert any(line.startswith(f"OK {name} data=2 x fsdp=4 remat=layer") for line in lines), lines
+    for layout in ("data=2 bytes fsdp=4", "bytes fsdp=8"):
+      assert any(line.startswith(f"OK {name} {layout}") for line in lines), lines
+
+
 def test_mesh_must_divide_batch(tmp_path):
   config = tiny_config()
   config.mesh.data = 3
@@ -410,4 +424,7 @@ def test_mesh_must_divide_batch(tmp_path):
     train.train_and_evaluate(config, str(tmp_path))
   config.mesh.update(data=1, seq=3)
   with pytest.raises(ValueError, match="multiples of mesh.seq=3"):
+    train.train_and_evaluate(config, str(tmp_path))
+  config.mesh.update(data=2, fsdp=3, seq=1)
+  with pytest.raises(ValueError, match="multiple of mesh.data=2 x mesh.fsdp=3"):
     train.train_and_evaluate(config, str(tmp_path))

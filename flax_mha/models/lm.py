@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from flax_mha import cache as cache_lib
 from flax_mha import checks
+from flax_mha import remat as remat_lib
 from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
 from flax_mha.nn.linen import SelfAttention
 
@@ -51,6 +52,7 @@ class LMConfig:
   dropout_rate: float = 0.0           # on block outputs
   dtype: Any = jnp.float32            # computation dtype; params stay float32
   attention_implementation: Any = None  # see flax_mha.dot_product_attention
+  remat: str = "none"                 # recomputed in training's backward: flax_mha.remat.POLICIES
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "d_ff", "global_every"):
@@ -64,6 +66,7 @@ class LMConfig:
       checks.check_int("LMConfig.local_window", self.local_window, lowest=0)
     checks.check_int("LMConfig.sink_tokens", self.sink_tokens, lowest=0)
     checks.check_rate("LMConfig.dropout_rate", self.dropout_rate)
+    remat_lib.check_policy("LMConfig.remat", self.remat)
 
   def is_local(self, layer: int) -> bool:
     """Layers global_every - 1, 2·global_every - 1, ... are global; the rest local."""
@@ -77,17 +80,21 @@ class Block(nn.Module):
 
   def attention(self):
     cfg = self.config
+    implementation = cfg.attention_implementation
+    if cfg.remat == "attention":
+      implementation = remat_lib.remat_implementation(implementation)
     return SelfAttention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype,
         use_bias=False, normalize_qk=cfg.normalize_qk, logit_soft_cap=cfg.logit_soft_cap,
         rotary_max_wavelength=cfg.rotary_max_wavelength,
         local_window_size=(cfg.local_window, 0) if self.local else None,
         sink_tokens=cfg.sink_tokens if self.local else 0, learned_sinks=cfg.learned_sinks,
-        implementation=cfg.attention_implementation, name="attention")
+        implementation=implementation, name="attention")
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions, *, train: bool, cache=None):
-    """x [B, L, D] -> [B, L, D]; with `cache` (this layer's KVCache): (x, updated cache)."""
+  def __call__(self, x, segment_ids, positions, train: bool, *, cache=None):
+    """x [B, L, D] -> [B, L, D]; with `cache` (this layer's KVCache): (x, updated cache).
+    `train` is static (positional for nn.remat)."""
     cfg = self.config
     drop = nn.Dropout(cfg.dropout_rate, deterministic=not train)
     h = self.attention()(nn.LayerNorm(dtype=cfg.dtype, name="attention_norm")(x),
@@ -135,10 +142,13 @@ class DecoderLM(nn.Module):
                      embedding_init=nn.initializers.normal(stddev=1.0))
     x = embed(tokens).astype(cfg.dtype) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
     caches = []
+    # `train` is Block's 4th argument (`self` is 0): static under nn.remat.
+    remat = cfg.remat == "layer" and cache is None
+    block_cls = nn.remat(Block, static_argnums=(4,)) if remat else Block
     for i in range(cfg.num_layers):
-      block = Block(cfg, local=cfg.is_local(i), name=f"block_{i}")
+      block = block_cls(cfg, local=cfg.is_local(i), name=f"block_{i}")
       if cache is None:
-        x = block(x, segment_ids, positions, train=train)
+        x = block(x, segment_ids, positions, train)
       else:
         x, layer_cache = block(x, None, positions, train=train, cache=cache[i])
         caches.append(layer_cache)

@@ -26,6 +26,7 @@ import numpy as np
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha import masks as masks_lib
+from flax_mha import remat as remat_lib
 from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
 from flax_mha.nn.linen import MultiHeadAttention
 
@@ -69,6 +70,9 @@ class TransformerConfig:
   # signature: passed through to flax_mha.dot_product_attention, which checks it.
   attention_implementation: str | Callable | None = None
   attention_cls: Any = MultiHeadAttention      # swappable for baselines (same call signature)
+  # What training recomputes in the backward (flax_mha.remat.POLICIES): "none", "layer" (each
+  # encoder/decoder layer) or "attention" (the attention call only). Values are unchanged.
+  remat: str = "none"
 
   def __post_init__(self):
     positive = ("vocab_size", "d_model", "num_encoder_layers", "num_decoder_layers", "d_ff",
@@ -83,6 +87,7 @@ class TransformerConfig:
                        f"num_heads={self.num_heads}")
     for name in ("dropout_rate", "attention_dropout_rate"):
       checks.check_rate(f"TransformerConfig.{name}", getattr(self, name))
+    remat_lib.check_policy("TransformerConfig.remat", self.remat)
     ids = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
     for name, value in ids.items():
       if not 0 <= value < self.vocab_size:
@@ -150,17 +155,21 @@ class Residual(nn.Module):
 
 
 def _attention(cfg: TransformerConfig, name: str):
+  implementation = cfg.attention_implementation
+  if cfg.remat == "attention":
+    implementation = remat_lib.remat_implementation(implementation)
   return cfg.attention_cls(
       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
       dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype,
-      implementation=cfg.attention_implementation, name=name)
+      implementation=implementation, name=name)
 
 
 class EncoderLayer(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, mask, *, train: bool, sow_weights: bool):
+  def __call__(self, x, mask, train: bool, sow_weights: bool):
+    """x [B, S, D] -> [B, S, D]; `train` and `sow_weights` static (positional for nn.remat)."""
     cfg = self.config
     attn = _attention(cfg, "self_attention")
     x = Residual(cfg, name="attention_block")(
@@ -173,7 +182,7 @@ class DecoderLayer(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, memory, self_mask, cross_mask, *, train: bool, sow_weights: bool,
+  def __call__(self, x, memory, self_mask, cross_mask, train: bool, sow_weights: bool, *,
                cache=None):
     """x [B, T, D] -> [B, T, D]; with `cache` (its self-attention KVCache): (x, cache)."""
     cfg = self.config
@@ -213,10 +222,15 @@ class Stack(nn.Module):
     x = AddPositions(cfg, name="positions")(x, positions)
     x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
     new_caches = []
+    layer_cls = self.layer
+    if cfg.remat == "layer" and caches is None:
+      # train and sow_weights follow the layer_args; counted from `self`, which is 0.
+      static = (len(layer_args) + 2, len(layer_args) + 3)
+      layer_cls = nn.remat(self.layer, static_argnums=static)
     for i in range(self.num_layers):
-      layer = self.layer(cfg, name=f"layer_{i}")
+      layer = layer_cls(cfg, name=f"layer_{i}")
       if caches is None:
-        x = layer(x, *layer_args, train=train, sow_weights=sow_weights)
+        x = layer(x, *layer_args, train, sow_weights)
       else:
         x, layer_cache = layer(x, *layer_args, train=train, sow_weights=sow_weights,
                                cache=caches[i])

@@ -51,7 +51,8 @@ def test_float64_in_float64_accuracy_out(rng):
 def test_one_device_mesh_of_either_axis_type(rng, axis_type):
   """Regression: `jax.make_mesh` meshes are Explicit by default, and shard_map rejected them."""
   q, k, v = qkv(rng)
-  mesh = jax.make_mesh((1, 1, 1), sharding.MESH_AXES, axis_types=(axis_type,) * 3)
+  n = len(sharding.MESH_AXES)
+  mesh = jax.make_mesh((1,) * n, sharding.MESH_AXES, axis_types=(axis_type,) * n)
   want = np_attention(q, k, v, is_causal=True)
   call = lambda m: (lambda q, k, v: ring_attention(q, k, v, mesh=m(), is_causal=True,
                                                    batch_axis="data", head_axis="model"))
