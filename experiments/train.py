@@ -38,8 +38,7 @@ from experiments.runner import Runner
 from experiments.seq2seq import Seq2SeqRunner
 from flax_mha import checks
 from flax_mha import sharding
-# The module's function (flax_mha re-exports the name ring_attention for another function).
-from flax_mha.kernels.ring import attention as ring_implementation
+from flax_mha.kernels.seq_parallel import sequence_parallel_implementation
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -171,7 +170,7 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
   mesh = sharding.make_mesh(data=mesh_cfg.data, model=mesh_cfg.model, seq=mesh_cfg.seq)
   if mesh_cfg.seq > 1:
     model = type(model)(dataclasses.replace(model.config,
-                                            attention_implementation=ring_implementation))
+                                            attention_implementation=sequence_parallel_implementation()))
   param_axes = runner.param_axes + ((r"(^|/)rng$", (None,)),)  # the state's raw key
   state = sharding.shard_params(state, mesh, param_axes)
   state_shardings = sharding.shardings_for(state, mesh, param_axes)

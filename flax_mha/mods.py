@@ -288,7 +288,8 @@ class MaskMod:
   def tile_map(self, tl: Tiles):
     """The function on every real (q, kv), one row of tiles at a time, reduced per tile: at
     trace time when it reads only indices, at run time when it reads traced arrays."""
-    if isinstance(tl.q_offset, int) and isinstance(tl.kv_offset, int):
+    concrete = not any(isinstance(c, jax.core.Tracer) for c in self.consts)
+    if concrete and isinstance(tl.q_offset, int) and isinstance(tl.kv_offset, int):
       with jax.ensure_compile_time_eval():
         maybe, full = self._reduce(tl)
       if not isinstance(maybe, jax.core.Tracer):

@@ -28,8 +28,8 @@ import re
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# Mesh axis names, defined here only: batch, tensor (heads / FFN width), sequence (ring
-# attention). flax_mha.kernels.ring imports them, so this module must not import flax.
+# Mesh axis names, defined here only: batch, tensor (heads / FFN width), sequence (sequence
+# parallelism). flax_mha.kernels.seq_parallel imports them, so this module must not import flax.
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 SEQ_AXIS = "seq"
