@@ -54,11 +54,6 @@ class LMRunner(Runner):
   token_names = ("tokens", "targets")
 
   def __init__(self, config: ml_collections.ConfigDict):
-    if config.mesh.seq > 1:
-      raise ValueError(
-          f"config.mesh.seq={config.mesh.seq}: the LM's packed documents (segment ids) cannot be "
-          "split over a sequence mesh yet (ring attention takes no segment ids); use mesh.seq=1 "
-          "and mesh.data / mesh.model")
     super().__init__(config)
     self.model = DecoderLM(model_config(config, self.task))
     # Teacher-forced evaluation on the held-out documents packed like training rows; exact

@@ -27,6 +27,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 import tqdm
 from absl import app, flags, logging
@@ -38,7 +39,7 @@ from experiments.runner import Runner
 from experiments.seq2seq import Seq2SeqRunner
 from flax_mha import checks
 from flax_mha import sharding
-from flax_mha.kernels.seq_parallel import sequence_parallel_implementation
+from flax_mha.kernels.seq_parallel import length_multiple, sequence_parallel_implementation
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -86,6 +87,13 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if not buckets or not all(isinstance(b, int) and b >= 1 for b in buckets):
     raise ValueError(
         f"config.train.length_buckets must be a non-empty sequence of positive ints, got {buckets}")
+  for key in ("seq_strategy", "seq_layout"):
+    if key not in config.mesh:
+      raise ValueError(f"config.mesh.{key} is missing (configs/common.py sets it)")
+  try:
+    sequence_parallel_implementation(config.mesh.seq_strategy, config.mesh.seq_layout)
+  except ValueError as e:
+    raise ValueError(f"config.mesh.seq_strategy / seq_layout: {e}") from None
 
 
 def learning_rate_schedule(peak_lr: float, warmup_steps: int):
@@ -155,8 +163,9 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
   """`state` laid out on the config's (data, model, seq) mesh, and the jitted step for it.
 
   Parameters and Adam moments follow the model's declared axes (runner.param_axes); batches are
-  split over 'data'; with seq > 1 the training model's attention is ring attention over 'seq'
-  (evaluation and decoding use the model as configured). A 1 x 1 x 1 mesh is the single-device
+  split over 'data'; with seq > 1 the training model's attention is sequence-parallel over
+  'seq' by mesh.seq_strategy in mesh.seq_layout (evaluation and decoding use the model as
+  configured). A 1 x 1 x 1 mesh is the single-device
   run; the same seed gives the same losses on any mesh.
   """
   config, model = runner.config, runner.model
@@ -164,13 +173,17 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
   if config.train.batch_size % mesh_cfg.data:
     raise ValueError(f"train.batch_size={config.train.batch_size} must be a multiple of "
                      f"mesh.data={mesh_cfg.data}")
-  if any(length % mesh_cfg.seq for length in config.train.length_buckets):
-    raise ValueError(f"train.length_buckets={tuple(config.train.length_buckets)} must be "
-                     f"multiples of mesh.seq={mesh_cfg.seq}")
+  multiple = length_multiple(mesh_cfg.seq_layout, mesh_cfg.seq)
+  lengths = config.train.get("length") or config.train.length_buckets  # the LM packs rows
+  if any(length % multiple for length in np.atleast_1d(lengths)):
+    raise ValueError(f"train.{'length' if config.train.get('length') else 'length_buckets'}="
+                     f"{lengths} must be multiples of {multiple} (mesh.seq={mesh_cfg.seq}, "
+                     f"mesh.seq_layout={mesh_cfg.seq_layout!r})")
   mesh = sharding.make_mesh(data=mesh_cfg.data, model=mesh_cfg.model, seq=mesh_cfg.seq)
   if mesh_cfg.seq > 1:
+    implementation = sequence_parallel_implementation(mesh_cfg.seq_strategy, mesh_cfg.seq_layout)
     model = type(model)(dataclasses.replace(model.config,
-                                            attention_implementation=sequence_parallel_implementation()))
+                                            attention_implementation=implementation))
   param_axes = runner.param_axes + ((r"(^|/)rng$", (None,)),)  # the state's raw key
   state = sharding.shard_params(state, mesh, param_axes)
   state_shardings = sharding.shardings_for(state, mesh, param_axes)

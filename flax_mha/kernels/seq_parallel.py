@@ -327,5 +327,11 @@ def sequence_parallel_implementation(strategy: str = "ring",
   return SequenceParallel(strategy, _layouts.check_layout(layout))
 
 
+def length_multiple(layout: str, n: int) -> int:
+  """What T and S must be multiples of under `layout` on n sequence devices (zigzag cuts a
+  sequence into 2n chunks)."""
+  return _layouts.multiple(_layouts.check_layout(layout), n)
+
+
 # What `flax_mha.ring_implementation` is: the ring over contiguous shards.
 attention = SequenceParallel("ring", "contiguous")
