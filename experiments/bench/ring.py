@@ -1,6 +1,6 @@
 """Sequence parallelism on 8 emulated devices: memory, causal balance, bytes moved.
 
-    python -m experiments.bench.ring [--part memory|balance|bytes] [--devices 8]
+    python -m experiments.bench.ring [--part memory|balance|bytes|time] [--devices 8]
 
 --part memory (default) compiles (never runs) `grad(sum(attention))` for B=1, H=8, K=V=64,
 float32, causal, and reads XLA's `compile().memory_analysis()`: temp + argument bytes of ONE
@@ -12,6 +12,10 @@ device, ring attention against one device holding the whole sequence, plain (`re
 ring step and in all, for each layout. Every ring step waits for its slowest device, so the
 ring's critical path is the sum over steps of the slowest device's tiles; all-gather's is the
 slowest device's total.
+
+--part time times the ring's forward + backward in each layout on the emulated devices, which
+share the host's cores: what it shows is the total work (a layout's tile sizes and masked
+tiles), not the balance across devices.
 
 --part bytes compiles forward + backward of each strategy and adds up the bytes of the
 collectives in the optimised program (all-gather, all-to-all, collective-permute, reduce-scatter,
@@ -59,19 +63,23 @@ def measure(t: int, devices: int) -> dict[str, float]:
   flash = lambda q, k, v: chunked.attention(q, k, v, None, None, is_causal=True, scale=K**-0.5,
                                             dropout_rate=0.0, dropout_rng=None)
   ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=True)
-  return {"ring": peak_mib(ring, *(sharded,) * 3), "chunked": peak_mib(flash, *(single,) * 3),
-          "plain": peak_mib(plain, *(single,) * 3)}
+  parallel = lambda strategy: lambda q, k, v: sequence_parallel_attention(
+      q, k, v, mesh=mesh, strategy=strategy, layout="zigzag", is_causal=True)
+  return {"ring": peak_mib(ring, *(sharded,) * 3),
+          **{f"{s} zigzag": peak_mib(parallel(s), *(sharded,) * 3)
+             for s in ("ring", "all_gather", "ulysses")},
+          "chunked": peak_mib(flash, *(single,) * 3), "plain": peak_mib(plain, *(single,) * 3)}
 
 
 def memory(lengths: str, devices: int):
   print(f"B={B}, H={H}, K=V={K}, float32, causal, forward+backward; MiB per device "
         f"(XLA memory_analysis: temp + arguments)\n")
-  print(f"| T | ring, {devices} devices | chunked, 1 device | plain, 1 device |")
-  print("|---:|---:|---:|---:|")
+  print(f"| T | ring, {devices} devices | ring, zigzag | all_gather, zigzag | ulysses, zigzag | "
+        "chunked, 1 device | plain, 1 device |")
+  print("|---:|---:|---:|---:|---:|---:|---:|")
   for t in map(int, lengths.split(",")):
     mib = measure(t, devices)
-    print(f"| {t} | {mib['ring']:,.1f} | {mib['chunked']:,.1f} | {mib['plain']:,.1f} |",
-          flush=True)
+    print(f"| {t} | " + " | ".join(f"{x:,.1f}" for x in mib.values()) + " |", flush=True)
 
 
 def visited_tiles(layout: str, t: int, n: int, me: int, src: int) -> int:
@@ -101,19 +109,19 @@ def balance(t: int, n: int):
           f"{totals.max() / totals.mean():.2f} |", flush=True)
 
 
-def traffic(t: int, n: int, heads: tuple[int, int]):
+def traffic(t: int, n: int, heads: tuple[int, int], layout: str):
   h, g = heads
   mesh = sharding.make_mesh(seq=n)
   split = NamedSharding(mesh, P(None, "seq"))
   shapes = [jax.ShapeDtypeStruct((B, t, heads_, K), jnp.float32, sharding=split)
             for heads_ in (h, g, g)]
-  print(f"| {t} | H={h}, G={g} |", end="")
+  print(f"| {t} | H={h}, G={g} | {layout} |", end="")
   for strategy in ("ring", "all_gather", "ulysses"):
     if strategy == "ulysses" and (h % n or g % n):
       print(" - |", end="")
       continue
     fn = lambda q, k, v: jnp.sum(sequence_parallel_attention(
-        q, k, v, mesh=mesh, strategy=strategy, layout="zigzag", is_causal=True))
+        q, k, v, mesh=mesh, strategy=strategy, layout=layout, is_causal=True))
     compiled = jax.jit(timing.qkv_grad(fn)).lower(*shapes).compile()
     print(f" {hlo_bytes.collective_bytes(compiled.as_text(), n) / MIB:,.1f} |", end="",
           flush=True)
@@ -121,32 +129,55 @@ def traffic(t: int, n: int, heads: tuple[int, int]):
 
 
 def bytes_moved(lengths: str, n: int):
-  print(f"B={B}, K=V={K}, float32, causal, zigzag, forward+backward on {n} devices; MiB each "
-        "device receives (the compiled program's collectives, times their loop trips)\n")
-  print("| T | heads | ring | all_gather | ulysses |")
-  print("|---:|---|---:|---:|---:|")
+  print(f"B={B}, K=V={K}, float32, causal, forward+backward on {n} devices; MiB each device "
+        "receives (the compiled program's collectives, times their loop trips)\n")
+  print("| T | heads | layout | ring | all_gather | ulysses |")
+  print("|---:|---|---|---:|---:|---:|")
   for t in map(int, lengths.split(",")):
     for heads in ((H, H), (H, 1)):
-      traffic(t, n, heads)
+      for layout in ("contiguous", "zigzag"):
+        traffic(t, n, heads, layout)
+
+
+def seconds(t: int, n: int, rounds: int):
+  """Median seconds of the ring's forward + backward in each layout, round-robin."""
+  mesh = sharding.make_mesh(seq=n)
+  x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((B, t, H, K)),
+                                 jnp.float32), NamedSharding(mesh, P(None, "seq")))
+  loss = lambda layout: lambda q, k, v: jnp.sum(sequence_parallel_attention(
+      q, k, v, mesh=mesh, strategy="ring", layout=layout, is_causal=True))
+  fns = {layout: timing.blocking(timing.qkv_grad(loss(layout)), x, x, x)
+         for layout in _layouts.LAYOUTS}
+  median = timing.median_seconds(fns, rounds)
+  print(f"| {t} | " + " | ".join(f"{median[layout]:.2f}" for layout in _layouts.LAYOUTS) + " |",
+        flush=True)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("memory", "balance", "bytes"), default="memory")
+  parser.add_argument("--part", choices=("memory", "balance", "bytes", "time"), default="memory")
   parser.add_argument("--lengths", default=None, help="T values, comma-separated")
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--smoke", action="store_true",
                       help="small T only: that the command runs, no figures")
   args = parser.parse_args()
-  defaults = {"memory": "4096,8192,16384,32768,65536", "balance": "65536", "bytes": "4096,16384"}
+  defaults = {"memory": "4096,8192,16384,32768,65536", "balance": "65536", "bytes": "4096,16384",
+              "time": "4096"}
   lengths = "256" if args.smoke else (args.lengths or defaults[args.part])
   if args.part == "memory":
     memory(lengths, args.devices)
   elif args.part == "balance":
     for t in map(int, lengths.split(",")):
       balance(t, args.devices)
-  else:
+  elif args.part == "bytes":
     bytes_moved(lengths, args.devices)
+  else:
+    print(f"B={B}, H={H}, K=V={K}, float32, causal ring, forward+backward on {args.devices} "
+          "emulated devices sharing the host's cores: seconds, median of 5 round-robin\n")
+    print("| T | " + " | ".join(_layouts.LAYOUTS) + " |")
+    print("|---:|" + "---:|" * len(_layouts.LAYOUTS))
+    for t in map(int, lengths.split(",")):
+      seconds(t, args.devices, 1 if args.smoke else 5)
 
 
 if __name__ == "__main__":
