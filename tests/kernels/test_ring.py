@@ -13,6 +13,7 @@ from jax.sharding import AbstractMesh, AxisType
 import flax_mha
 from flax_mha import sharding
 from flax_mha import ring_implementation
+from flax_mha.kernels import _layouts, seq_parallel
 from flax_mha.kernels.seq_parallel import ring_attention
 from conftest import np_attention, output_and_grads, qkv
 from tests.multidevice.run import run_check
@@ -183,3 +184,27 @@ def test_implementation_factory_checks_its_arguments():
   with pytest.raises(ValueError, match="layout must be one of"):
     flax_mha.sequence_parallel_implementation("ring", "zig-zag")
   assert flax_mha.sequence_parallel_implementation() == ring_implementation  # a value: hashable
+
+
+def test_layouts_hold_every_token_once():
+  """zigzag: device d holds chunks d and 2n-1-d; striped: token t on device t mod n."""
+  np.testing.assert_array_equal(_layouts.order("zigzag", 8, 2),
+                                [[0, 1, 6, 7], [2, 3, 4, 5]])
+  np.testing.assert_array_equal(_layouts.order("striped", 6, 3), [[0, 3], [1, 4], [2, 5]])
+  for layout in _layouts.LAYOUTS:
+    perm = _layouts.order(layout, 24, 3).reshape(-1)
+    np.testing.assert_array_equal(np.sort(perm), np.arange(24))
+    np.testing.assert_array_equal(perm[_layouts.inverse(perm)], np.arange(24))
+  with pytest.raises(ValueError, match="multiple of 6, got 9"):
+    _layouts.order("zigzag", 9, 3)
+
+
+@pytest.mark.parametrize("shapes, heads, extra, want", [
+    (((1, 4096, 8, 64), (1, 4096, 8, 64)), (8, 8), {}, "ulysses"),  # MHA: 1/n of everything
+    (((1, 4096, 8, 64), (1, 4096, 1, 64)), (8, 1), {}, "all_gather"),  # one K/V head
+    (((1, 2**22, 8, 64), (1, 2**22, 1, 64)), (8, 1), {}, "ring"),  # K/V beyond 256 MiB
+    (((1, 2**22, 8, 64), (1, 2**22, 1, 64)), (8, 1), {"bias": 0.0}, "all_gather"),  # no ring
+])
+def test_auto_strategy_rule(shapes, heads, extra, want):
+  (q, k) = (jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes)
+  assert seq_parallel.choose_strategy(q, k, k, n=8, heads=heads, **extra) == want

@@ -65,13 +65,15 @@ def step_losses(config, steps: int) -> list[float]:
 
 def check_lm_on_a_sequence_mesh():
   """The LM (packed documents: segment ids, rotary positions, local and global layers) on
-  data x seq = 2 x 4, all-gather in the zigzag layout, takes the single-device steps."""
+  data x seq = 2 x 4, all-gather over zig-zag shards and the ring over striped ones, takes the
+  single-device steps."""
   config = lm.get_config("tiny")
   want = step_losses(config, 20)
-  config.mesh.update(data=2, seq=4, seq_strategy="all_gather", seq_layout="zigzag")
-  got = step_losses(config, 20)
-  np.testing.assert_allclose(got, want, rtol=2e-4)
-  print(f"OK lm data_x_seq all_gather zigzag losses={[round(x, 5) for x in got[::5]]}")
+  for strategy, layout in (("all_gather", "zigzag"), ("ring", "striped")):
+    config.mesh.update(data=2, seq=4, seq_strategy=strategy, seq_layout=layout)
+    got = step_losses(config, 20)
+    np.testing.assert_allclose(got, want, rtol=2e-4)
+    print(f"OK lm data_x_seq {strategy} {layout} losses={[round(x, 5) for x in got[::5]]}")
 
 
 def main():
