@@ -4,9 +4,10 @@ One device's part, run inside `shard_map` by `flax_mha.kernels.seq_parallel`: it
 shard and passes its key/value shard around the ring (`lax.ppermute` to the next device), n steps
 in all; at every step it runs the chunked kernel (`flax_mha.kernels.chunked`) on the (query
 shard, visiting key shard) pair and merges the partial result into its running output by
-log-sum-exp. No device ever holds more than one key/value shard or one [T/n, S/n] tile set, so
+log-sum-exp. Each shard is sent on before it is used, so the transfer can overlap the compute,
+and n - 1 hops bring every shard to every device. No device ever holds more than one key/value shard or one [T/n, S/n] tile set, so
 per-device memory falls as 1/n. The backward (a `jax.custom_vjp`) sends K/V around the ring
-again together with their gradient accumulators dK/dV, each device adding its query shard's
+again (n - 1 hops) together with their gradient accumulators dK/dV (n hops), each device adding its query shard's
 contribution from the GLOBAL lse saved by the forward; after n hops the accumulators are home.
 
 The arrays of the key side of the mask terms (segment ids, positions) travel with their shard.
@@ -61,16 +62,19 @@ def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
   b, t, h, _ = q.shape
   acc = _shared.softmax_dtype(q.dtype)
 
-  def step(i, carry):
-    out, lse, k_i, v_i, kv_leaves = carry
+  def merge(i, out, lse, k_i, v_i, kv_leaves):
     out_i, lse_i = chunked_forward(q, k_i, v_i, **_step_args(plan, i, q, k_i, mask, leaves,
                                                               kv_leaves))
     lse_i = lse_i.transpose(0, 2, 1)  # [B, T, H]
     lse_new = jnp.logaddexp(lse, lse_i)
     weight = lambda l: jnp.exp(l - lse_new)[..., None]  # [B, T, H, 1]; finite lse throughout
-    out = weight(lse) * out + weight(lse_i) * out_i
-    k_i, v_i, *kv_leaves = _shift((k_i, v_i, *kv_leaves), plan.axis_name, plan.n)
-    return out, lse_new, k_i, v_i, kv_leaves
+    return weight(lse) * out + weight(lse_i) * out_i, lse_new
+
+  def step(i, carry):
+    out, lse, k_i, v_i, kv_leaves = carry
+    # The next shard is sent before this one is used: the transfer can overlap the compute.
+    k_next, v_next, *kv_next = _shift((k_i, v_i, *kv_leaves), plan.axis_name, plan.n)
+    return (*merge(i, out, lse, k_i, v_i, kv_leaves), k_next, v_next, kv_next)
 
   sinks = plan.of_side(leaves, HEADS)
   if not sinks:  # the lse of a row that has seen no key (see _shared.row_lse)
@@ -78,8 +82,8 @@ def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
   else:  # every row starts having seen its head's sink (which has no value)
     lse0 = jnp.broadcast_to(sinks[0].astype(acc), (b, t, h))
   init = (jnp.zeros((b, t, h, v.shape[-1]), acc), lse0, k, v, plan.of_side(leaves, KV))
-  out, lse, *_ = lax.fori_loop(0, plan.n, step, init)
-  return out, lse
+  carry = lax.fori_loop(0, plan.n - 1, step, init)  # n - 1 hops: the last shard stays put
+  return merge(plan.n - 1, *carry)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -104,18 +108,23 @@ def _ring_bwd(plan, residuals, cotangents):
   dout = cotangents[0]  # the lse is returned without gradient
   lse_BHT = lse.transpose(0, 2, 1)
 
+  def grads(i, k_i, v_i, kv_leaves):
+    return chunked_backward(q, k_i, v_i, out, lse_BHT, dout,
+                            **_step_args(plan, i, q, k_i, mask, leaves, kv_leaves))
+
   def step(i, carry):
     dq, k_i, v_i, dk_i, dv_i, kv_leaves = carry
-    dq_i, dk_c, dv_c = chunked_backward(
-        q, k_i, v_i, out, lse_BHT, dout, **_step_args(plan, i, q, k_i, mask, leaves, kv_leaves))
+    k_next, v_next, *kv_next = _shift((k_i, v_i, *kv_leaves), plan.axis_name, plan.n)
+    dq_i, dk_c, dv_c = grads(i, k_i, v_i, kv_leaves)
     # The accumulators travel with their key/value shard; after n hops they are back home.
-    k_i, v_i, dk_i, dv_i, *kv_leaves = _shift((k_i, v_i, dk_i + dk_c, dv_i + dv_c, *kv_leaves),
-                                              plan.axis_name, plan.n)
-    return dq + dq_i, k_i, v_i, dk_i, dv_i, kv_leaves
+    dk_i, dv_i = _shift((dk_i + dk_c, dv_i + dv_c), plan.axis_name, plan.n)
+    return dq + dq_i, k_next, v_next, dk_i, dv_i, kv_next
 
   zeros = lambda x: jnp.zeros(x.shape, _shared.softmax_dtype(q.dtype))
-  dq, _, _, dk, dv, _ = lax.fori_loop(
-      0, plan.n, step, (zeros(q), k, v, zeros(k), zeros(v), plan.of_side(leaves, KV)))
+  dq, k_i, v_i, dk, dv, kv_leaves = lax.fori_loop(
+      0, plan.n - 1, step, (zeros(q), k, v, zeros(k), zeros(v), plan.of_side(leaves, KV)))
+  dq_i, dk_c, dv_c = grads(plan.n - 1, k_i, v_i, kv_leaves)  # K/V hop n - 1 times, dK/dV n
+  dq, (dk, dv) = dq + dq_i, _shift((dk + dk_c, dv + dv_c), plan.axis_name, plan.n)
   # A sink's gradient: this shard's part; shard_map's transpose sums the devices sharing it.
   dleaves = [_shared.sink_grad(x, lse, out, dout) if side == HEADS else None
              for x, side in zip(leaves, plan.sides)]

@@ -95,6 +95,10 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
     raise ValueError(f"query must be [B, T, H, K], got shape {tuple(query.shape)}")
   checks.check_is_causal(is_causal)
   checks.check_scale(scale)
+  if mods is not None and not isinstance(mods, mods_lib.Mods):
+    raise TypeError(f"mods must be None or a flax_mha.mods.Mods, got {type(mods).__name__}")
+  if not isinstance(return_residual, bool):
+    raise TypeError(f"return_residual must be a Python bool, got {type(return_residual).__name__}")
   (b, t, h, _), (s, g) = query.shape, key.shape[1:3]
   mask, bias = _rank4("mask", mask, (b, h, t, s), True), _rank4("bias", bias, (b, h, t, s), False)
   _check_axes(mesh, axis_name, batch_axis, head_axis)
