@@ -52,6 +52,7 @@ class LMRunner(Runner):
   targets), segment_ids and positions, all [B, L] (experiments.lm_data.pack)."""
   param_axes = lm_model.PARAM_AXES
   token_names = ("tokens", "targets")
+  token_order_free = True  # rotary and segments read the batch's arrays; attention the layout
 
   def __init__(self, config: ml_collections.ConfigDict):
     super().__init__(config)

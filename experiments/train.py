@@ -39,7 +39,8 @@ from experiments.runner import Runner
 from experiments.seq2seq import Seq2SeqRunner
 from flax_mha import checks
 from flax_mha import sharding
-from flax_mha.kernels.seq_parallel import length_multiple, sequence_parallel_implementation
+from flax_mha.kernels.seq_parallel import (length_multiple, sequence_parallel_implementation,
+                                           to_layout_order)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -165,7 +166,8 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
   Parameters and Adam moments follow the model's declared axes (runner.param_axes); batches are
   split over 'data'; with seq > 1 the training model's attention is sequence-parallel over
   'seq' by mesh.seq_strategy in mesh.seq_layout (evaluation and decoding use the model as
-  configured). A 1 x 1 x 1 mesh is the single-device
+  configured). A runner whose model is token-order free (the LM) gets each batch permuted once
+  into the layout's order on the host, so no layer moves tokens between devices. A 1 x 1 x 1 mesh is the single-device
   run; the same seed gives the same losses on any mesh.
   """
   config, model = runner.config, runner.model
@@ -180,8 +182,10 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
                      f"{lengths} must be multiples of {multiple} (mesh.seq={mesh_cfg.seq}, "
                      f"mesh.seq_layout={mesh_cfg.seq_layout!r})")
   mesh = sharding.make_mesh(data=mesh_cfg.data, model=mesh_cfg.model, seq=mesh_cfg.seq)
+  permute = mesh_cfg.seq > 1 and runner.token_order_free  # the batch once, not every layer
   if mesh_cfg.seq > 1:
-    implementation = sequence_parallel_implementation(mesh_cfg.seq_strategy, mesh_cfg.seq_layout)
+    implementation = sequence_parallel_implementation(
+        mesh_cfg.seq_strategy, mesh_cfg.seq_layout, "in_layout" if permute else "natural")
     model = type(model)(dataclasses.replace(model.config,
                                             attention_implementation=implementation))
   param_axes = runner.param_axes + ((r"(^|/)rng$", (None,)),)  # the state's raw key
@@ -193,7 +197,10 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
                    out_shardings=(state_shardings, None), donate_argnums=0)
 
   def step_fn(state, batch):
-    with jax.set_mesh(mesh):  # ring attention finds its mesh here when the step is traced
+    if permute:  # on the host: every [B, L] array of the batch in the layout's token order
+      batch = {name: to_layout_order(x, mesh_cfg.seq_layout, mesh_cfg.seq)
+               for name, x in batch.items()}
+    with jax.set_mesh(mesh):  # sequence-parallel attention finds its mesh here when traced
       return jitted(state, batch)
 
   return state, step_fn

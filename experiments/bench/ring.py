@@ -109,19 +109,20 @@ def balance(t: int, n: int):
           f"{totals.max() / totals.mean():.2f} |", flush=True)
 
 
-def traffic(t: int, n: int, heads: tuple[int, int], layout: str):
+def traffic(t: int, n: int, heads: tuple[int, int], layout: str, tokens: str):
   h, g = heads
   mesh = sharding.make_mesh(seq=n)
   split = NamedSharding(mesh, P(None, "seq"))
   shapes = [jax.ShapeDtypeStruct((B, t, heads_, K), jnp.float32, sharding=split)
             for heads_ in (h, g, g)]
-  print(f"| {t} | H={h}, G={g} | {layout} |", end="")
+  print(f"| {t} | H={h}, G={g} | {layout}{', in layout' if tokens == 'in_layout' else ''} |",
+        end="")
   for strategy in ("ring", "all_gather", "ulysses"):
     if strategy == "ulysses" and (h % n or g % n):
       print(" - |", end="")
       continue
     fn = lambda q, k, v: jnp.sum(sequence_parallel_attention(
-        q, k, v, mesh=mesh, strategy=strategy, layout=layout, is_causal=True))
+        q, k, v, mesh=mesh, strategy=strategy, layout=layout, tokens=tokens, is_causal=True))
     compiled = jax.jit(timing.qkv_grad(fn)).lower(*shapes).compile()
     print(f" {hlo_bytes.collective_bytes(compiled.as_text(), n) / MIB:,.1f} |", end="",
           flush=True)
@@ -135,8 +136,9 @@ def bytes_moved(lengths: str, n: int, smoke: bool):
   print("|---:|---|---|---:|---:|---:|")
   for t in map(int, lengths.split(",")):
     for heads in ((H, H),) if smoke else ((H, H), (H, 1)):
-      for layout in ("zigzag",) if smoke else ("contiguous", "zigzag"):
-        traffic(t, n, heads, layout)
+      for layout, tokens in ((("zigzag", "natural"),) if smoke else (
+          ("contiguous", "natural"), ("zigzag", "natural"), ("zigzag", "in_layout"))):
+        traffic(t, n, heads, layout, tokens)
 
 
 def seconds(t: int, n: int, rounds: int):

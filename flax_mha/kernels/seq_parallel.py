@@ -45,6 +45,9 @@ def _ring(q, k, v, bias, mask, leaves, plan):
 # name -> fn(q, k, v, bias, mask, mods leaves, plan) -> (out [B, T/n, H, V], lse [B, T/n, H]),
 # one device's part inside shard_map.
 STRATEGIES = {"ring": _ring, "all_gather": gather.all_gather, "ulysses": gather.ulysses}
+# Where the caller's tokens are: in their natural order (moved to the layout and back inside),
+# or already in the layout's order (`to_layout_order`: a batch permuted once for a whole model).
+TOKENS = ("natural", "in_layout")
 # `auto` gathers keys/values when one device's copy of all of them is at most this big.
 AUTO_GATHER_MAX_BYTES = 256 * 2**20
 
@@ -54,7 +57,7 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
                                 axis_name: str = SEQ_AXIS, is_causal: bool = False,
                                 scale: float | None = None, batch_axis: str | None = None,
                                 head_axis: str | None = None, bias=None, mods=None,
-                                return_residual: bool = False):
+                                tokens: str = "natural", return_residual: bool = False):
   """Exact attention with the sequence split over `mesh`'s `axis_name`.
 
   Args:
@@ -81,6 +84,12 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
       lengths, segment ids, positions, soft-capping, mask_mod / score_mod, sinks), seen at
       global positions. A mask_mod reading b or h, or a score_mod, needs batch_axis and
       head_axis None (they would see local indices).
+    tokens: static, "natural" (the tokens in their order: moved to the layout inside and back)
+      or "in_layout": the sequence dims of query, key, value, mask, bias and the arrays of
+      segment ids and positions are in the layout's order already (`to_layout_order`), and so
+      is the output. A model that reads token order only through attention (positions come
+      with the batch, the loss sums over tokens) permutes its batch once rather than moving
+      q, k, v and the output at every call.
     return_residual: also return the log-sum-exp [B, T, H] (float32; no gradient).
 
   Returns:
@@ -103,6 +112,8 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
   mask, bias = _rank4("mask", mask, (b, h, t, s), True), _rank4("bias", bias, (b, h, t, s), False)
   _check_axes(mesh, axis_name, batch_axis, head_axis)
   layout = _layouts.check_layout(layout)
+  if not isinstance(tokens, str) or tokens not in TOKENS:
+    raise ValueError(f"tokens must be one of {TOKENS}, got {tokens!r}")
   n = mesh.shape[axis_name]
   _check_divides(mesh, "batch_axis", batch_axis, ("the batch B", b), fix="pass batch_axis=None")
   _check_divides(mesh, "head_axis", head_axis, ("query heads H", h), ("key/value heads G", g),
@@ -123,18 +134,19 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
   leaves, treedef = jax.tree.flatten(mods)
   plan = _seqmods.Plan(axis_name, n, layout, t, s, is_causal, scale, treedef,
                        tuple(_seqmods.sides(mods)))
-  out, lse = _run(STRATEGIES[strategy], plan, mesh, batch_axis, head_axis,
+  out, lse = _run(STRATEGIES[strategy], plan, tokens == "natural", mesh, batch_axis, head_axis,
                   query, key, value, bias, mask, leaves)
   out = _to_explicit(out, P(*jax.typeof(query).sharding.spec[:3]), mesh)
   return (out, jax.lax.stop_gradient(lse)) if return_residual else out
 
 
-def _run(local, plan, mesh, batch_axis, head_axis, query, key, value, bias, mask, leaves):
-  """`local` on every device, the sequence-shaped inputs in the layout's order and the outputs
-  back: (out [B, T, H, V], lse [B, T, H]). Rows move between devices inside shard_map
-  (`_layouts.to_layout`); the key columns of a mask or bias, whole on every device, are
-  permuted in place."""
-  perm_s = _layouts.permutation(plan.layout, plan.s, plan.n)
+def _run(local, plan, move: bool, mesh, batch_axis, head_axis, query, key, value, bias, mask,
+         leaves):
+  """`local` on every device, the sequence-shaped inputs in the layout's order and, if `move`,
+  the outputs back: (out [B, T, H, V], lse [B, T, H]). Rows move between devices inside
+  shard_map (`_layouts.to_layout`); the key columns of a mask or bias, whole on every device,
+  are permuted in place."""
+  perm_s = _layouts.permutation(plan.layout, plan.s, plan.n) if move else None
   bias, mask = (x if x is None or perm_s is None or x.shape[3] == 1
                 else jnp.take(x, perm_s, axis=3) for x in (bias, mask))
   spec = P(batch_axis, plan.axis_name, head_axis)
@@ -146,7 +158,8 @@ def _run(local, plan, mesh, batch_axis, head_axis, query, key, value, bias, mask
       axis if size > 1 else None
       for axis, size in zip((batch_axis, head_axis, plan.axis_name), x.shape[:3])), None)
   in_specs = (spec, spec, spec, dense(bias), dense(mask), leaf_specs)
-  fn = jax.shard_map(functools.partial(_in_layout, local, plan), mesh=mesh, in_specs=in_specs,
+  fn = jax.shard_map(functools.partial(_in_layout, local, plan, move), mesh=mesh,
+                     in_specs=in_specs,
                      out_specs=(spec, spec), check_vma=False)
   args = [_to_explicit(x, x_spec, mesh) for x, x_spec in zip(
       (query, key, value, bias, mask), in_specs)]
@@ -154,8 +167,11 @@ def _run(local, plan, mesh, batch_axis, head_axis, query, key, value, bias, mask
   return fn(*args)
 
 
-def _in_layout(local, plan, q, k, v, bias, mask, leaves):
-  """One device: its contiguous shards to the layout's tokens, `local`, and back."""
+def _in_layout(local, plan, move: bool, q, k, v, bias, mask, leaves):
+  """One device: its contiguous shards to the layout's tokens, `local`, and back (or, not
+  `move`, `local` on shards that hold the layout's tokens already)."""
+  if not move:
+    return local(q, k, v, bias, mask, leaves, plan)
   to = lambda x, axis: None if x is None else _layouts.to_layout(
       x, plan.layout, plan.axis_name, plan.n, axis)
   q, k, v, bias, mask = to(q, 1), to(k, 1), to(v, 1), to(bias, 2), to(mask, 2)
@@ -293,6 +309,7 @@ class SequenceParallel:
   """
   strategy: str = "ring"
   layout: str = "contiguous"
+  tokens: str = "natural"  # or "in_layout" (see sequence_parallel_attention)
 
   def __call__(self, query, key, value, bias, mask, *, is_causal, scale, dropout_rate,
                dropout_rng, mods=None, return_residual=False):
@@ -316,19 +333,37 @@ class SequenceParallel:
     reads_b, reads_h = _seqmods.reads_batch_or_heads(mods)
     return sequence_parallel_attention(
         query, key, value, mask, mesh=mesh, strategy=self.strategy, layout=self.layout,
+        tokens=self.tokens,
         is_causal=is_causal, scale=scale, bias=bias, mods=mods, return_residual=return_residual,
         batch_axis=None if reads_b else axis(DATA_AXIS, query.shape[0]),
         head_axis=None if reads_h else axis(MODEL_AXIS, query.shape[2], key.shape[2]))
 
 
-def sequence_parallel_implementation(strategy: str = "ring",
-                                     layout: str = "contiguous") -> SequenceParallel:
+def sequence_parallel_implementation(strategy: str = "ring", layout: str = "contiguous",
+                                     tokens: str = "natural") -> SequenceParallel:
   """The `implementation` callable of `dot_product_attention` for `strategy` ("ring",
   "all_gather", "ulysses", "auto") over `layout` ("contiguous", "zigzag", "striped") on the
-  'seq' axis of the context mesh (see `SequenceParallel`)."""
+  'seq' axis of the context mesh, the tokens in their natural order or already in the layout's
+  (see `SequenceParallel`, `sequence_parallel_attention`)."""
   if not isinstance(strategy, str) or strategy not in (*STRATEGIES, "auto"):
     raise ValueError(f"strategy must be one of {(*STRATEGIES, 'auto')}, got {strategy!r}")
-  return SequenceParallel(strategy, _layouts.check_layout(layout))
+  if not isinstance(tokens, str) or tokens not in TOKENS:
+    raise ValueError(f"tokens must be one of {TOKENS}, got {tokens!r}")
+  return SequenceParallel(strategy, _layouts.check_layout(layout), tokens)
+
+
+def to_layout_order(x, layout: str, n: int, axis: int = 1):
+  """x (a NumPy or jax array) with its `axis` (a sequence of L tokens) in the order of `layout`
+  on n devices: split in n equal parts, part d holds device d's tokens. What
+  tokens="in_layout" takes; `from_layout_order` undoes it."""
+  perm = _layouts.permutation(_layouts.check_layout(layout), x.shape[axis], n)
+  return x if perm is None else x.take(perm, axis=axis)
+
+
+def from_layout_order(x, layout: str, n: int, axis: int = 1):
+  """The inverse of `to_layout_order`."""
+  perm = _layouts.permutation(_layouts.check_layout(layout), x.shape[axis], n)
+  return x if perm is None else x.take(_layouts.inverse(perm), axis=axis)
 
 
 def length_multiple(layout: str, n: int) -> int:

@@ -33,7 +33,7 @@ def test_ring_matches_single_device_on_8_devices():
 def test_every_strategy_and_layout_matches_single_device_on_8_devices():
   names = [line.split()[1] for line in run_check("check_seq_parallel.py")]
   pairs = {tuple(name.split("/")[1:]) for name in names}
-  assert len(pairs) == 9 and len(names) == 16, names  # 3 strategies x 3 layouts
+  assert len(pairs) == 9 and len(names) == 18, names  # 3 strategies x 3 layouts, in_layout 2
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

@@ -2,10 +2,13 @@
 
 Every sequence-parallel strategy x layout on data x seq = 2 x 4 devices must equal single-device
 `flax_mha.dot_product_attention` (the reference implementation) in output, loss and gradients to
-1e-5: causal GQA with packed documents (segment ids), a causal window, and, per strategy, what
-only it takes (lengths, a mask_mod over arrays, a learned score_mod, a bias).
+1e-5: causal GQA with packed documents (segment ids), a causal window with soft-capping, key
+lengths with a mask_mod over arrays, a score_mod over a table; and with the tokens given in the
+layout's order (tokens="in_layout").
 Prints one 'OK ...' per check.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,7 @@ import numpy as np
 
 import flax_mha
 from flax_mha import sharding
-from flax_mha.kernels import _layouts
+from flax_mha.kernels import _layouts, seq_parallel
 
 B, T, H, G, K, V = 2, 16, 8, 4, 5, 3  # Ulysses splits H and G over the 4 sequence devices
 STRATEGIES = ("ring", "all_gather", "ulysses")
@@ -76,9 +79,29 @@ def check_strategies_and_layouts(rng):
       check(f"{name}/{strategy}/{layout}", got, want)
 
 
+def check_tokens_in_layout(rng):
+  """tokens="in_layout": inputs (and segment ids) permuted to the layout once by the caller,
+  the output in that order; undone, it is the single-device output."""
+  mesh = sharding.make_mesh(data=2, seq=4)
+  ids = segment_ids(rng)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+             for shape in ((B, T, H, K), (B, T, G, K), (B, T, G, V)))
+  want = loss_and_grads(dict(is_causal=True, q_segment_ids=ids), "reference", q, k, v)
+  for strategy, layout in (("ring", "zigzag"), ("all_gather", "striped")):
+    impl = flax_mha.sequence_parallel_implementation(strategy, layout, "in_layout")
+    to, back = (functools.partial(f, layout=layout, n=4) for f in (
+        seq_parallel.to_layout_order, seq_parallel.from_layout_order))
+    options = dict(is_causal=True, q_segment_ids=to(ids))
+    with jax.set_mesh(mesh):
+      (loss, out), grads = loss_and_grads(options, impl, to(q), to(k), to(v))
+    check(f"in_layout/{strategy}/{layout}", ((loss, back(out)), [back(g) for g in grads]), want)
+
+
 def main():
   assert jax.device_count() == 8, jax.device_count()
-  check_strategies_and_layouts(np.random.default_rng(0))
+  rng = np.random.default_rng(0)
+  check_strategies_and_layouts(rng)
+  check_tokens_in_layout(rng)
 
 
 if __name__ == "__main__":
