@@ -19,7 +19,9 @@ tiles), not the balance across devices.
 
 --part bytes compiles forward + backward of each strategy and adds up the bytes of the
 collectives in the optimised program (all-gather, all-to-all, collective-permute, reduce-scatter,
-all-reduce), each counted once per trip of the loop it sits in: what one device receives.
+all-reduce), each counted once per trip of the loop it sits in: what one device receives. A
+collective in a conditional counts at every trip: the ring's last hop of K/V, which its last
+step skips, is counted (an upper bound by 2/n of K and V, forward and backward).
 
 On a CPU host the devices are emulated (XLA_FLAGS=--xla_force_host_platform_device_count, set
 here): this measures memory, work and traffic, not speed.

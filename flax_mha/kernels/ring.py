@@ -4,8 +4,8 @@ One device's part, run inside `shard_map` by `flax_mha.kernels.seq_parallel`: it
 shard and passes its key/value shard around the ring (`lax.ppermute` to the next device), n steps
 in all; at every step it runs the chunked kernel (`flax_mha.kernels.chunked`) on the (query
 shard, visiting key shard) pair and merges the partial result into its running output by
-log-sum-exp. Each shard is sent on before it is used, so the transfer can overlap the compute,
-and n - 1 hops bring every shard to every device. No device ever holds more than one key/value shard or one [T/n, S/n] tile set, so
+log-sum-exp. A shard's transfer to the next device depends on nothing but the shard, so it
+can overlap the compute; n - 1 hops bring every shard to every device. No device ever holds more than one key/value shard or one [T/n, S/n] tile set, so
 per-device memory falls as 1/n. The backward (a `jax.custom_vjp`) sends K/V around the ring
 again (n - 1 hops) together with their gradient accumulators dK/dV (n hops), each device adding its query shard's
 contribution from the GLOBAL lse saved by the forward; after n hops the accumulators are home.
@@ -35,6 +35,13 @@ def _shift(xs, axis_name: str, n: int):
   """Send every array in `xs` to the next device on the ring."""
   perm = [(i, (i + 1) % n) for i in range(n)]
   return tuple(lax.ppermute(x, axis_name, perm) for x in xs)
+
+
+def _pass_on(xs, i, plan):
+  """`xs` sent to the next device, but at the last ring step, when no device needs them
+  (n - 1 hops bring every shard to every device)."""
+  return lax.cond(i < plan.n - 1, lambda xs: _shift(xs, plan.axis_name, plan.n), lambda xs: xs,
+                  tuple(xs))
 
 
 def _mask_block(mask, src, s: int):
@@ -72,8 +79,8 @@ def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
 
   def step(i, carry):
     out, lse, k_i, v_i, kv_leaves = carry
-    # The next shard is sent before this one is used: the transfer can overlap the compute.
-    k_next, v_next, *kv_next = _shift((k_i, v_i, *kv_leaves), plan.axis_name, plan.n)
+    # The next shard's transfer depends on this one alone: it can overlap the compute.
+    k_next, v_next, *kv_next = _pass_on((k_i, v_i, *kv_leaves), i, plan)
     return (*merge(i, out, lse, k_i, v_i, kv_leaves), k_next, v_next, kv_next)
 
   sinks = plan.of_side(leaves, HEADS)
@@ -82,8 +89,8 @@ def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
   else:  # every row starts having seen its head's sink (which has no value)
     lse0 = jnp.broadcast_to(sinks[0].astype(acc), (b, t, h))
   init = (jnp.zeros((b, t, h, v.shape[-1]), acc), lse0, k, v, plan.of_side(leaves, KV))
-  carry = lax.fori_loop(0, plan.n - 1, step, init)  # n - 1 hops: the last shard stays put
-  return merge(plan.n - 1, *carry)
+  out, lse, *_ = lax.fori_loop(0, plan.n, step, init)
+  return out, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -114,17 +121,15 @@ def _ring_bwd(plan, residuals, cotangents):
 
   def step(i, carry):
     dq, k_i, v_i, dk_i, dv_i, kv_leaves = carry
-    k_next, v_next, *kv_next = _shift((k_i, v_i, *kv_leaves), plan.axis_name, plan.n)
+    k_next, v_next, *kv_next = _pass_on((k_i, v_i, *kv_leaves), i, plan)
     dq_i, dk_c, dv_c = grads(i, k_i, v_i, kv_leaves)
     # The accumulators travel with their key/value shard; after n hops they are back home.
     dk_i, dv_i = _shift((dk_i + dk_c, dv_i + dv_c), plan.axis_name, plan.n)
     return dq + dq_i, k_next, v_next, dk_i, dv_i, kv_next
 
   zeros = lambda x: jnp.zeros(x.shape, _shared.softmax_dtype(q.dtype))
-  dq, k_i, v_i, dk, dv, kv_leaves = lax.fori_loop(
-      0, plan.n - 1, step, (zeros(q), k, v, zeros(k), zeros(v), plan.of_side(leaves, KV)))
-  dq_i, dk_c, dv_c = grads(plan.n - 1, k_i, v_i, kv_leaves)  # K/V hop n - 1 times, dK/dV n
-  dq, (dk, dv) = dq + dq_i, _shift((dk + dk_c, dv + dv_c), plan.axis_name, plan.n)
+  dq, _, _, dk, dv, _ = lax.fori_loop(  # K/V hop n - 1 times, dK/dV n
+      0, plan.n, step, (zeros(q), k, v, zeros(k), zeros(v), plan.of_side(leaves, KV)))
   # A sink's gradient: this shard's part; shard_map's transpose sums the devices sharing it.
   dleaves = [_shared.sink_grad(x, lse, out, dout) if side == HEADS else None
              for x, side in zip(leaves, plan.sides)]
