@@ -39,7 +39,9 @@ def base_config(task: str, **task_kwargs) -> ml_collections.ConfigDict:
   config.mesh.data = 1  # devices the batch is split over (must divide the batch sizes)
   config.mesh.fsdp = 1  # devices parameters, optimizer state and the batch are split over
   config.mesh.model = 1  # devices heads and FFN width are split over (Megatron-style)
-  config.mesh.seq = 1  # devices the sequence is split over in training (ring attention)
+  config.mesh.seq = 1  # devices the sequence is split over in training attention
+  config.mesh.seq_strategy = "auto"  # ring, all_gather, ulysses or auto (docs/scale_out.md)
+  config.mesh.seq_layout = "zigzag"  # contiguous, zigzag or striped: zigzag balances causal work
 
   config.eval = ml_collections.ConfigDict()
   config.eval.every = 500  # steps between evaluations (and at the end)

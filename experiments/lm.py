@@ -52,13 +52,9 @@ class LMRunner(Runner):
   targets), segment_ids and positions, all [B, L] (experiments.lm_data.pack)."""
   param_axes = lm_model.PARAM_AXES
   token_names = ("tokens", "targets")
+  token_order_free = True  # rotary and segments read the batch's arrays; attention the layout
 
   def __init__(self, config: ml_collections.ConfigDict):
-    if config.mesh.seq > 1:
-      raise ValueError(
-          f"config.mesh.seq={config.mesh.seq}: the LM's packed documents (segment ids) cannot be "
-          "split over a sequence mesh yet (ring attention takes no segment ids); use mesh.seq=1 "
-          "and mesh.data / mesh.model")
     super().__init__(config)
     self.model = DecoderLM(model_config(config, self.task))
     # Teacher-forced evaluation on the held-out documents packed like training rows; exact

@@ -26,10 +26,15 @@ class Runner:
   Attributes:
     param_axes: the model's logical axes per parameter (flax_mha.sharding).
     token_names: the batch entries that hold token ids.
+    token_order_free: whether the model reads token order only through attention (positions
+      come with the batch) and the loss sums over tokens, so that a batch whose [B, L] arrays
+      are all permuted alike trains alike: a sequence mesh then permutes each batch once into
+      its layout (experiments.train).
     decode_length: new tokens the held-out answers are generated with (set by __init__).
   """
   param_axes: tuple
   token_names: tuple[str, ...]
+  token_order_free: bool = False
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.config = config

@@ -27,6 +27,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 import tqdm
 from absl import app, flags, logging
@@ -39,8 +40,8 @@ from experiments.seq2seq import Seq2SeqRunner
 from flax_mha import checks
 from flax_mha import remat
 from flax_mha import sharding
-# The module's function (flax_mha re-exports the name ring_attention for another function).
-from flax_mha.kernels.ring import attention as ring_implementation
+from flax_mha.kernels.seq_parallel import (length_multiple, sequence_parallel_implementation,
+                                           to_layout_order)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -89,6 +90,13 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if not buckets or not all(isinstance(b, int) and b >= 1 for b in buckets):
     raise ValueError(
         f"config.train.length_buckets must be a non-empty sequence of positive ints, got {buckets}")
+  for key in ("seq_strategy", "seq_layout"):
+    if key not in config.mesh:
+      raise ValueError(f"config.mesh.{key} is missing (configs/common.py sets it)")
+  try:
+    sequence_parallel_implementation(config.mesh.seq_strategy, config.mesh.seq_layout)
+  except ValueError as e:
+    raise ValueError(f"config.mesh.seq_strategy / seq_layout: {e}") from None
 
 
 def learning_rate_schedule(peak_lr: float, warmup_steps: int):
@@ -159,24 +167,32 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
 
   Parameters and Adam moments follow the model's declared axes (runner.param_axes), and with
   fsdp > 1 are split over 'fsdp' too (flax_mha.sharding); batches are split over 'data' (x
-  'fsdp'); with seq > 1 the training model's attention is ring attention over 'seq', and it
-  recomputes what config.train.remat says (evaluation and decoding use the model as
-  configured). A mesh of size 1 is the single-device run; the same seed gives the same losses
-  on any mesh.
+  'fsdp'); with seq > 1 the training model's attention is sequence-parallel over 'seq' by
+  mesh.seq_strategy in mesh.seq_layout, and it recomputes what config.train.remat says
+  (evaluation and decoding use the model as configured). A runner whose model is token-order
+  free (the LM) gets each batch permuted once into the layout's order on the host, so no layer
+  moves tokens between devices. A mesh of size 1 is the single-device run; the same seed gives
+  the same losses on any mesh.
   """
   config, model = runner.config, runner.model
   mesh_cfg = config.mesh
   if config.train.batch_size % (mesh_cfg.data * mesh_cfg.fsdp):
     raise ValueError(f"train.batch_size={config.train.batch_size} must be a multiple of "
                      f"mesh.data={mesh_cfg.data} x mesh.fsdp={mesh_cfg.fsdp}")
-  if any(length % mesh_cfg.seq for length in config.train.length_buckets):
-    raise ValueError(f"train.length_buckets={tuple(config.train.length_buckets)} must be "
-                     f"multiples of mesh.seq={mesh_cfg.seq}")
+  multiple = length_multiple(mesh_cfg.seq_layout, mesh_cfg.seq)
+  lengths = config.train.get("length") or config.train.length_buckets  # the LM packs rows
+  if any(length % multiple for length in np.atleast_1d(lengths)):
+    raise ValueError(f"train.{'length' if config.train.get('length') else 'length_buckets'}="
+                     f"{lengths} must be multiples of {multiple} (mesh.seq={mesh_cfg.seq}, "
+                     f"mesh.seq_layout={mesh_cfg.seq_layout!r})")
   mesh = sharding.make_mesh(data=mesh_cfg.data, fsdp=mesh_cfg.fsdp, model=mesh_cfg.model,
                             seq=mesh_cfg.seq)
+  permute = mesh_cfg.seq > 1 and runner.token_order_free  # the batch once, not every layer
   if mesh_cfg.seq > 1:
+    implementation = sequence_parallel_implementation(
+        mesh_cfg.seq_strategy, mesh_cfg.seq_layout, "in_layout" if permute else "natural")
     model = type(model)(dataclasses.replace(model.config,
-                                            attention_implementation=ring_implementation))
+                                            attention_implementation=implementation))
   if config.train.remat != "none":
     model = type(model)(dataclasses.replace(model.config, remat=config.train.remat))
   param_axes = runner.param_axes + ((r"(^|/)rng$", (None,)),)  # the state's raw key
@@ -188,7 +204,10 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
                    out_shardings=(state_shardings, None), donate_argnums=0)
 
   def step_fn(state, batch):
-    with jax.set_mesh(mesh):  # ring attention finds its mesh here when the step is traced
+    if permute:  # on the host: every [B, L] array of the batch in the layout's token order
+      batch = {name: to_layout_order(x, mesh_cfg.seq_layout, mesh_cfg.seq)
+               for name, x in batch.items()}
+    with jax.set_mesh(mesh):  # sequence-parallel attention finds its mesh here when traced
       return jitted(state, batch)
 
   return state, step_fn

@@ -10,7 +10,8 @@ The package is layered, each folder importing only from the ones above it:
                        `sharding` (meshes, placement, FSDP), `remat` (what a training step
                        recomputes)
   flax_mha/kernels/    the implementations behind `implementation=`: reference (the oracle),
-                       xla, rows, chunked, decode, cudnn, ring (sequence-parallel), helpers
+                       xla, rows, chunked, decode, cudnn, seq_parallel (ring, all-gather,
+                       Ulysses), helpers
   flax_mha/nn/         the front ends: `linen` (MultiHeadAttention, SelfAttention) and `nnx`
   flax_mha/models/     the Transformer, the decoder-only LM and decoding
 
@@ -52,8 +53,10 @@ from flax_mha.attention import dot_product_attention_weights
 from flax_mha.attention import explain
 from flax_mha.attention import merge_heads
 from flax_mha.attention import split_heads
-from flax_mha.kernels.ring import attention as ring_implementation
-from flax_mha.kernels.ring import ring_attention
+from flax_mha.kernels.seq_parallel import attention as ring_implementation
+from flax_mha.kernels.seq_parallel import ring_attention
+from flax_mha.kernels.seq_parallel import sequence_parallel_attention
+from flax_mha.kernels.seq_parallel import sequence_parallel_implementation
 from flax_mha.masks import causal_mask
 from flax_mha.masks import combine_masks
 from flax_mha.masks import make_attention_mask

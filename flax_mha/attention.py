@@ -131,8 +131,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
       special case. The lse carries no gradient (as jax.nn's).
     implementation: None (the best available for the platform the program is lowered for,
       chosen at trace time by `default_implementation`; `flax_mha.explain` says which and
-      why), a name in `IMPLEMENTATIONS`, or a callable with their
-      signature (e.g. `flax_mha.ring_implementation`, ring attention). Every implementation
+      why), a name in `IMPLEMENTATIONS`, or a callable with their signature (e.g.
+      `flax_mha.sequence_parallel_implementation(...)` or `flax_mha.ring_implementation`:
+      sequence parallelism over a mesh). Every implementation
       computes the same function ("rows" and "cudnn" refuse, by name, the options they lack);
       forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) works with "reference" and
       "xla", not with "rows", "chunked", "cudnn" or ring attention (custom VJPs): None picks
@@ -293,7 +294,8 @@ def check_implementation(implementation) -> None:
     raise ValueError(
         f"implementation must be None, a callable or one of {sorted(IMPLEMENTATIONS)}, got "
         f"{implementation!r} (ring attention, sequence-parallel over a device mesh, is the "
-        "callable flax_mha.ring_implementation)")
+        "callable flax_mha.ring_implementation; other strategies "
+        "flax_mha.sequence_parallel_implementation(strategy, layout))")
 
 
 def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options):

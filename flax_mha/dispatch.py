@@ -39,7 +39,7 @@ from flax_mha import mods as mods_lib
 from flax_mha.kernels import _shared
 from flax_mha.kernels import chunked
 from flax_mha.kernels import cudnn
-from flax_mha.kernels import ring
+from flax_mha.kernels import seq_parallel
 from flax_mha.kernels import rows
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what lax.platform_dependent calls them
@@ -205,9 +205,10 @@ def refusals(query, key, value, bias, mask, *, dropout_rate: float, mods=None,
   out = dict.fromkeys(NAMES)
   out["rows"] = rows.unsupported_reason(dropout_rate, mods)
   out["cudnn"] = cudnn.unsupported_reason(query, key, value, dropout_rate, mods, platform)
-  out["ring"] = ring.unsupported_reason(bias, dropout_rate, mods)
-  if out["ring"] is None and ring.SEQ_AXIS not in jax.sharding.get_abstract_mesh().axis_names:
-    out["ring"] = (f"it needs a mesh with a {ring.SEQ_AXIS!r} axis in context (`with "
+  out["ring"] = seq_parallel.unsupported_reason(bias, dropout_rate, mods)
+  seq = seq_parallel.SEQ_AXIS
+  if out["ring"] is None and seq not in jax.sharding.get_abstract_mesh().axis_names:
+    out["ring"] = (f"it needs a mesh with a {seq!r} axis in context (`with "
                    "jax.set_mesh(flax_mha.sharding.make_mesh(seq=n))`), and there is none")
   return out
 

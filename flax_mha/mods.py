@@ -144,7 +144,8 @@ class SeqLengths:
 @dataclasses.dataclass(frozen=True)
 class Segments:
   """q_ids[b, q_idx] == kv_ids[b, kv_idx]: packed documents. Positions index the id arrays
-  directly, so offsets must be 0 (not for sequence-sharded ring attention)."""
+  directly, so offsets must be 0 (sequence parallelism hands each device the ids of its own
+  tokens: `flax_mha.kernels._seqmods`)."""
   q_ids: Any  # [B, T] int
   kv_ids: Any  # [B, S] int
 
@@ -288,7 +289,8 @@ class MaskMod:
   def tile_map(self, tl: Tiles):
     """The function on every real (q, kv), one row of tiles at a time, reduced per tile: at
     trace time when it reads only indices, at run time when it reads traced arrays."""
-    if isinstance(tl.q_offset, int) and isinstance(tl.kv_offset, int):
+    concrete = not any(isinstance(c, jax.core.Tracer) for c in self.consts)
+    if concrete and isinstance(tl.q_offset, int) and isinstance(tl.kv_offset, int):
       with jax.ensure_compile_time_eval():
         maybe, full = self._reduce(tl)
       if not isinstance(maybe, jax.core.Tracer):

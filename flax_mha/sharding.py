@@ -38,8 +38,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # Mesh axis names, defined here only: batch, fully sharded data parallelism (batch and state),
-# tensor (heads / FFN width), sequence (ring attention). flax_mha.kernels.ring imports them, so
-# this module must not import flax. Outermost first: the slowest links carry 'data'.
+# tensor (heads / FFN width), sequence (sequence parallelism). flax_mha.kernels.seq_parallel
+# imports them, so this module must not import flax. Outermost first: the slowest links carry
+# 'data'.
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 MODEL_AXIS = "model"

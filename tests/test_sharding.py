@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from flax_mha import sharding
-from flax_mha.kernels.ring import ring_attention
+from flax_mha.kernels.seq_parallel import ring_attention
 from flax_mha.models import lm, transformer
 from flax_mha.models.lm import DecoderLM, LMConfig
 from flax_mha.models.transformer import Transformer, TransformerConfig

@@ -404,6 +404,7 @@ def test_sharded_run_matches_single_device():
   lines = run_check("check_train.py")
   assert any(line.startswith("OK runner layout") for line in lines), lines
   assert any(line.startswith("OK runner data_x_model_x_seq") for line in lines), lines
+  assert any(line.startswith("OK lm data_x_seq") for line in lines), lines
 
 
 @pytest.mark.multidevice
@@ -423,7 +424,17 @@ def test_mesh_must_divide_batch(tmp_path):
   with pytest.raises(ValueError, match="multiple of mesh.data=3"):
     train.train_and_evaluate(config, str(tmp_path))
   config.mesh.update(data=1, seq=3)
-  with pytest.raises(ValueError, match="multiples of mesh.seq=3"):
+  with pytest.raises(ValueError, match=r"multiples of 6 \(mesh.seq=3, mesh.seq_layout='zigzag'\)"):
+    train.train_and_evaluate(config, str(tmp_path))
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("seq_strategy", "tree", "strategy must be one of"),
+    ("seq_layout", "zig-zag", "layout must be one of")])
+def test_sequence_parallel_keys_are_checked(tmp_path, key, value, match):
+  config = tiny_config()
+  config.mesh[key] = value
+  with pytest.raises(ValueError, match=f"config.mesh.seq_strategy / seq_layout: {match}"):
     train.train_and_evaluate(config, str(tmp_path))
   config.mesh.update(data=2, fsdp=3, seq=1)
   with pytest.raises(ValueError, match="multiple of mesh.data=2 x mesh.fsdp=3"):

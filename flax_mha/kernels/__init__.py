@@ -11,8 +11,10 @@ scale, dropout_rate, dropout_rng, mods=None) -> [B, T, H, V], already checked an
   chunked    online softmax in tiles with its own backward: memory linear in the sequence,
              every option, tiles the masks hide skipped
   cudnn      cuDNN flash attention on NVIDIA GPUs (16-bit)
-  ring       sequence-parallel over a device mesh (`flax_mha.ring_implementation`)
+  seq_parallel  sequence-parallel over a device mesh (`flax_mha.sequence_parallel_implementation`,
+             `flax_mha.ring_implementation`), by one of `ring`, `gather` (all-gather, Ulysses)
 
 Private helpers: `_shared` (softmax dtype, row statistics), `_tiling` (chunked's tiles),
-`_dropout` (the hashed keep-mask every implementation shares).
+`_dropout` (the hashed keep-mask every implementation shares), `_layouts` and `_seqmods`
+(sequence parallelism's token layouts and mask terms at true positions).
 """

@@ -13,7 +13,8 @@ from jax.sharding import AbstractMesh, AxisType
 import flax_mha
 from flax_mha import sharding
 from flax_mha import ring_implementation
-from flax_mha.kernels.ring import ring_attention
+from flax_mha.kernels import _layouts, seq_parallel
+from flax_mha.kernels.seq_parallel import ring_attention
 from conftest import np_attention, output_and_grads, qkv
 from tests.multidevice.run import run_check
 
@@ -26,6 +27,13 @@ def test_ring_matches_single_device_on_8_devices():
       "mesh_Auto", "abstract_mesh_Auto", "mesh_Explicit", "abstract_mesh_Explicit",
       "mesh_mixed", "abstract_mesh_mixed", "explicit_query_type_kept",
       "key_padding_causal", "full_mask", "sinks_residual", "export_cuda_tpu"]
+
+
+@pytest.mark.multidevice
+def test_every_strategy_and_layout_matches_single_device_on_8_devices():
+  names = [line.split()[1] for line in run_check("check_seq_parallel.py")]
+  pairs = {tuple(name.split("/")[1:]) for name in names}
+  assert len(pairs) == 9 and len(names) == 18, names  # 3 strategies x 3 layouts, in_layout 2
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -112,7 +120,7 @@ def test_ring_implementation_says_what_it_needs():
   x = jnp.ones((1, 4, 2, 8))
   with pytest.raises(ValueError, match="needs a mesh with a 'seq' axis"):
     flax_mha.dot_product_attention(x, x, x, implementation=ring_implementation)
-  with pytest.raises(ValueError, match="not bias or dropout"):
+  with pytest.raises(ValueError, match="not a bias"):
     with jax.set_mesh(sharding.make_mesh()):
       flax_mha.dot_product_attention(x, x, x, bias=jnp.zeros((4, 4)),
                                      implementation=ring_implementation)
@@ -145,9 +153,59 @@ def test_ring_takes_index_only_mods(rng, kwargs):
   np.testing.assert_allclose(got_grad, want_grad, atol=1e-5)
 
 
-def test_ring_refuses_mods_holding_arrays(rng):
+def test_ring_takes_segment_ids_and_lengths(rng):
+  """Terms holding arrays: the key side's travel with their shard."""
   q, k, v = qkv(rng, t=8, s=8)
+  options = dict(is_causal=True, q_segment_ids=jnp.array([[0, 0, 1, 1, 1, 2, 2, 2]] * 2),
+                 key_value_seq_lengths=jnp.array([8, 6]))
+  want = flax_mha.dot_product_attention(q, k, v, implementation="reference", **options)
   with jax.set_mesh(sharding.make_mesh()):
-    with pytest.raises(ValueError, match=r"terms holding arrays: \['Segments'\]"):
-      flax_mha.dot_product_attention(q, k, v, q_segment_ids=jnp.zeros((2, 8), jnp.int32),
-                                     implementation=ring_implementation)
+    out = flax_mha.dot_product_attention(q, k, v, implementation=ring_implementation, **options)
+  np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(strategy="tree"), r"strategy must be one of \('ring', 'all_gather', 'ulysses', 'auto'\)"),
+    (dict(layout="random"), r"layout must be one of \('contiguous', 'zigzag', 'striped'\)"),
+    (dict(strategy="ulysses"), r"query heads \(6\) and key/value heads \(2\) per device to be "
+     r"multiples of 4"),
+    (dict(layout="zigzag"), r"must divide the query length T=12 and the key length S=4 twice"),
+    (dict(bias=jnp.zeros((12, 4))), r"strategy='ring' takes a mask, not a bias"),
+])
+def test_sequence_parallel_says_what_it_takes(kwargs, match):
+  q, k = jnp.ones((3, 12, 6, 4)), jnp.ones((3, 4, 2, 4))
+  mesh = AbstractMesh((4,), ("seq",))
+  with pytest.raises(ValueError, match=match):
+    flax_mha.sequence_parallel_attention(q, k, k, mesh=mesh, **kwargs)
+
+
+def test_implementation_factory_checks_its_arguments():
+  with pytest.raises(ValueError, match="strategy must be one of"):
+    flax_mha.sequence_parallel_implementation("rings")
+  with pytest.raises(ValueError, match="layout must be one of"):
+    flax_mha.sequence_parallel_implementation("ring", "zig-zag")
+  assert flax_mha.sequence_parallel_implementation() == ring_implementation  # a value: hashable
+
+
+def test_layouts_hold_every_token_once():
+  """zigzag: device d holds chunks d and 2n-1-d; striped: token t on device t mod n."""
+  np.testing.assert_array_equal(_layouts.order("zigzag", 8, 2),
+                                [[0, 1, 6, 7], [2, 3, 4, 5]])
+  np.testing.assert_array_equal(_layouts.order("striped", 6, 3), [[0, 3], [1, 4], [2, 5]])
+  for layout in _layouts.LAYOUTS:
+    perm = _layouts.order(layout, 24, 3).reshape(-1)
+    np.testing.assert_array_equal(np.sort(perm), np.arange(24))
+    np.testing.assert_array_equal(perm[_layouts.inverse(perm)], np.arange(24))
+  with pytest.raises(ValueError, match="multiple of 6, got 9"):
+    _layouts.order("zigzag", 9, 3)
+
+
+@pytest.mark.parametrize("shapes, heads, extra, want", [
+    (((1, 4096, 8, 64), (1, 4096, 8, 64)), (8, 8), {}, "ulysses"),  # MHA: 1/n of everything
+    (((1, 4096, 8, 64), (1, 4096, 1, 64)), (8, 1), {}, "all_gather"),  # one K/V head
+    (((1, 2**22, 8, 64), (1, 2**22, 1, 64)), (8, 1), {}, "ring"),  # K/V beyond 256 MiB
+    (((1, 2**22, 8, 64), (1, 2**22, 1, 64)), (8, 1), {"bias": 0.0}, "all_gather"),  # no ring
+])
+def test_auto_strategy_rule(shapes, heads, extra, want):
+  (q, k) = (jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes)
+  assert seq_parallel.choose_strategy(q, k, k, n=8, heads=heads, **extra) == want

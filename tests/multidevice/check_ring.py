@@ -17,7 +17,7 @@ import flax_mha
 from flax_mha import sharding
 from flax_mha.kernels import reference
 from flax_mha import ring_implementation
-from flax_mha.kernels.ring import ring_attention
+from flax_mha.kernels.seq_parallel import ring_attention
 from tests.conftest import np_attention
 
 B, H, K, V = 2, 6, 5, 7  # distinct sizes so a swapped axis fails
