@@ -426,6 +426,9 @@ def test_mesh_must_divide_batch(tmp_path):
   config.mesh.update(data=1, seq=3)
   with pytest.raises(ValueError, match=r"multiples of 6 \(mesh.seq=3, mesh.seq_layout='zigzag'\)"):
     train.train_and_evaluate(config, str(tmp_path))
+  config.mesh.update(data=2, fsdp=3, seq=1)
+  with pytest.raises(ValueError, match="multiple of mesh.data=2 x mesh.fsdp=3"):
+    train.train_and_evaluate(config, str(tmp_path))
 
 
 @pytest.mark.parametrize("key, value, match", [
@@ -435,7 +438,4 @@ def test_sequence_parallel_keys_are_checked(tmp_path, key, value, match):
   config = tiny_config()
   config.mesh[key] = value
   with pytest.raises(ValueError, match=f"config.mesh.seq_strategy / seq_layout: {match}"):
-    train.train_and_evaluate(config, str(tmp_path))
-  config.mesh.update(data=2, fsdp=3, seq=1)
-  with pytest.raises(ValueError, match="multiple of mesh.data=2 x mesh.fsdp=3"):
     train.train_and_evaluate(config, str(tmp_path))
