@@ -3,6 +3,7 @@
   python -m experiments.bench.generation                    # -> docs/generation_cpu.md
   python -m experiments.bench.generation --workdir runs/lm  # + the trained LM's evaluation
   python -m experiments.bench.generation --smoke            # seconds: tiny sizes, no file
+                                    # (with --workdir and no run there: a tiny LM trained first)
 
 Parts:
   cached     batch 8, prompt 64 + 448 new tokens, greedy: the KV-cache decoding
@@ -21,6 +22,7 @@ Each path runs once untimed (compilation), then the timed runs alternate; median
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -74,7 +76,19 @@ def cached(batch: int, prompt: int, new: int, runs: int, smoke: bool) -> list[st
           "", f"Greedy tokens identical: {tok_cache.size} of {tok_full.size}."]
 
 
-def evaluation(workdir: str, runs: int) -> list[str]:
+def _tiny_run(workdir: str) -> None:
+  """A few steps of configs/lm.py's tiny variant into `workdir` (--smoke with a --workdir
+  that holds no run: the evaluation part then runs end to end in seconds)."""
+  from experiments import train  # pylint: disable=import-outside-toplevel
+  config = lm_config.get_config("tiny")
+  config.train.steps = 4
+  config.eval.num_examples = 8
+  train.train_and_evaluate(config, workdir)
+
+
+def evaluation(workdir: str, runs: int, smoke: bool) -> list[str]:
+  if smoke and not os.path.exists(os.path.join(workdir, "config.json")):
+    _tiny_run(workdir)
   runner, params = _restore(workdir)
   by_recompute = _recompute_decoder(runner)
   fns = {"KV cache": lambda: runner.decode(params), "prefix recomputed": lambda: by_recompute(
@@ -170,7 +184,7 @@ def main():
   runs = 1 if args.smoke else 3
   sizes = (2, 8, 8) if args.smoke else (8, 64, 448)
   sections = {"cached": lambda: cached(*sizes, runs, args.smoke),
-              "eval": lambda: evaluation(args.workdir, runs),
+              "eval": lambda: evaluation(args.workdir, runs, args.smoke),
               "serving": lambda: serving_part(args.smoke, runs)}
   lines = ["# Generation (CPU, float32)", "",
            "`python -m experiments.bench.generation` (see its docstring).", ""]
