@@ -185,14 +185,8 @@ def main():
               "sweep": lambda: sweep(shape, rounds),
               "model": lambda: model(rounds, **sizes),
               "rolling": lambda: rolling((64, 512) if args.smoke else (1024, 8192, 65536))}
-  lines = ["# Decode-time attention (CPU, float32)", "",
-           "`python -m experiments.bench.decode` (see its docstring).", ""]
-  for part in parts:
-    lines += [f"## {part}", "", *sections[part](), ""]
-  print("\n".join(lines))
-  if not args.smoke:
-    with open(args.out, "w") as f:
-      f.write("\n".join(lines))
+  timing.write_report("Decode-time attention (CPU, float32)", "python -m experiments.bench.decode", parts, sections,
+                      args.out, args.smoke)
 
 
 if __name__ == "__main__":

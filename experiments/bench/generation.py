@@ -32,6 +32,7 @@ import numpy as np
 
 from configs import lm as lm_config
 from experiments import lm
+from experiments.bench import timing
 from flax_mha.models import decoding, serving
 from flax_mha.models.lm import DecoderLM, LMConfig
 
@@ -186,14 +187,8 @@ def main():
   sections = {"cached": lambda: cached(*sizes, runs, args.smoke),
               "eval": lambda: evaluation(args.workdir, runs, args.smoke),
               "serving": lambda: serving_part(args.smoke, runs)}
-  lines = ["# Generation (CPU, float32)", "",
-           "`python -m experiments.bench.generation` (see its docstring).", ""]
-  for part in parts:
-    lines += [f"## {part}", "", *sections[part](), ""]
-  print("\n".join(lines))
-  if not args.smoke:
-    with open(args.out, "w") as f:
-      f.write("\n".join(lines))
+  timing.write_report("Generation (CPU, float32)", "python -m experiments.bench.generation", parts, sections,
+                      args.out, args.smoke)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,15 @@ def torch_sdpa_seconds(*, b, t, s, h, g, k, v, causal=False, rounds=5) -> list[f
   """torch SDPA's forward on [B, H, T, K] x [B, G, S, K] (float32, CPU), timed alone."""
   return in_subprocess(TORCH_SDPA.format(b=b, t=t, s=s, h=h, g=g, k=k, v=v, causal=causal,
                                          rounds=rounds))
+
+
+def write_report(title: str, command: str, parts, sections: dict, out: str, smoke: bool) -> None:
+  """Each part's section (sections[part]() -> lines) under its heading, printed, and written
+  as markdown to `out` unless this is a smoke run."""
+  lines = [f"# {title}", "", f"`{command}` (see its docstring).", ""]
+  for part in parts:
+    lines += [f"## {part}", "", *sections[part](), ""]
+  print("\n".join(lines))
+  if not smoke:
+    with open(out, "w") as f:
+      f.write("\n".join(lines))
