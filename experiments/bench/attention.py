@@ -213,8 +213,15 @@ def speed(grid, args):
                        picks=picked if name == "default" else None))
     print(f"D={d} N={n} causal={causal}: " + ", ".join(
         f"{name} {t[0]*1e3:.2f}/{t[1]*1e3:.2f} ms" for name, t in median.items()
-        if not name.startswith("peak")), flush=True)
+        if not name.startswith("peak")) + f"; matmul peak {peak:.0f} GFLOP/s", flush=True)
+    if args.json:  # after every shape: an interrupted run keeps what it measured
+      _write_json(args.json, rows)
   return rows
+
+
+def _write_json(path, speed_rows, mem_rows=(), largest=None):
+  with open(path, "w") as f:
+    json.dump(dict(speed=speed_rows, memory=list(mem_rows), largest_n=largest or {}), f, indent=1)
 
 
 def protocol(case, args) -> list[str]:
@@ -315,10 +322,11 @@ def _markdown_row(keyed, d, n, peers, scale):
   ours = row("default")
   ratio = lambda p, key="fwd_bwd_ms": (f"{row(p)[key] / ours[key]:.2f}" if row(p) and ours
                                        else "—")
+  measured = lambda p: row(p) and row(p).get("matmul_peak_gflops")
   share = lambda p: (f"{row(p)['fwd_gflops'] / row(p)['matmul_peak_gflops']:.0%} / "
                      f"{row(p)['fwd_bwd_gflops'] / row(p)['matmul_peak_gflops']:.0%}"
-                     if row(p) else "—")
-  peak = f"{ours['matmul_peak_gflops']*scale:.0f}" if ours else "—"
+                     if measured(p) else "—")
+  peak = f"{ours['matmul_peak_gflops']*scale:.0f}" if measured("default") else "—"
   pick = ours.get("picks") if ours else None
   return (f"| {d} | {n} | {cell('default')} ({pick}) | " + " | ".join(cell(p) for p in peers) +
           " | " + " | ".join(ratio(p) for p in peers if p != "chunked") +
@@ -373,6 +381,10 @@ def main():
   parser.add_argument("--alternations", type=int, default=None,
                       help="turns of the JAX and torch processes per shape")
   parser.add_argument("--json", default=None, help="also write all rows as JSON here")
+  parser.add_argument("--ds", default=None, help="only these D of the grid, e.g. 64,128")
+  parser.add_argument("--ns", default=None, help="only these N of the grid, e.g. 512,1024")
+  parser.add_argument("--from-json", nargs="+", default=None,
+                      help="time nothing: write the report of the speed rows in these files")
   parser.add_argument("--out", default=None, help="markdown path (default docs/benchmark_<dev>.md)")
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "D,N,causal"
   parser.add_argument("--systems", default="", help=argparse.SUPPRESS)
@@ -388,7 +400,12 @@ def main():
                                dtype=jnp.dtype(args.dtype), device=args.device,
                                rounds=args.rounds, tokens=args.tokens)))
     return
-  speed_rows = speed(grid, args) if args.part in ("all", "speed") else []
+  keep = lambda values, x: values is None or x in map(int, values.split(","))
+  grid = [(d, n, c) for d, n, c in grid if keep(args.ds, d) and keep(args.ns, n)]
+  if args.from_json:
+    speed_rows = [row for path in args.from_json for row in json.load(open(path))["speed"]]
+  else:
+    speed_rows = speed(grid, args) if args.part in ("all", "speed") else []
   mem_rows, largest = (memory(mem_sizes, cap)
                        if args.device == "cpu" and args.part in ("all", "memory") else ([], {}))
   out = args.out or f"docs/benchmark_{args.device}.md"
@@ -406,8 +423,7 @@ def main():
   if speed_rows:
     plot(speed_rows, out[:-3] + ".png", args.device)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(speed=speed_rows, memory=mem_rows, largest_n=largest), f, indent=1)
+    _write_json(args.json, speed_rows, mem_rows, largest)
   print(f"wrote {out}")
 
 
