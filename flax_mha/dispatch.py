@@ -10,8 +10,9 @@ runs the GPU choice, and each lowering keeps only its own branch.
 On CPU (each threshold a crossover measured on a 2-core CPU, float32, forward+backward):
   1. A few queries over many keys (generation): "decode" (DECODE_* below).
   2. No dropout and no mask/score terms (bias, mask, is_causal and sinks are fine): "xla" up to
-     SMALL_LOGITS_ROWS logits per (batch, head) (SMALL_LOGITS_ROWS_CAUSAL when causal), "rows"
-     beyond, "chunked" past ROWS_MAX_KEYS keys.
+     SMALL_LOGITS_ROWS logits per (batch, head) (SMALL_LOGITS_ROWS_CAUSAL when causal,
+     SMALL_LOGITS_ROWS_CAUSAL_WIDE when causal with K > 64), "rows" beyond, "chunked" past
+     ROWS_MAX_KEYS keys.
   3. Otherwise "xla" up to SMALL_LOGITS logits per (batch, head), "chunked" beyond: chunked
      skips the tiles its masks hide, so it wins earlier where they hide many. The limit falls
      to SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64; without dropout (how they were
@@ -55,6 +56,9 @@ NAMES = ("reference", "xla", "chunked", "rows", "cudnn", "decode", "ring")
 #   K=32, causal or windowed, 0.72-0.90x from N=256 on, level or slower at N=128).
 SMALL_LOGITS_ROWS = 256 * 256
 SMALL_LOGITS_ROWS_CAUSAL = 128 * 128
+# Causal with K > 64: at D=128, N=256 xla took 150 ms forward+backward, rows 177 (rows is
+# faster forward, slower backward there; each timed in its own process).
+SMALL_LOGITS_ROWS_CAUSAL_WIDE = 256 * 256
 SMALL_LOGITS = 512 * 512
 SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
 SMALL_LOGITS_BANDED_32 = 128 * 128  # causal or a window, K <= 32
@@ -132,8 +136,10 @@ def choose(query, key, value, bias, mask, *, is_causal: bool, dropout_rate: floa
   logits = t * s
   refused = rows.unsupported_reason(dropout_rate, mods)
   if refused is None:
-    limit, name = ((SMALL_LOGITS_ROWS_CAUSAL, "SMALL_LOGITS_ROWS_CAUSAL") if is_causal
-                   else (SMALL_LOGITS_ROWS, "SMALL_LOGITS_ROWS"))
+    limit, name = SMALL_LOGITS_ROWS, "SMALL_LOGITS_ROWS"
+    if is_causal:
+      limit, name = ((SMALL_LOGITS_ROWS_CAUSAL_WIDE, "SMALL_LOGITS_ROWS_CAUSAL_WIDE (K > 64)")
+                     if k > 64 else (SMALL_LOGITS_ROWS_CAUSAL, "SMALL_LOGITS_ROWS_CAUSAL"))
     if logits <= limit:
       return Choice("xla", f"no dropout or mask/score terms and T·S = {logits} logits per "
                            f"(batch, head) <= {name} = {limit}: one fused XLA graph has the "

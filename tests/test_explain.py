@@ -34,6 +34,8 @@ def ids(b, n):
     (64, 64, 64, {}, "xla", "SMALL_LOGITS_ROWS"),
     (640, 640, 64, {}, "rows", "query-row blocks"),
     (256, 256, 64, dict(is_causal=True), "rows", "SMALL_LOGITS_ROWS_CAUSAL"),
+    (256, 256, 128, dict(is_causal=True), "xla", "SMALL_LOGITS_ROWS_CAUSAL_WIDE"),
+    (512, 512, 128, dict(is_causal=True), "rows", "SMALL_LOGITS_ROWS_CAUSAL_WIDE"),
     (128, 32768, 64, {}, "chunked", "ROWS_MAX_KEYS"),
     (1, 8192, 64, {}, "decode", "DECODE_MIN_KEYS_DENSE"),
     (512, 512, 64, dict(logit_soft_cap=30.0), "xla", "SMALL_LOGITS = "),
