@@ -1,6 +1,6 @@
 """Sequence parallelism on 8 emulated devices: memory, causal balance, bytes moved.
 
-    python -m experiments.bench.ring [--part memory|balance|bytes|time] [--devices 8]
+    python -m experiments.bench.ring [--part memory|balance|bytes|time|lm_memory] [--devices 8]
 
 --part memory (default) compiles (never runs) `grad(sum(attention))` for B=1, H=8, K=V=64,
 float32, causal, and reads XLA's `compile().memory_analysis()`: temp + argument bytes of ONE
@@ -23,6 +23,13 @@ all-reduce), each counted once per trip of the loop it sits in: what one device 
 collective in a conditional counts at every trip: the ring's last hop of K/V, which its last
 step skips, is counted (an upper bound by 2/n of K and V, forward and backward).
 
+--part lm_memory compiles (never runs) the LM's training step (configs/lm.py's model, one row of
+T packed documents with segment ids and positions, Adam) as experiments.train builds it on a
+data=1 x seq=n mesh, for each train.remat and strategy (zig-zag layout), and reads XLA's
+`memory_analysis()`: argument + temp bytes of one device. XLA's CPU pipeline drops the
+optimization barriers of jax.checkpoint (`python -m experiments.bench.fsdp --part remat`), so
+on CPU remat may not lower the figure.
+
 On a CPU host the devices are emulated (XLA_FLAGS=--xla_force_host_platform_device_count, set
 here): this measures memory, work and traffic, not speed.
 """
@@ -39,6 +46,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from configs import lm  # noqa: E402
+from experiments import train  # noqa: E402
 from experiments.bench import hlo_bytes, timing  # noqa: E402
 from flax_mha import mods as mods_lib  # noqa: E402
 from flax_mha import sharding  # noqa: E402
@@ -157,22 +166,56 @@ def seconds(t: int, n: int, rounds: int):
         flush=True)
 
 
+def lm_step_mib(length: int, n: int, strategy: str, remat: str, tiny: bool) -> tuple[float, float]:
+  """(argument, temp) MiB of one device for the LM's training step on data=1 x seq=n (n=1: one
+  device, the model's own attention dispatch)."""
+  config = lm.get_config("tiny" if tiny else None)
+  config.train.update(batch_size=1, remat=remat)
+  runner = train.make_runner(config)  # at the config's length: init runs the model once
+  tx = train.make_optimizer(config.train)
+  state, batch = train.init_state(runner, tx), runner.init_batch()
+  config.train.length = length
+  if n > 1:
+    config.mesh.update(seq=n, seq_strategy=strategy, seq_layout="zigzag")
+  state, step_fn = train.shard_and_compile(train.make_runner(config), state, tx)
+  shapes = {name: jax.ShapeDtypeStruct((1, length), x.dtype) for name, x in batch.items()}
+  stats = step_fn.lower(state, shapes).compile().memory_analysis()
+  return stats.argument_size_in_bytes / MIB, stats.temp_size_in_bytes / MIB
+
+
+def lm_memory(length: int, n: int, smoke: bool):
+  print(f"configs/lm.py{':tiny' if smoke else ''} training step, 1 row of {length} packed "
+        f"tokens (segment ids, positions), data=1 x seq={n}, zig-zag, and one device; MiB per "
+        "device (XLA memory_analysis)\n")
+  print("| strategy | remat | arguments | temp | arguments + temp |")
+  print("|---|---|---:|---:|---:|")
+  runs = [(strategy, n) for strategy in ("ring", "all_gather")] + [("1 device", 1)]
+  for strategy, devices in runs[:1] if smoke else runs:
+    for remat in ("none", "layer", "attention"):
+      args, temp = lm_step_mib(length, devices, strategy, remat, smoke)
+      print(f"| {strategy} | {remat} | {args:,.1f} | {temp:,.1f} | {args + temp:,.1f} |",
+            flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("memory", "balance", "bytes", "time"), default="memory")
+  parser.add_argument("--part", choices=("memory", "balance", "bytes", "time", "lm_memory"), default="memory")
   parser.add_argument("--lengths", default=None, help="T values, comma-separated")
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--smoke", action="store_true",
                       help="small T only: that the command runs, no figures")
   args = parser.parse_args()
   defaults = {"memory": "4096,8192,16384,32768,65536", "balance": "65536", "bytes": "4096,16384",
-              "time": "4096"}
+              "time": "4096", "lm_memory": "65536"}
   lengths = "256" if args.smoke else (args.lengths or defaults[args.part])
   if args.part == "memory":
     memory(lengths, args.devices)
   elif args.part == "balance":
     for t in map(int, lengths.split(",")):
       balance(t, args.devices)
+  elif args.part == "lm_memory":
+    for t in map(int, lengths.split(",")):
+      lm_memory(t, args.devices, args.smoke)
   elif args.part == "bytes":
     bytes_moved(lengths, args.devices, args.smoke)
   else:
