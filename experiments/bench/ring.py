@@ -1,11 +1,12 @@
 """Sequence parallelism on 8 emulated devices: memory, causal balance, bytes moved.
 
     python -m experiments.bench.ring [--part memory|balance|bytes|time|lm_memory] [--devices 8]
+                                     [--window W]
 
 --part memory (default) compiles (never runs) `grad(sum(attention))` for B=1, H=8, K=V=64,
 float32, causal, and reads XLA's `compile().memory_analysis()`: temp + argument bytes of ONE
 device, ring attention against one device holding the whole sequence, plain (`reference`, the
-[T, T] logits) and chunked.
+[T, T] logits) and chunked; with --window W, under a causal window of W keys back as well.
 
 --part balance counts the causal work of every device: the key tiles the chunked kernel visits
 (its tile maps over the tokens' true positions, as `flax_mha.kernels.ring` builds them), per
@@ -64,32 +65,34 @@ def peak_mib(fn, *args) -> float:
   return (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / MIB
 
 
-def measure(t: int, devices: int) -> dict[str, float]:
+def measure(t: int, devices: int, window: int | None) -> dict[str, float]:
   mesh = sharding.make_mesh(seq=devices)
+  mods = mods_lib.Mods((mods_lib.LocalWindow(window, 0),)) if window else None
   split = NamedSharding(mesh, P(None, "seq"))
   sharded = jax.ShapeDtypeStruct((B, t, H, K), jnp.float32, sharding=split)
   single = jax.ShapeDtypeStruct((B, t, H, K), jnp.float32)
-  plain = lambda q, k, v: reference.attention(q, k, v, None, None, is_causal=True,
+  plain = lambda q, k, v: reference.attention(q, k, v, None, None, is_causal=True, mods=mods,
                                               scale=K**-0.5, dropout_rate=0.0, dropout_rng=None)
   flash = lambda q, k, v: chunked.attention(q, k, v, None, None, is_causal=True, scale=K**-0.5,
-                                            dropout_rate=0.0, dropout_rng=None)
-  ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=True)
+                                            dropout_rate=0.0, dropout_rng=None, mods=mods)
+  ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=True, mods=mods)
   parallel = lambda strategy: lambda q, k, v: sequence_parallel_attention(
-      q, k, v, mesh=mesh, strategy=strategy, layout="zigzag", is_causal=True)
+      q, k, v, mesh=mesh, strategy=strategy, layout="zigzag", is_causal=True, mods=mods)
   return {"ring": peak_mib(ring, *(sharded,) * 3),
           **{f"{s} zigzag": peak_mib(parallel(s), *(sharded,) * 3)
              for s in ("ring", "all_gather", "ulysses")},
           "chunked": peak_mib(flash, *(single,) * 3), "plain": peak_mib(plain, *(single,) * 3)}
 
 
-def memory(lengths: str, devices: int):
-  print(f"B={B}, H={H}, K=V={K}, float32, causal, forward+backward; MiB per device "
-        f"(XLA memory_analysis: temp + arguments)\n")
+def memory(lengths: str, devices: int, window: int | None):
+  print(f"B={B}, H={H}, K=V={K}, float32, causal"
+        f"{f', a window of {window} keys back' if window else ''}, forward+backward; MiB per "
+        "device (XLA memory_analysis: temp + arguments)\n")
   print(f"| T | ring, {devices} devices | ring, zigzag | all_gather, zigzag | ulysses, zigzag | "
         "chunked, 1 device | plain, 1 device |")
   print("|---:|---:|---:|---:|---:|---:|---:|")
   for t in map(int, lengths.split(",")):
-    mib = measure(t, devices)
+    mib = measure(t, devices, window)
     print(f"| {t} | " + " | ".join(f"{x:,.1f}" for x in mib.values()) + " |", flush=True)
 
 
@@ -202,6 +205,8 @@ def main():
   parser.add_argument("--part", choices=("memory", "balance", "bytes", "time", "lm_memory"), default="memory")
   parser.add_argument("--lengths", default=None, help="T values, comma-separated")
   parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--window", type=int, default=None,
+                      help="memory: a causal local window of this many keys back")
   parser.add_argument("--smoke", action="store_true",
                       help="small T only: that the command runs, no figures")
   args = parser.parse_args()
@@ -209,7 +214,7 @@ def main():
               "time": "4096", "lm_memory": "65536"}
   lengths = "256" if args.smoke else (args.lengths or defaults[args.part])
   if args.part == "memory":
-    memory(lengths, args.devices)
+    memory(lengths, args.devices, args.window)
   elif args.part == "balance":
     for t in map(int, lengths.split(",")):
       balance(t, args.devices)
