@@ -20,9 +20,8 @@ tiles), not the balance across devices.
 
 --part bytes compiles forward + backward of each strategy and adds up the bytes of the
 collectives in the optimised program (all-gather, all-to-all, collective-permute, reduce-scatter,
-all-reduce), each counted once per trip of the loop it sits in: what one device receives. A
-collective in a conditional counts at every trip: the ring's last hop of K/V, which its last
-step skips, is counted (an upper bound by 2/n of K and V, forward and backward).
+all-reduce), each counted once per trip of the loop it sits in and by the devices of its
+replica group (`experiments.bench.hlo_bytes`): what one device receives.
 
 --part lm_memory compiles (never runs) the LM's training step (configs/lm.py's model, one row of
 T packed documents with segment ids and positions, Adam) as experiments.train builds it on a

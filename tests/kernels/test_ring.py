@@ -27,7 +27,7 @@ def test_ring_matches_single_device_on_8_devices():
       "full", "gqa_causal", "mqa_full",
       "mesh_Auto", "abstract_mesh_Auto", "mesh_Explicit", "abstract_mesh_Explicit",
       "mesh_mixed", "abstract_mesh_mixed", "explicit_query_type_kept",
-      "key_padding_causal", "full_mask", "sinks_residual", "export_cuda_tpu"]
+      "key_padding_causal", "full_mask", "sinks_residual", "sends", "export_cuda_tpu"]
 
 
 @pytest.mark.multidevice
@@ -238,3 +238,36 @@ def test_explain_says_what_auto_runs():
   assert "sequence_parallel_implementation('auto') runs 'ring' on seq=8: the static masks" in (
       windowed)
   assert causal.startswith("runs 'all_gather' on seq=8: all keys and values"), causal
+
+
+def _ppermutes(jaxpr, trips: int = 1) -> list[tuple[int, bool]]:
+  """(times it runs, whether it sends a loop-carried value as it came in) for every ppermute of
+  `jaxpr` and the jaxprs inside it, a scan's body `length` times."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "ppermute":
+      found.append((trips, all(any(x is y for y in jaxpr.invars) for x in eqn.invars)))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found += _ppermutes(inner, trips * eqn.params.get("length", 1))
+  return found
+
+
+def test_ring_sends_n_minus_1_times_before_computing():
+  """The ring's loop has n - 1 trips, each sending K and V on as they came into the trip (no
+  dependence on the trip's compute, so XLA may overlap the two); the last shard is computed
+  after the loop. The backward's loop has n trips, each sending K and V as they came in and
+  dK, dV after adding to them (those wait for the compute)."""
+  n = 4
+  x = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)
+  ring = lambda q, k, v: seq_parallel.sequence_parallel_attention(
+      q, k, v, mesh=AbstractMesh((n,), ("seq",)), strategy="ring", is_causal=True)
+  forward = _ppermutes(jax.make_jaxpr(ring)(x, x, x).jaxpr)
+  assert forward == [(n - 1, True)] * 2  # K and V, n - 1 hops, straight from the loop's carry
+  grads = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v)), argnums=(0, 1, 2)))
+  both = _ppermutes(grads(x, x, x).jaxpr)
+  backward = both[len(forward):]
+  assert both[:len(forward)] == forward
+  assert sorted(backward) == [(n, False)] * 2 + [(n, True)] * 2
