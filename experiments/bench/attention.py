@@ -1,23 +1,32 @@
-"""Attention speed and memory: flax_mha's implementations against jax.nn, flax.linen and torch.
+"""Attention speed and memory: flax_mha's implementations against jax.nn, flax.linen, tokamax and torch.
 
   python -m experiments.bench.attention [--quick]   # CPU, float32 -> docs/benchmark_cpu.*
+  python -m experiments.bench.attention --part protocol --out docs/benchmark_cpu_protocol.md
   python -m experiments.bench.attention --part memory --out docs/benchmark_cpu_memory.md
   python -m experiments.bench.attention --device gpu --dtype bfloat16 --json gpu.json
 
 Speed: forward and forward+backward, H=8, B·N = 4096 (B >= 1), causal and not; every peer in its
-native layout (transposes outside the timing), 2 warm-ups each, then 5 rounds that time every
-peer once in turn (so load on a shared machine hits all alike), medians; all in one process so
-the ratios compare like with like. torch's OpenMP threads are told not to spin after their work
-(OMP_WAIT_POLICY=PASSIVE), which would otherwise slow the JAX peer timed next. FLOPs: forward
-4·B·H·N²·D (halved when causal), forward + backward 3.5x that. Memory: XLA's temp bytes of the
-compiled forward+backward.
+native layout (transposes outside the timing). Protocol: for each shape, every system (ours,
+jax.nn, flax.linen, tokamax, torch SDPA, and a 2048² matmul in jnp and in torch) is timed in a
+process of its own, the processes taking turns `--alternations` times (the order reversed
+every other turn); in its process a system is compiled and run twice, then its forward and its
+forward+backward are timed in turn for `--rounds` rounds. Cells are medians over all rounds of
+all turns. Systems share no process because sharing one changes their times: `--part protocol`
+measures it, timing `None` alone against `None` among every JAX peer in one process, and torch
+alone against torch beside JAX (the protocol before this one). tokamax is an optional peer
+(`pip install tokamax`), timed where it imports. FLOPs: forward 4·B·H·N²·D (halved when
+causal), forward + backward 3.5x that. Memory: XLA's temp bytes of the compiled
+forward+backward.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import statistics
+import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads its OpenMP runtime
 
@@ -34,6 +43,21 @@ from flax_mha.kernels import xla
 
 H100_BF16_TFLOPS = 989.0
 GIB = 2**30
+TORCH = ("torch", "peak torch")  # the systems timed in torch
+
+
+def _tokamax_peers(device):
+  """tokamax's implementations for this device, or {} where tokamax does not import."""
+  try:
+    import tokamax  # pylint: disable=import-outside-toplevel
+    from absl import flags  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return {}
+  if not flags.FLAGS.is_parsed():  # tokamax reads absl flags, parsing sys.argv (ours) on first use
+    flags.FLAGS([sys.argv[0]])
+  names = ("mosaic", "triton", "xla") if device == "gpu" else ("xla", "xla_chunked")
+  return {f"tokamax {name}": lambda q, k, v, c, name=name: tokamax.dot_product_attention(
+      q, k, v, is_causal=c, implementation=name) for name in names}
 
 
 def _jax_peers(device):
@@ -47,14 +71,14 @@ def _jax_peers(device):
         q, k, v, is_causal=c, implementation="xla")
     peers["jax.nn cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(
         q, k, v, is_causal=c, implementation="cudnn")
-    return peers
+    return {**peers, **_tokamax_peers(device)}
   peers["rows"] = ours("rows")
   peers["xla"] = ours("xla")
   peers["reference"] = ours("reference")  # the untuned oracle
   peers["jax.nn"] = lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c)
   peers["flax.linen"] = lambda q, k, v, c: nn.dot_product_attention(
       q, k, v, mask=nn.make_causal_mask(jnp.ones(q.shape[:2], bool)) if c else None)
-  return peers
+  return {**peers, **_tokamax_peers(device)}
 
 
 def _jax_callables(fn, q, k, v, causal):
@@ -64,15 +88,10 @@ def _jax_callables(fn, q, k, v, causal):
 
 
 def _torch_callables(q, k, v, causal, device):
-  """torch SDPA in its [B, H, N, D] layout, or None when torch can't be imported."""
-  try:
-    import torch  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return None
+  """torch SDPA in its [B, H, N, D] layout (forward, forward+backward)."""
+  import torch  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(os.cpu_count() or 1)
   dev = "cuda" if device == "gpu" else "cpu"
-  if dev == "cuda" and not torch.cuda.is_available():
-    return None
   to = lambda x: torch.tensor(jnp.asarray(x, jnp.float32).transpose(0, 2, 1, 3).__array__(),
                               dtype=getattr(torch, str(q.dtype)), device=dev, requires_grad=True)
   tq, tk, tv = to(q), to(k), to(v)
@@ -91,60 +110,137 @@ def _torch_callables(q, k, v, causal, device):
   return fwd, fwd_bwd
 
 
-def _matmul_callables(device, n=2048):
-  """name -> fn() of an n x n float32 product in jnp and torch: the matmul peak's probes."""
+def _peak_callable(name, device, n=2048):
+  """fn() of an n x n float32 product in jnp ("peak jax") or torch ("peak torch")."""
   a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-  fns = {"peak jax": timing.blocking(lambda a: a @ a, a)}
-  try:
-    import torch  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return fns
-  if device == "cpu":
-    ta = torch.tensor(a.__array__())
-    fns["peak torch"] = lambda: torch.mm(ta, ta)
-  return fns
+  if name == "peak jax":
+    return timing.blocking(lambda a: a @ a, a)
+  import torch  # pylint: disable=import-outside-toplevel
+  ta = torch.tensor(a.__array__(), device="cuda" if device == "gpu" else "cpu")
+  return lambda: torch.mm(ta, ta)
 
 
 def _skip(name, n, device):
-  """Budget for a < 10 min CPU run: the O(N²)-memory XLA peers stop at N = 4096, ours (xla and
-  the reference oracle) at 2048; 'default' is timed as the implementation it picks."""
-  if device == "gpu" or name in ("chunked", "rows", "torch"):
+  """Budget for the CPU run: the O(N²)-memory XLA peers stop at N = 4096, our `xla` and
+  tokamax's chunked one (4-8x ours) at 2048, the untuned oracle at 512; 'default' is timed as
+  the implementation it picks."""
+  if device == "gpu" or name in ("chunked", "rows", "torch") or name.startswith("peak"):
     return False
   if name == "default":
     return True
-  return n > (2048 if name in ("reference", "xla") else 4096)
+  limits = {"reference": 512, "xla": 2048, "tokamax xla_chunked": 2048}
+  return n > limits.get(name, 4096)
 
 
-def speed(grid, dtype, device, runs, tokens=4096):
+_JAX_NAMES = ("default", "chunked", "rows", "xla", "reference", "cudnn", "jax.nn", "jax.nn xla",
+              "jax.nn cudnn", "flax.linen", "tokamax mosaic", "tokamax triton", "tokamax xla",
+              "tokamax xla_chunked")
+
+
+def has_torch() -> bool:
+  return importlib.util.find_spec("torch") is not None
+
+
+def time_case(d, n, causal, systems, *, dtype, device, rounds, tokens):
+  """Worker: name -> [[fwd seconds...], [fwd+bwd seconds...]] of each of `systems` (peer
+  names, "torch", "peak jax", "peak torch") at one shape, timed round-robin in this process."""
+  b = max(1, tokens // n)
+  q, k, v = (jax.random.normal(key, (b, n, 8, d), dtype)
+             for key in jax.random.split(jax.random.key(0), 3))
+  peers = _jax_peers(device) if any(name in _JAX_NAMES for name in systems) else {}
+  calls = {}
+  for name in systems:
+    if name.startswith("peak"):
+      calls[name, 0] = _peak_callable(name, device)
+      continue
+    fns = (_torch_callables(q, k, v, causal, device) if name == "torch"
+           else _jax_callables(peers[name], q, k, v, causal))
+    calls.update({(name, i): fn for i, fn in enumerate(fns)})
+  times = timing.round_robin(calls, rounds, rotate=True)
+  out = {}
+  for (name, i), seconds in times.items():
+    out.setdefault(name, [[], []])[i] = seconds
+  return out
+
+
+def _in_worker(d, n, causal, systems, args) -> dict:
+  """time_case in a process of its own."""
+  command = [sys.executable, "-m", "experiments.bench.attention", "--worker",
+             f"{d},{n},{int(causal)}", "--systems", ",".join(systems), "--device", args.device,
+             "--dtype", args.dtype, "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
+  return json.loads(timing.run_worker(command)[-1])
+
+
+def _alternate(d, n, causal, groups, args) -> dict:
+  """name -> ([fwd seconds], [fwd+bwd seconds]) over `args.alternations` turns of the process
+  groups, each group in its own process, the order reversed every other turn."""
+  times = {}
+  for turn in range(args.alternations):
+    for group in groups if turn % 2 == 0 else groups[::-1]:
+      for name, (fwd, fwd_bwd) in _in_worker(d, n, causal, group, args).items():
+        mine = times.setdefault(name, ([], []))
+        mine[0].extend(fwd)
+        mine[1].extend(fwd_bwd)
+  return times
+
+
+def speed(grid, args):
+  """One row per (shape, system): medians of the alternating per-process protocol."""
   rows = []
+  jax_names = [name for name in _jax_peers(args.device)]
   for d, n, causal in grid:
-    b = max(1, tokens // n)
-    q, k, v = (jax.random.normal(key, (b, n, 8, d), dtype)
-               for key in jax.random.split(jax.random.key(0), 3))
+    b = max(1, args.tokens // n)
+    groups = [[name] for name in jax_names if not _skip(name, n, args.device)] + [["peak jax"]]
+    if has_torch():
+      groups += [[name] for name in TORCH]
+    times = _alternate(d, n, causal, groups, args)
+    median = {name: tuple(statistics.median(t) if t else None for t in pair)
+              for name, pair in times.items()}
+    peak = max(2 * 2048**3 / median[name][0] / 1e9 for name in ("peak jax", "peak torch")
+               if name in median)
+    shape = jax.ShapeDtypeStruct((b, n, 8, d), jnp.dtype(args.dtype))
+    picked = attention_lib.default_implementation(shape, shape, shape, None, None,
+                                                  is_causal=causal, dropout_rate=0.0)
+    if "default" not in median and picked in median:
+      median["default"] = median[picked]
     flops = 4 * b * 8 * n * n * d / (2 if causal else 1)
-    peers = {name: _jax_callables(fn, q, k, v, causal)
-             for name, fn in _jax_peers(device).items() if not _skip(name, n, device)}
-    torch_fns = _torch_callables(q, k, v, causal, device)
-    if torch_fns is not None:
-      peers["torch"] = torch_fns
-    calls = {(name, i): fn for name, fns in peers.items() for i, fn in enumerate(fns)}
-    calls.update({(name, 0): fn for name, fn in _matmul_callables(device).items()})
-    medians = timing.median_seconds(calls, runs)
-    peak = max(2 * 2048**3 / medians[name, 0] / 1e9 for name in ("peak jax", "peak torch")
-               if (name, 0) in medians)
-    times = {name: (medians[name, 0], medians[name, 1]) for name in peers}
-    picked = attention_lib.default_implementation(q, k, v, None, None, is_causal=causal,
-                                                  dropout_rate=0.0)
-    if "default" not in times and picked in times:
-      times["default"] = times[picked]
-    for name, (t_fwd, t_fb) in times.items():
+    for name, (t_fwd, t_fb) in median.items():
+      if name.startswith("peak"):
+        continue
       rows.append(dict(impl=name, D=d, N=n, B=b, causal=causal, fwd_ms=1e3 * t_fwd,
                        fwd_bwd_ms=1e3 * t_fb, fwd_gflops=flops / t_fwd / 1e9,
                        fwd_bwd_gflops=3.5 * flops / t_fb / 1e9, matmul_peak_gflops=peak,
                        picks=picked if name == "default" else None))
     print(f"D={d} N={n} causal={causal}: " + ", ".join(
-        f"{name} {t[0]*1e3:.2f}/{t[1]*1e3:.2f} ms" for name, t in times.items()), flush=True)
+        f"{name} {t[0]*1e3:.2f}/{t[1]*1e3:.2f} ms" for name, t in median.items()
+        if not name.startswith("peak")), flush=True)
   return rows
+
+
+def protocol(case, args) -> list[str]:
+  """Markdown: whether sharing a process changes a system's time (see the docstring)."""
+  d, n, causal = case
+  others = [name for name in _jax_peers(args.device) if not _skip(name, n, args.device)]
+  settings = {"`None` alone": ["default"], "`None` among every JAX peer": ["default", *others],
+              "torch alone": ["torch"], "torch beside `None` (one process)": ["torch", "default"]}
+  times = {}
+  for turn in range(args.alternations):
+    for label, systems in settings.items():
+      system = systems[0]
+      fwd, fwd_bwd = _in_worker(d, n, causal, systems, args)[system]
+      mine = times.setdefault(label, ([], []))
+      mine[0].extend(fwd)
+      mine[1].extend(fwd_bwd)
+  ms = {label: [1e3 * statistics.median(t) for t in pair] for label, pair in times.items()}
+  alone = {"default": ms["`None` alone"], "torch": ms["torch alone"]}
+  lines = [f"D={d}, N={n}, B={max(1, args.tokens // n)}, {'causal' if causal else 'non-causal'};"
+           f" {args.alternations} turns of {args.rounds} rounds, medians.", "",
+           "| setting | ms fwd / fwd+bwd | time / alone, fwd / fwd+bwd |", "|---|---|---|"]
+  for label, (fwd, fwd_bwd) in ms.items():
+    base = alone["torch" if label.startswith("torch") else "default"]
+    lines.append(f"| {label} | {fwd:.1f} / {fwd_bwd:.1f} | {fwd / base[0]:.2f} / "
+                 f"{fwd_bwd / base[1]:.2f} |")
+  return lines
 
 
 def temp_bytes(fn, n, h, d=64):
@@ -181,14 +277,15 @@ def markdown(speed_rows, mem_rows, largest, device, dtype):
   scale = 1e-3 if device == "gpu" else 1.0
   peers = sorted({r["impl"] for r in speed_rows} - {"default"})
   lines = [f"# Attention benchmark ({device}, {dtype})", "",
-           "Generated by `python -m experiments.bench.attention`. H=8, B·N=4096 (B>=1) unless "
-           "--tokens says otherwise. "
+           "Generated by `python -m experiments.bench.attention` (its docstring has the "
+           "protocol: every system in a process of its own, the processes in turns; medians). "
+           "H=8, B·N=4096 (B>=1) unless --tokens says otherwise. "
            f"Cells: fwd / fwd+bwd {unit}; `default` is `implementation=None` (the name it picks "
-           "in brackets); ratios are default's speed-up over each peer (fwd+bwd, same process; "
-           "above 1: default is faster). Matmul peak: the faster of a 2048² float32 product "
-           "in jnp and in torch, timed in the same rounds as the row.",
+           "in brackets); ratios are each peer's fwd+bwd time over default's (above 1: default "
+           "is faster). Matmul peak: the faster of a 2048² float32 product in jnp and in torch, "
+           "each in its own process, in the same turns as the row.",
            ""]
-  for causal in (False, True) if speed_rows else ():
+  for causal in sorted({r["causal"] for r in speed_rows}):
     lines += [f"## {'Causal' if causal else 'Non-causal'}", "",
               "| D | N | default | " + " | ".join(peers) + " | " +
               " | ".join(f"x {p}" for p in peers if p != "chunked") +
@@ -248,42 +345,64 @@ def plot(speed_rows, path, device):
 
 
 # Run size -> (speed grid of (D, N, causal); memory sizes (N, H); the cap of the largest-N
-# search; timed rounds).
+# search; timed rounds per turn; turns of the JAX and torch processes).
 SIZES = {
-    "full": ([(d, n, c) for d in (64, 128) for n in (128, 512, 1024, 2048, 4096, 8192)
+    "full": ([(d, n, c) for d in (64, 128) for n in (64, 128, 256, 512, 1024, 2048, 4096, 8192)
               for c in (False, True)],
-             [(1024, 8), (4096, 8), (8192, 8), (32768, 8), (131072, 1)], 2**20, 5),
+             [(1024, 8), (4096, 8), (8192, 8), (32768, 8), (131072, 1)], 2**20, 4, 2),
     "quick": ([(64, n, c) for n in (128, 512) for c in (False, True)],
-              [(1024, 8), (4096, 8)], 2**18, 5),
-    "smoke": ([(16, 64, True)], [(128, 2)], 256, 1),
+              [(1024, 8), (4096, 8)], 2**18, 4, 2),
+    "smoke": ([(16, 64, True)], [(128, 2)], 256, 1, 1),
 }
+PROTOCOL_CASE = (64, 512, False)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   size = parser.add_mutually_exclusive_group()
-  size.add_argument("--quick", action="store_true", help="small grid, < 1 minute")
+  size.add_argument("--quick", action="store_true", help="small grid, a few minutes")
   size.add_argument("--smoke", action="store_true",
                     help="tiny shapes, one round: that the command runs, no figures")
   parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
   parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on GPU by default")
   parser.add_argument("--tokens", type=int, default=4096,
                       help="B·N (B = max(1, tokens // N)); a GPU needs e.g. 65536 to be busy")
-  parser.add_argument("--part", choices=("all", "speed", "memory"), default="all",
-                      help="speed, memory (CPU) or both")
+  parser.add_argument("--part", choices=("all", "speed", "memory", "protocol"), default="all",
+                      help="speed, memory (CPU), both (all), or the protocol's check")
+  parser.add_argument("--rounds", type=int, default=None, help="timed rounds per turn")
+  parser.add_argument("--alternations", type=int, default=None,
+                      help="turns of the JAX and torch processes per shape")
   parser.add_argument("--json", default=None, help="also write all rows as JSON here")
   parser.add_argument("--out", default=None, help="markdown path (default docs/benchmark_<dev>.md)")
+  parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "D,N,causal"
+  parser.add_argument("--systems", default="", help=argparse.SUPPRESS)
   args = parser.parse_args()
-  dtype = args.dtype or ("bfloat16" if args.device == "gpu" else "float32")
-  grid, mem_sizes, cap, runs = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
-  speed_rows = (speed(grid, jnp.dtype(dtype), args.device, runs=runs, tokens=args.tokens)
-                if args.part != "memory" else [])
-  mem_rows, largest = (memory(mem_sizes, cap) if args.device == "cpu" and args.part != "speed"
-                       else ([], {}))
+  args.dtype = args.dtype or ("bfloat16" if args.device == "gpu" else "float32")
+  size = "smoke" if args.smoke else "quick" if args.quick else "full"
+  grid, mem_sizes, cap, rounds, alternations = SIZES[size]
+  args.rounds = args.rounds or rounds
+  args.alternations = args.alternations or alternations
+  if args.worker:
+    d, n, causal = map(int, args.worker.split(","))
+    print(json.dumps(time_case(d, n, bool(causal), args.systems.split(","),
+                               dtype=jnp.dtype(args.dtype), device=args.device,
+                               rounds=args.rounds, tokens=args.tokens)))
+    return
+  speed_rows = speed(grid, args) if args.part in ("all", "speed") else []
+  mem_rows, largest = (memory(mem_sizes, cap)
+                       if args.device == "cpu" and args.part in ("all", "memory") else ([], {}))
   out = args.out or f"docs/benchmark_{args.device}.md"
   os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+  if args.part == "protocol":
+    text = "\n".join(["# The benchmark protocol's check", "",
+                      "`python -m experiments.bench.attention --part protocol` (see its "
+                      "docstring).", "",
+                      *protocol(grid[0] if args.smoke else PROTOCOL_CASE, args), ""])
+  else:
+    text = markdown(speed_rows, mem_rows, largest, args.device, args.dtype)
   with open(out, "w") as f:
-    f.write(markdown(speed_rows, mem_rows, largest, args.device, dtype))
+    f.write(text)
+  print(text)
   if speed_rows:
     plot(speed_rows, out[:-3] + ".png", args.device)
   if args.json:

@@ -1,7 +1,9 @@
-"""How the benchmarks measure: peers timed round-robin in one process, and compiled memory.
+"""How the benchmarks measure: peers timed round-robin, processes in turn, compiled memory.
 
-Timing every peer once per round, in turn, in one process makes load on a shared machine hit
-all alike, so ratios between peers mean something even when absolute times move.
+Timing every peer once per round, in turn, makes load on a shared machine hit all alike, so
+ratios between peers mean something even when absolute times move. Systems of different
+frameworks never share a process (JAX and torch side by side slow each other): each runs in a
+worker process of its own, the workers taking turns.
 """
 
 from __future__ import annotations
@@ -59,14 +61,20 @@ def grad_memory(loss: Callable, *args):
   return jax.jit(qkv_grad(loss)).lower(*args).compile().memory_analysis()
 
 
+def run_worker(command: list[str], timeout: float = 1800) -> list[str]:
+  """The stdout lines of `command`, a process of its own (a benchmark's worker), or an error
+  with the end of its stderr."""
+  result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+  if result.returncode:
+    raise RuntimeError(f"benchmark worker {command} failed:\n{result.stderr[-3000:]}")
+  return result.stdout.splitlines()
+
+
 def in_subprocess(code: str, timeout: float = 900) -> list[float]:
   """Seconds printed by `code` (python, one number a line) run in a process of its own: how a
   system of another framework is timed alone (torch and JAX in one process slow each other)."""
-  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=timeout, check=False)
-  if result.returncode:
-    raise RuntimeError(f"timing subprocess failed:\n{result.stderr[-3000:]}")
-  return [float(line) for line in result.stdout.split() if line.strip()]
+  lines = run_worker([sys.executable, "-c", code], timeout)
+  return [float(line) for line in lines if line.strip()]
 
 
 TORCH_SDPA = """
