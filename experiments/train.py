@@ -202,15 +202,30 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
                                      label_smoothing=config.train.label_smoothing),
                    in_shardings=(state_shardings, sharding.batch_sharding(mesh, ndim=2)),
                    out_shardings=(state_shardings, None), donate_argnums=0)
+  return state, StepFn(jitted, mesh, mesh_cfg.seq_layout if permute else None)
 
-  def step_fn(state, batch):
-    if permute:  # on the host: every [B, L] array of the batch in the layout's token order
-      batch = {name: to_layout_order(x, mesh_cfg.seq_layout, mesh_cfg.seq)
+
+@dataclasses.dataclass(frozen=True)
+class StepFn:
+  """The jitted training step on its mesh: `step_fn(state, host batch) -> (state, metrics)`."""
+  jitted: Any
+  mesh: jax.sharding.Mesh
+  layout: str | None  # the token layout host batches are permuted into (None: as they come)
+
+  def __call__(self, state, batch):
+    if self.layout:  # on the host: every [B, L] array of the batch in the layout's token order
+      batch = {name: to_layout_order(x, self.layout, self.mesh.shape[sharding.SEQ_AXIS])
                for name, x in batch.items()}
-    with jax.set_mesh(mesh):  # sequence-parallel attention finds its mesh here when traced
-      return jitted(state, batch)
+    return self._in_mesh(self.jitted, state, batch)
 
-  return state, step_fn
+  def lower(self, state, batch):
+    """The step lowered for `state` and `batch` (arrays or jax.ShapeDtypeStruct; the layout's
+    permutation moves no shape, so none is applied), e.g. to compile and read its memory."""
+    return self._in_mesh(self.jitted.lower, state, batch)
+
+  def _in_mesh(self, fn, state, batch):
+    with jax.set_mesh(self.mesh):  # sequence-parallel attention finds its mesh here when traced
+      return fn(state, batch)
 
 
 def train_loop(runner: Runner, state: TrainState, train_seconds: float, step_fn, manager,

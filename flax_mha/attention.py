@@ -180,8 +180,10 @@ def explain(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
 
   Returns:
     a `flax_mha.dispatch.Explanation`: `.implementation` (the name None runs), `.reason`,
-    `.platform` and `.alternatives` (every other name, ring included -> "runs" or
-    "refuses: <why>"); `str()` of it reads as a short report.
+    `.platform`, `.alternatives` (every other name, ring included -> "runs" or
+    "refuses: <why>") and, with a 'seq' mesh axis in context, `.sequence_parallel`: what
+    `sequence_parallel_implementation("auto")` runs and why (None otherwise); `str()` of it
+    reads as a short report.
   """
   platform = dispatch.check_platform(platform)
   if dropout_rng is None and isinstance(dropout_rate, float) and dropout_rate > 0.0:

@@ -34,7 +34,6 @@ import dataclasses
 from typing import Mapping
 
 import jax
-import numpy as np
 
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import _shared
@@ -92,11 +91,15 @@ class Explanation:
   reason: str
   platform: str
   alternatives: Mapping[str, str]
+  # With a 'seq' mesh axis in context: what sequence_parallel_implementation("auto") runs, why.
+  sequence_parallel: str | None = None
 
   def __str__(self):
     lines = [f"implementation=None runs {self.implementation!r} on {self.platform!r}: "
              f"{self.reason}", "other implementations:"]
     lines += [f"  {name}: {verdict}" for name, verdict in self.alternatives.items()]
+    if self.sequence_parallel is not None:
+      lines.append(f"sequence_parallel_implementation('auto') {self.sequence_parallel}")
     return "\n".join(lines)
 
 
@@ -164,7 +167,7 @@ def _cpu_with_terms(t, s, k, is_causal, dropout_rate, mods, refused: str) -> Cho
   if not dropout_rate and banded and k <= 32:  # timed without dropout only
     limit, name = SMALL_LOGITS_BANDED_32, "SMALL_LOGITS_BANDED_32 (causal or a window, K <= 32)"
   if not dropout_rate and SMALL_LOGITS_SPARSE < logits <= limit:
-    visited = visited_fraction(t, s, k, is_causal, mods)
+    visited = chunked.visited_fraction(t, s, k, is_causal, mods)
     if visited <= SPARSE_VISITED:
       limit, name = SMALL_LOGITS_SPARSE, "SMALL_LOGITS_SPARSE"
       why = (f" (its static masks leave chunked {visited:.3f} of its tiles, <= SPARSE_VISITED "
@@ -188,20 +191,6 @@ def _decode_choice(t: int, s: int, mods) -> Choice | None:
                             f"S = {s} keys >= {name} = {min_keys}: keys split into partitions "
                             "merged by log-sum-exp")
   return None
-
-
-def visited_fraction(t: int, s: int, k: int, is_causal: bool, mods) -> float:
-  """The share of its [T, S] tiles that "chunked" visits under the masks known from static
-  shapes (causality, windows, index-only mask_mods); data-dependent terms count as visible."""
-  static = tuple(term for term in (mods.masks if mods else ())
-                 if isinstance(term, mods_lib.LocalWindow)
-                 or (isinstance(term, mods_lib.MaskMod) and not term.consts))
-  if not static and not is_causal:
-    return 1.0
-  static_mods = mods_lib.with_causal(mods_lib.Mods(static), is_causal)
-  bq, bk = chunked.default_blocks(t, s, k, is_causal, mods_lib.narrowest_window(mods))
-  maybe, _ = static_mods.tile_map(mods_lib.make_tiles(t, s, bq, bk))
-  return float(np.mean(maybe))
 
 
 def refusals(query, key, value, bias, mask, *, dropout_rate: float, mods=None,
@@ -228,4 +217,6 @@ def explanation(query, key, value, bias, mask, *, is_causal: bool, dropout_rate:
                      platform=platform)
   alternatives = {name: "runs" if why is None else f"refuses: {why}"
                   for name, why in refused.items() if name != picked.name}
-  return Explanation(picked.name, picked.reason, platform, alternatives)
+  auto = None if dropout_rate else seq_parallel.explain_auto(query, key, value, bias,
+                                                            is_causal=is_causal, mods=mods)
+  return Explanation(picked.name, picked.reason, platform, alternatives, auto)

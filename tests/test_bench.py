@@ -26,6 +26,8 @@ import sys
 import jax
 import pytest
 
+from experiments.bench import hlo_bytes
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CITING = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
           *sorted(str(p.relative_to(REPO)) for p in (REPO / "flax_mha").rglob("*.py"))]
@@ -129,3 +131,18 @@ def test_cited_commands_run(module, tmp_path):
                             timeout=600)
     assert result.returncode == 0, f"{command}\nran as {shlex.join(argv)}, failed:\n" + (
         result.stderr[-4000:])
+
+
+def test_collective_bytes_reads_replica_groups():
+  """What a device receives: a permute all of its result, an all-gather over groups of 4 3/4,
+  an all-reduce over groups of one (XLA leaves them in gradients) nothing; loops by trips."""
+  hlo = "\n".join([
+      "%body (p: f32[4]) -> f32[4] {",
+      "  %c = f32[4]{0} collective-permute(%p), channel_id=3, source_target_pairs={{0,1},{1,0}}",
+      "}",
+      "ENTRY %main (p: f32[4]) -> f32[8] {",
+      "  %a = f32[4]{0} all-reduce(%p), channel_id=1, replica_groups={{0},{1}}, to_apply=%sum",
+      "  %b = f32[8]{0} all-gather(%a), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}",
+      '  %w = f32[4]{0} while(%a), body=%body, backend_config={"known_trip_count":{"n":"3"}}',
+      "}"])
+  assert hlo_bytes.collective_bytes(hlo, 8) == 3 * 16 + 32 * 3 / 4

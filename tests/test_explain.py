@@ -14,6 +14,7 @@ from jax.sharding import AbstractMesh
 
 import flax_mha
 from flax_mha import dispatch
+from flax_mha.kernels import chunked
 from flax_mha import mods as mods_lib
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -125,15 +126,15 @@ def test_decode_for_a_cache():
 
 def test_visited_fraction_reads_static_masks_only():
   window = mods_lib.Mods((mods_lib.LocalWindow(32, 32),))
-  assert dispatch.visited_fraction(512, 512, 64, False, window) == 10 / 16  # 128-blocks, a band
-  assert dispatch.visited_fraction(512, 512, 64, True, None) == 10 / 16
+  assert chunked.visited_fraction(512, 512, 64, False, window) == 10 / 16  # 128-blocks, a band
+  assert chunked.visited_fraction(512, 512, 64, True, None) == 10 / 16
   band = lambda b, h, q, kv: jnp.abs(q - kv) <= 32
   got = flax_mha.explain(*shapes(2048), mask_mod=band, platform="cpu")
   assert got.implementation == "chunked"
   index_only = mods_lib.Mods((mods_lib.MaskMod(lambda b, h, q, kv: jnp.abs(q - kv) <= 32),))
-  assert dispatch.visited_fraction(2048, 2048, 64, False, index_only) == 10 / 16  # 512-blocks
+  assert chunked.visited_fraction(2048, 2048, 64, False, index_only) == 10 / 16  # 512-blocks
   closes_over = mods_lib.Mods((mods_lib.MaskMod(lambda b, h, q, kv, t: q >= kv, consts=(1,)),))
-  assert dispatch.visited_fraction(2048, 2048, 64, False, closes_over) == 1.0  # data: unknown
+  assert chunked.visited_fraction(2048, 2048, 64, False, closes_over) == 1.0  # data: unknown
 
 
 def test_checks_arguments():

@@ -418,6 +418,22 @@ def test_fsdp_with_remat_matches_single_device():
       assert any(line.startswith(f"OK {name} {layout}") for line in lines), lines
 
 
+@pytest.mark.multidevice
+def test_ulysses_trains_the_lm_as_one_device():
+  """--config.mesh.seq_strategy=ulysses on data=2 x seq=4 with heads that 4 divides (H = G = 4):
+  the 1-device losses of the tiny LM."""
+  assert run_check("check_seq_train.py", "ulysses")[0].startswith("OK lm ulysses ulysses")
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_fsdp_with_a_sequence_mesh_trains_the_lm_as_one_device(strategy):
+  """--config.mesh.fsdp=2 --config.mesh.seq=4 --config.train.remat=layer: the 1-device losses
+  of the tiny LM."""
+  lines = run_check("check_seq_train.py", "fsdp_seq", strategy)
+  assert lines[0].startswith(f"OK lm fsdp_seq {strategy}"), lines
+
+
 def test_mesh_must_divide_batch(tmp_path):
   config = tiny_config()
   config.mesh.data = 3

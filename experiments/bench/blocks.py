@@ -16,7 +16,7 @@ rows, chunked and xla with a key-padding mask [B, 1, 1, S] (each example keeps a
 of its keys) and a bias [1, H, T, S], forward+backward: the crossovers of masked calls.
 --sparse times chunked and xla through `dot_product_attention` with causality, windows
 and a soft cap (D = 32, 64, 128; N = 256, 384, 512), beside the share of its tiles chunked
-visits (`flax_mha.dispatch.visited_fraction`) and what None runs: the evidence for
+visits (`flax_mha.kernels.chunked.visited_fraction`) and what None runs: the evidence for
 SMALL_LOGITS_SPARSE.
 """
 
@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import flax_mha
 from experiments.bench import timing
 from flax_mha import attention as attention_lib
-from flax_mha import dispatch
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import chunked
 from flax_mha.kernels import rows
@@ -124,7 +123,7 @@ def sparse_sweep(ds, ns, variants, runs=5, tokens=4096):
           fns[name] = timing.blocking(timing.qkv_grad(loss), q, k, v)
         ms = {name: 1e3 * t for name, t in timing.median_seconds(fns, runs).items()}
         terms = () if window is None else (mods_lib.LocalWindow(*window),)
-        visited = dispatch.visited_fraction(n, n, d, causal, mods_lib.Mods(terms))
+        visited = chunked.visited_fraction(n, n, d, causal, mods_lib.Mods(terms))
         picked = flax_mha.explain(q, k, v, platform="cpu", **options).implementation
         print(f"D={d} N={n} {variant}: xla {ms['xla']:.1f}, chunked {ms['chunked']:.1f} "
               f"ms | chunked/xla {ms['chunked'] / ms['xla']:.2f}, chunked "

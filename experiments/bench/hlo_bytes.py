@@ -1,6 +1,6 @@
 """Bytes one device receives in a compiled (optimised, SPMD-partitioned) XLA program, read from
-its HLO text: each collective's result size, as much of it as comes from other devices, times
-the trips of the loops it sits in (`known_trip_count` of the `while` ops)."""
+its HLO text: each collective's result size, as much of it as comes from other devices of its
+group, times the trips of the loops it sits in (`known_trip_count` of the `while` ops)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-# collective -> the share of its result (size r) that crosses devices, for n devices: an
+# collective -> the share of its result (size r) that crosses devices, for groups of n: an
 # all-gather or all-to-all keeps its own 1/n, a permute receives all of it, a reduce-scatter
 # receives n - 1 partial results of its size, a (ring) all-reduce 2(n - 1)/n.
 _RECEIVED = {"all-gather": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
@@ -20,6 +20,8 @@ _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)="
                     r"%([\w.\-]+)|branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# replica_groups={{0,1},{2,3}} (listed) or replica_groups=[2,4]<=[8] (iota: 2 groups of 4).
+_GROUPS = re.compile(r"replica_groups=(?:\{\{([^}]*)\}|\[\d+,(\d+)\]<=)")
 
 
 def _size(types: str) -> int:
@@ -32,9 +34,20 @@ def _size(types: str) -> int:
   return total
 
 
+def _group_size(line: str, n: int) -> int:
+  """The devices in each replica group of the collective on `line` (n where none are listed);
+  a group of one (XLA leaves such all-reduces in) receives nothing."""
+  groups = _GROUPS.search(line)
+  if groups is None:
+    return n
+  listed, iota = groups.groups()
+  return len(listed.split(",")) if listed is not None else int(iota)
+
+
 def collective_bytes(hlo: str, n: int) -> float:
   """Bytes a device receives over all collectives of `hlo` (a compiled program's `as_text()`)
-  among n devices, loops unrolled by their known trip counts (1 where unknown)."""
+  among n devices (or the replica groups a collective names), loops unrolled by their known
+  trip counts (1 where unknown)."""
   comp, own, calls = None, {}, {}  # computation -> its bytes; caller -> [(callee, trips)]
   for line in hlo.splitlines():
     header = _HEADER.match(line)
@@ -46,7 +59,7 @@ def collective_bytes(hlo: str, n: int) -> float:
       continue
     op = _OP.search(line)
     if op and not op.group(2).endswith("-done"):
-      own[comp] += _size(op.group(1)) * _RECEIVED[op.group(2)](n)
+      own[comp] += _size(op.group(1)) * _RECEIVED[op.group(2)](_group_size(line, n))
     trips = _TRIPS.search(line)
     for single, branches in _CALLS.findall(line):
       for callee in ([single] if single else re.findall(r"%([\w.\-]+)", branches)):

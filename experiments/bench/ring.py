@@ -1,11 +1,12 @@
 """Sequence parallelism on 8 emulated devices: memory, causal balance, bytes moved.
 
-    python -m experiments.bench.ring [--part memory|balance|bytes|time] [--devices 8]
+    python -m experiments.bench.ring [--part memory|balance|bytes|time|lm_memory] [--devices 8]
+                                     [--window W]
 
 --part memory (default) compiles (never runs) `grad(sum(attention))` for B=1, H=8, K=V=64,
 float32, causal, and reads XLA's `compile().memory_analysis()`: temp + argument bytes of ONE
 device, ring attention against one device holding the whole sequence, plain (`reference`, the
-[T, T] logits) and chunked.
+[T, T] logits) and chunked; with --window W, under a causal window of W keys back as well.
 
 --part balance counts the causal work of every device: the key tiles the chunked kernel visits
 (its tile maps over the tokens' true positions, as `flax_mha.kernels.ring` builds them), per
@@ -19,9 +20,15 @@ tiles), not the balance across devices.
 
 --part bytes compiles forward + backward of each strategy and adds up the bytes of the
 collectives in the optimised program (all-gather, all-to-all, collective-permute, reduce-scatter,
-all-reduce), each counted once per trip of the loop it sits in: what one device receives. A
-collective in a conditional counts at every trip: the ring's last hop of K/V, which its last
-step skips, is counted (an upper bound by 2/n of K and V, forward and backward).
+all-reduce), each counted once per trip of the loop it sits in and by the devices of its
+replica group (`experiments.bench.hlo_bytes`): what one device receives.
+
+--part lm_memory compiles (never runs) the LM's training step (configs/lm.py's model, one row of
+T packed documents with segment ids and positions, Adam) as experiments.train builds it on a
+data=1 x seq=n mesh, for each train.remat and strategy (zig-zag layout), and reads XLA's
+`memory_analysis()`: argument + temp bytes of one device. XLA's CPU pipeline drops the
+optimization barriers of jax.checkpoint (`python -m experiments.bench.fsdp --part remat`), so
+on CPU remat may not lower the figure.
 
 On a CPU host the devices are emulated (XLA_FLAGS=--xla_force_host_platform_device_count, set
 here): this measures memory, work and traffic, not speed.
@@ -39,6 +46,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from configs import lm  # noqa: E402
+from experiments import train  # noqa: E402
 from experiments.bench import hlo_bytes, timing  # noqa: E402
 from flax_mha import mods as mods_lib  # noqa: E402
 from flax_mha import sharding  # noqa: E402
@@ -55,32 +64,34 @@ def peak_mib(fn, *args) -> float:
   return (stats.temp_size_in_bytes + stats.argument_size_in_bytes) / MIB
 
 
-def measure(t: int, devices: int) -> dict[str, float]:
+def measure(t: int, devices: int, window: int | None) -> dict[str, float]:
   mesh = sharding.make_mesh(seq=devices)
+  mods = mods_lib.Mods((mods_lib.LocalWindow(window, 0),)) if window else None
   split = NamedSharding(mesh, P(None, "seq"))
   sharded = jax.ShapeDtypeStruct((B, t, H, K), jnp.float32, sharding=split)
   single = jax.ShapeDtypeStruct((B, t, H, K), jnp.float32)
-  plain = lambda q, k, v: reference.attention(q, k, v, None, None, is_causal=True,
+  plain = lambda q, k, v: reference.attention(q, k, v, None, None, is_causal=True, mods=mods,
                                               scale=K**-0.5, dropout_rate=0.0, dropout_rng=None)
   flash = lambda q, k, v: chunked.attention(q, k, v, None, None, is_causal=True, scale=K**-0.5,
-                                            dropout_rate=0.0, dropout_rng=None)
-  ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=True)
+                                            dropout_rate=0.0, dropout_rng=None, mods=mods)
+  ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=True, mods=mods)
   parallel = lambda strategy: lambda q, k, v: sequence_parallel_attention(
-      q, k, v, mesh=mesh, strategy=strategy, layout="zigzag", is_causal=True)
+      q, k, v, mesh=mesh, strategy=strategy, layout="zigzag", is_causal=True, mods=mods)
   return {"ring": peak_mib(ring, *(sharded,) * 3),
           **{f"{s} zigzag": peak_mib(parallel(s), *(sharded,) * 3)
              for s in ("ring", "all_gather", "ulysses")},
           "chunked": peak_mib(flash, *(single,) * 3), "plain": peak_mib(plain, *(single,) * 3)}
 
 
-def memory(lengths: str, devices: int):
-  print(f"B={B}, H={H}, K=V={K}, float32, causal, forward+backward; MiB per device "
-        f"(XLA memory_analysis: temp + arguments)\n")
+def memory(lengths: str, devices: int, window: int | None):
+  print(f"B={B}, H={H}, K=V={K}, float32, causal"
+        f"{f', a window of {window} keys back' if window else ''}, forward+backward; MiB per "
+        "device (XLA memory_analysis: temp + arguments)\n")
   print(f"| T | ring, {devices} devices | ring, zigzag | all_gather, zigzag | ulysses, zigzag | "
         "chunked, 1 device | plain, 1 device |")
   print("|---:|---:|---:|---:|---:|---:|---:|")
   for t in map(int, lengths.split(",")):
-    mib = measure(t, devices)
+    mib = measure(t, devices, window)
     print(f"| {t} | " + " | ".join(f"{x:,.1f}" for x in mib.values()) + " |", flush=True)
 
 
@@ -157,22 +168,58 @@ def seconds(t: int, n: int, rounds: int):
         flush=True)
 
 
+def lm_step_mib(length: int, n: int, strategy: str, remat: str, tiny: bool) -> tuple[float, float]:
+  """(argument, temp) MiB of one device for the LM's training step on data=1 x seq=n (n=1: one
+  device, the model's own attention dispatch)."""
+  config = lm.get_config("tiny" if tiny else None)
+  config.train.update(batch_size=1, remat=remat)
+  runner = train.make_runner(config)  # at the config's length: init runs the model once
+  tx = train.make_optimizer(config.train)
+  state, batch = train.init_state(runner, tx), runner.init_batch()
+  config.train.length = length
+  if n > 1:
+    config.mesh.update(seq=n, seq_strategy=strategy, seq_layout="zigzag")
+  state, step_fn = train.shard_and_compile(train.make_runner(config), state, tx)
+  shapes = {name: jax.ShapeDtypeStruct((1, length), x.dtype) for name, x in batch.items()}
+  stats = step_fn.lower(state, shapes).compile().memory_analysis()
+  return stats.argument_size_in_bytes / MIB, stats.temp_size_in_bytes / MIB
+
+
+def lm_memory(length: int, n: int, smoke: bool):
+  print(f"configs/lm.py{':tiny' if smoke else ''} training step, 1 row of {length} packed "
+        f"tokens (segment ids, positions), data=1 x seq={n}, zig-zag, and one device; MiB per "
+        "device (XLA memory_analysis)\n")
+  print("| strategy | remat | arguments | temp | arguments + temp |")
+  print("|---|---|---:|---:|---:|")
+  runs = [(strategy, n) for strategy in ("ring", "all_gather")] + [("1 device", 1)]
+  for strategy, devices in runs[:1] if smoke else runs:
+    for remat in ("none", "layer", "attention"):
+      args, temp = lm_step_mib(length, devices, strategy, remat, smoke)
+      print(f"| {strategy} | {remat} | {args:,.1f} | {temp:,.1f} | {args + temp:,.1f} |",
+            flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("memory", "balance", "bytes", "time"), default="memory")
+  parser.add_argument("--part", choices=("memory", "balance", "bytes", "time", "lm_memory"), default="memory")
   parser.add_argument("--lengths", default=None, help="T values, comma-separated")
   parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--window", type=int, default=None,
+                      help="memory: a causal local window of this many keys back")
   parser.add_argument("--smoke", action="store_true",
                       help="small T only: that the command runs, no figures")
   args = parser.parse_args()
   defaults = {"memory": "4096,8192,16384,32768,65536", "balance": "65536", "bytes": "4096,16384",
-              "time": "4096"}
+              "time": "4096", "lm_memory": "65536"}
   lengths = "256" if args.smoke else (args.lengths or defaults[args.part])
   if args.part == "memory":
-    memory(lengths, args.devices)
+    memory(lengths, args.devices, args.window)
   elif args.part == "balance":
     for t in map(int, lengths.split(",")):
       balance(t, args.devices)
+  elif args.part == "lm_memory":
+    for t in map(int, lengths.split(",")):
+      lm_memory(t, args.devices, args.smoke)
   elif args.part == "bytes":
     bytes_moved(lengths, args.devices, args.smoke)
   else:

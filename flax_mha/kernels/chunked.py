@@ -391,6 +391,20 @@ def default_blocks(t: int, s: int, k: int, is_causal: bool,
   return block, block
 
 
+def visited_fraction(t: int, s: int, k: int, is_causal: bool, mods) -> float:
+  """The share of its [T, S] tiles that this kernel visits under the masks known from static
+  shapes (causality, windows, index-only mask_mods); data-dependent terms count as visible."""
+  static = tuple(term for term in (mods.masks if mods else ())
+                 if isinstance(term, mods_lib.LocalWindow)
+                 or (isinstance(term, mods_lib.MaskMod) and not term.consts))
+  if not static and not is_causal:
+    return 1.0
+  static_mods = mods_lib.with_causal(mods_lib.Mods(static), is_causal)
+  bq, bk = default_blocks(t, s, k, is_causal, mods_lib.narrowest_window(mods))
+  maybe, _ = static_mods.tile_map(mods_lib.make_tiles(t, s, bq, bk))
+  return float(np.mean(maybe))
+
+
 def make_attention(block_q: int | None = None, block_k: int | None = None):
   """Chunked attention with static block sizes (None: `default_blocks` of the shape), with
   `reference.attention`'s signature.

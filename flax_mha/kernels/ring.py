@@ -1,14 +1,18 @@
 """Ring attention (Liu et al., 2023): the "ring" strategy of sequence parallelism.
 
 One device's part, run inside `shard_map` by `flax_mha.kernels.seq_parallel`: it keeps its query
-shard and passes its key/value shard around the ring (`lax.ppermute` to the next device), n steps
-in all; at every step it runs the chunked kernel (`flax_mha.kernels.chunked`) on the (query
-shard, visiting key shard) pair and merges the partial result into its running output by
-log-sum-exp. A shard's transfer to the next device depends on nothing but the shard, so it
-can overlap the compute; n - 1 hops bring every shard to every device. No device ever holds more than one key/value shard or one [T/n, S/n] tile set, so
-per-device memory falls as 1/n. The backward (a `jax.custom_vjp`) sends K/V around the ring
-again (n - 1 hops) together with their gradient accumulators dK/dV (n hops), each device adding its query shard's
-contribution from the GLOBAL lse saved by the forward; after n hops the accumulators are home.
+shard and passes its key/value shard around the ring (`lax.ppermute` to the next device); at
+each of n steps it runs the chunked kernel (`flax_mha.kernels.chunked`) on the (query shard,
+visiting key shard) pair and merges the partial result into its running output by log-sum-exp.
+A loop of n - 1 steps each sends the visiting shard on before computing on it (the transfer
+reads the shard alone, not the step's compute, so XLA may overlap the two); the last shard is
+computed after the loop and sent nowhere: n - 1 hops, no conditional. No device ever holds more
+than two key/value shards (the visiting one and the one arriving) or one [T/n, S/n] tile set,
+so per-device memory falls as 1/n. The backward (a `jax.custom_vjp`) sends K/V around the ring
+again together with their gradient accumulators dK/dV (each step adds to them and sends them
+on), each device adding its query shard's contribution from the GLOBAL lse saved by the
+forward; after n hops the accumulators are home. Its loop sends K/V n times, the last hop
+unused, rather than peel a step off (see `_ring_bwd`).
 
 The arrays of the key side of the mask terms (segment ids, positions) travel with their shard.
 Visibility compares the tokens' true positions (`flax_mha.kernels._seqmods.localize`), whatever
@@ -35,13 +39,6 @@ def _shift(xs, axis_name: str, n: int):
   """Send every array in `xs` to the next device on the ring."""
   perm = [(i, (i + 1) % n) for i in range(n)]
   return tuple(lax.ppermute(x, axis_name, perm) for x in xs)
-
-
-def _pass_on(xs, i, plan):
-  """`xs` sent to the next device, but at the last ring step, when no device needs them
-  (n - 1 hops bring every shard to every device)."""
-  return lax.cond(i < plan.n - 1, lambda xs: _shift(xs, plan.axis_name, plan.n), lambda xs: xs,
-                  tuple(xs))
 
 
 def _mask_block(mask, src, s: int):
@@ -79,8 +76,9 @@ def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
 
   def step(i, carry):
     out, lse, k_i, v_i, kv_leaves = carry
-    # The next shard's transfer depends on this one alone: it can overlap the compute.
-    k_next, v_next, *kv_next = _pass_on((k_i, v_i, *kv_leaves), i, plan)
+    # The next shard's transfer is issued first and reads this shard alone, not this step's
+    # compute: XLA is free to overlap the two.
+    k_next, v_next, *kv_next = _shift((k_i, v_i, *kv_leaves), plan.axis_name, plan.n)
     return (*merge(i, out, lse, k_i, v_i, kv_leaves), k_next, v_next, kv_next)
 
   sinks = plan.of_side(leaves, HEADS)
@@ -89,8 +87,9 @@ def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
   else:  # every row starts having seen its head's sink (which has no value)
     lse0 = jnp.broadcast_to(sinks[0].astype(acc), (b, t, h))
   init = (jnp.zeros((b, t, h, v.shape[-1]), acc), lse0, k, v, plan.of_side(leaves, KV))
-  out, lse, *_ = lax.fori_loop(0, plan.n, step, init)
-  return out, lse
+  # n - 1 steps that each pass a shard on, then the last shard, which no device needs after.
+  out, lse, k_i, v_i, kv_leaves = lax.fori_loop(0, plan.n - 1, step, init)
+  return merge(plan.n - 1, out, lse, k_i, v_i, kv_leaves)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -115,20 +114,21 @@ def _ring_bwd(plan, residuals, cotangents):
   dout = cotangents[0]  # the lse is returned without gradient
   lse_BHT = lse.transpose(0, 2, 1)
 
-  def grads(i, k_i, v_i, kv_leaves):
-    return chunked_backward(q, k_i, v_i, out, lse_BHT, dout,
-                            **_step_args(plan, i, q, k_i, mask, leaves, kv_leaves))
-
   def step(i, carry):
     dq, k_i, v_i, dk_i, dv_i, kv_leaves = carry
-    k_next, v_next, *kv_next = _pass_on((k_i, v_i, *kv_leaves), i, plan)
-    dq_i, dk_c, dv_c = grads(i, k_i, v_i, kv_leaves)
+    # As in the forward, the next shard's transfer reads this one alone. All n trips send it
+    # (the last hop brings the shards home, unused): peeling the last trip off, as the forward
+    # does, raised the compiled memory of forward + backward by about a third
+    # (`python -m experiments.bench.ring`): XLA does not share the loop's buffers with it.
+    k_next, v_next, *kv_next = _shift((k_i, v_i, *kv_leaves), plan.axis_name, plan.n)
+    dq_i, dk_c, dv_c = chunked_backward(q, k_i, v_i, out, lse_BHT, dout,
+                                        **_step_args(plan, i, q, k_i, mask, leaves, kv_leaves))
     # The accumulators travel with their key/value shard; after n hops they are back home.
     dk_i, dv_i = _shift((dk_i + dk_c, dv_i + dv_c), plan.axis_name, plan.n)
     return dq + dq_i, k_next, v_next, dk_i, dv_i, kv_next
 
   zeros = lambda x: jnp.zeros(x.shape, _shared.softmax_dtype(q.dtype))
-  dq, _, _, dk, dv, _ = lax.fori_loop(  # K/V hop n - 1 times, dK/dV n
+  dq, _, _, dk, dv, _ = lax.fori_loop(  # K/V and dK/dV hop n times
       0, plan.n, step, (zeros(q), k, v, zeros(k), zeros(v), plan.of_side(leaves, KV)))
   # A sink's gradient: this shard's part; shard_map's transpose sums the devices sharing it.
   dleaves = [_shared.sink_grad(x, lse, out, dout) if side == HEADS else None

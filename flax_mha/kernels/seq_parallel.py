@@ -32,6 +32,7 @@ from flax_mha import checks
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import _layouts
 from flax_mha.kernels import _seqmods
+from flax_mha.kernels import chunked
 from flax_mha.kernels import gather
 from flax_mha.kernels import ring
 from flax_mha.sharding import DATA_AXIS, MODEL_AXIS, SEQ_AXIS
@@ -48,8 +49,10 @@ STRATEGIES = {"ring": _ring, "all_gather": gather.all_gather, "ulysses": gather.
 # Where the caller's tokens are: in their natural order (moved to the layout and back inside),
 # or already in the layout's order (`to_layout_order`: a batch permuted once for a whole model).
 TOKENS = ("natural", "in_layout")
-# `auto` gathers keys/values when one device's copy of all of them is at most this big.
+# `auto` gathers keys/values when one device's copy of all of them is at most this big,
 AUTO_GATHER_MAX_BYTES = 256 * 2**20
+# unless the static masks leave at most this many shards' worth of keys visible to a query shard.
+AUTO_RING_VISIBLE_SHARDS = 1.0
 
 
 def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
@@ -127,7 +130,8 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
   _check_mods(mods, batch_axis, head_axis)
   heads = (h // _size(mesh, head_axis), g // _size(mesh, head_axis))  # per device
   if strategy == "auto":
-    strategy = choose_strategy(query, key, value, n=n, heads=heads, bias=bias, mods=mods)
+    strategy, _ = choose_strategy(query, key, value, n=n, heads=heads, is_causal=is_causal,
+                                  bias=bias, mods=mods)
   _check_strategy(strategy, n, heads, bias, mods)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
   mods = mods_lib.Mods() if mods is None else mods
@@ -182,28 +186,51 @@ def _in_layout(local, plan, move: bool, q, k, v, bias, mask, leaves):
                for x in (out, lse))
 
 
-def choose_strategy(query, key, value, *, n: int, heads: tuple[int, int], bias=None,
-                    mods=None) -> str:
-  """What strategy="auto" runs, from static shapes (`heads`: H and G per device):
+def choose_strategy(query, key, value, *, n: int, heads: tuple[int, int],
+                    is_causal: bool = False, bias=None, mods=None) -> tuple[str, str]:
+  """What strategy="auto" runs, and why, from static shapes and masks (`heads`: H and G per
+  device):
 
   1. "ulysses" when n divides both head counts and its all-to-alls move fewer bytes than
      gathering the keys and values: (T·H·(K + V) + S·G·(K + V)) / n < S·G·(K + V), i.e. when
      the query heads are not much more numerous than the key/value heads (MHA, mild GQA).
-  2. "all_gather" when one device's copy of all keys and values is at most
-     AUTO_GATHER_MAX_BYTES, or the call has a bias or a differentiable score_mod (which the
-     ring does not take): one collective and no loop.
-  3. "ring" otherwise: the only strategy whose memory falls as 1/n in S.
+  2. "all_gather" when the call has a bias or a differentiable score_mod (the ring takes
+     neither).
+  3. "ring" when the masks known from static shapes (causality, windows, index-only mask_mods:
+     `chunked.visited_fraction`, what the dispatch reads) leave at most
+     AUTO_RING_VISIBLE_SHARDS / n of the tiles visible: a query shard sees about one shard's
+     worth of keys (a narrow window), so all_gather would hold all n shards of keys and values
+     (and their gradients) to use about one; the ring holds two and skips the tiles its masks
+     hide at every step. It pays in bytes: as many forward (n - 1 shards), more backward (K/V
+     again, and dK/dV), where all_gather keeps what it gathered.
+  4. "all_gather" when one device's copy of all keys and values is at most
+     AUTO_GATHER_MAX_BYTES: one collective and no loop.
+  5. "ring" otherwise: the only strategy whose memory falls as 1/n in S.
   """
   (_, t, _, k_dim), s, v_dim = query.shape, key.shape[1], value.shape[-1]
   h, g = heads
   kv_bytes = s * g * (k_dim + v_dim) * jnp.dtype(key.dtype).itemsize
   q_bytes = t * h * (k_dim + v_dim) * jnp.dtype(query.dtype).itemsize
   if h % n == 0 and g % n == 0 and (q_bytes + kv_bytes) / n < kv_bytes:
-    return "ulysses"
-  if kv_bytes <= AUTO_GATHER_MAX_BYTES or bias is not None or _seqmods.has_float_score_consts(
-      mods):
-    return "all_gather"
-  return "ring"
+    return "ulysses", (f"n={n} divides the heads per device (H={h}, G={g}) and its all-to-alls "
+                       f"move (T·H + S·G)·(K + V)/n = {(q_bytes + kv_bytes) // n} bytes < "
+                       f"S·G·(K + V) = {kv_bytes} that gathering K/V moves")
+  if bias is not None or _seqmods.has_float_score_consts(mods):
+    return "all_gather", ("a bias or a score_mod over floating arrays, which the ring does not "
+                          "take")
+  visible = chunked.visited_fraction(t, s, k_dim, is_causal, mods)
+  if visible * n <= AUTO_RING_VISIBLE_SHARDS:
+    return "ring", (f"the static masks leave {visible:.3f} of the tiles visible <= "
+                    f"AUTO_RING_VISIBLE_SHARDS / n = {AUTO_RING_VISIBLE_SHARDS / n:.3f}: a query "
+                    "shard sees about one shard of keys: the ring holds two where all_gather "
+                    "would hold all n, for the same tiles visited (and more bytes moved in the "
+                    "backward)")
+  if kv_bytes <= AUTO_GATHER_MAX_BYTES:
+    return "all_gather", (f"all keys and values, {kv_bytes} bytes, fit one device "
+                          f"(<= AUTO_GATHER_MAX_BYTES = {AUTO_GATHER_MAX_BYTES}): one "
+                          "collective, no loop")
+  return "ring", (f"all keys and values, {kv_bytes} bytes, exceed AUTO_GATHER_MAX_BYTES = "
+                  f"{AUTO_GATHER_MAX_BYTES}: the ring's memory falls as 1/n in S")
 
 
 def unsupported_reason(bias, dropout_rate, mods=None, strategy: str = "ring") -> str | None:
@@ -335,18 +362,36 @@ class SequenceParallel:
       raise ValueError(f"sequence-parallel attention needs a mesh with a {SEQ_AXIS!r} axis in "
                        "context: call it under `with jax.set_mesh(flax_mha.sharding.make_mesh("
                        f"seq=n))`, got {mesh}")
-
-    def axis(name, *sizes):
-      divides = name in mesh.axis_names and all(x % mesh.shape[name] == 0 for x in sizes)
-      return name if divides and mesh.shape[name] > 1 else None
-
-    reads_b, reads_h = _seqmods.reads_batch_or_heads(mods)
+    batch_axis, head_axis = _context_axes(mesh, query, key, mods)
     return sequence_parallel_attention(
         query, key, value, mask, mesh=mesh, strategy=self.strategy, layout=self.layout,
-        tokens=self.tokens,
-        is_causal=is_causal, scale=scale, bias=bias, mods=mods, return_residual=return_residual,
-        batch_axis=None if reads_b else axis(DATA_AXIS, query.shape[0]),
-        head_axis=None if reads_h else axis(MODEL_AXIS, query.shape[2], key.shape[2]))
+        tokens=self.tokens, is_causal=is_causal, scale=scale, bias=bias, mods=mods,
+        return_residual=return_residual, batch_axis=batch_axis, head_axis=head_axis)
+
+
+def _context_axes(mesh, query, key, mods) -> tuple[str | None, str | None]:
+  """(batch_axis, head_axis) of `SequenceParallel` on the context mesh: DATA_AXIS and
+  MODEL_AXIS where they divide B and H, G (not when a mask_mod reads b or h, or a score_mod)."""
+  def axis(name, *sizes):
+    divides = name in mesh.axis_names and all(x % mesh.shape[name] == 0 for x in sizes)
+    return name if divides and mesh.shape[name] > 1 else None
+
+  reads_b, reads_h = _seqmods.reads_batch_or_heads(mods)
+  return (None if reads_b else axis(DATA_AXIS, query.shape[0]),
+          None if reads_h else axis(MODEL_AXIS, query.shape[2], key.shape[2]))
+
+
+def explain_auto(query, key, value, bias, *, is_causal: bool, mods=None) -> str | None:
+  """What sequence_parallel_implementation("auto") runs for this call on the context mesh,
+  and why (`choose_strategy`); None without a SEQ_AXIS axis in context."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if SEQ_AXIS not in mesh.axis_names:
+    return None
+  _, head_axis = _context_axes(mesh, query, key, mods)
+  heads = (query.shape[2] // _size(mesh, head_axis), key.shape[2] // _size(mesh, head_axis))
+  name, why = choose_strategy(query, key, value, n=mesh.shape[SEQ_AXIS], heads=heads,
+                              is_causal=is_causal, bias=bias, mods=mods)
+  return f"runs {name!r} on {SEQ_AXIS}={mesh.shape[SEQ_AXIS]}: {why}"
 
 
 def sequence_parallel_implementation(strategy: str = "ring", layout: str = "contiguous",

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 import flax_mha
+from flax_mha import mods as mods_lib
 from flax_mha import sharding
 from flax_mha import ring_implementation
 from flax_mha.kernels import _layouts, seq_parallel
@@ -26,7 +27,7 @@ def test_ring_matches_single_device_on_8_devices():
       "full", "gqa_causal", "mqa_full",
       "mesh_Auto", "abstract_mesh_Auto", "mesh_Explicit", "abstract_mesh_Explicit",
       "mesh_mixed", "abstract_mesh_mixed", "explicit_query_type_kept",
-      "key_padding_causal", "full_mask", "sinks_residual", "export_cuda_tpu"]
+      "key_padding_causal", "full_mask", "sinks_residual", "sends", "export_cuda_tpu"]
 
 
 @pytest.mark.multidevice
@@ -200,12 +201,73 @@ def test_layouts_hold_every_token_once():
     _layouts.order("zigzag", 9, 3)
 
 
-@pytest.mark.parametrize("shapes, heads, extra, want", [
-    (((1, 4096, 8, 64), (1, 4096, 8, 64)), (8, 8), {}, "ulysses"),  # MHA: 1/n of everything
-    (((1, 4096, 8, 64), (1, 4096, 1, 64)), (8, 1), {}, "all_gather"),  # one K/V head
-    (((1, 2**22, 8, 64), (1, 2**22, 1, 64)), (8, 1), {}, "ring"),  # K/V beyond 256 MiB
-    (((1, 2**22, 8, 64), (1, 2**22, 1, 64)), (8, 1), {"bias": 0.0}, "all_gather"),  # no ring
+WINDOW = mods_lib.Mods((mods_lib.LocalWindow(128, 0),))  # 128 keys back: 1/32 of 4096
+MQA = ((1, 4096, 8, 64), (1, 4096, 1, 64))
+
+
+@pytest.mark.parametrize("shapes, heads, extra, want, why", [
+    (((1, 4096, 8, 64), (1, 4096, 8, 64)), (8, 8), {}, "ulysses", "all-to-alls move"),  # MHA
+    (MQA, (8, 1), {}, "all_gather", "fit one device"),  # one K/V head: gathering it is cheap
+    (MQA, (8, 1), dict(is_causal=True), "all_gather", "fit one device"),  # causal: half visible
+    # A narrow window: each query shard sees about one shard of keys, the ring holds two.
+    (MQA, (8, 1), dict(is_causal=True, mods=WINDOW), "ring", "0.062 of the tiles visible"),
+    (((1, 32768, 8, 64), (1, 32768, 1, 64)), (8, 1), dict(mods=mods_lib.Mods((mods_lib.MaskMod(
+        lambda b, h, q, kv: jnp.abs(q - kv) <= 64),))), "ring", "0.046 of the tiles"),  # a band
+    (MQA, (8, 1), dict(mods=mods_lib.Mods((mods_lib.MaskMod(
+        lambda b, h, q, kv, w: jnp.abs(q - kv) <= w, consts=(64,)),))),
+     "all_gather", "fit one device"),  # a mask_mod over arrays: data, its sparsity unknown
+    (MQA, (8, 1), dict(mods=mods_lib.Mods((mods_lib.LocalWindow(1024, 0),))), "all_gather",
+     "fit one device"),  # a window of 2 shards: more than one visible
+    (MQA, (8, 1), dict(mods=WINDOW, bias=0.0), "all_gather", "a bias"),  # the ring takes none
+    (((1, 2**22, 8, 64), (1, 2**22, 1, 64)), (8, 1), {}, "ring", "exceed"),  # K/V > 256 MiB
+    (((1, 2**22, 8, 64), (1, 2**22, 1, 64)), (8, 1), {"bias": 0.0}, "all_gather", "a bias"),
 ])
-def test_auto_strategy_rule(shapes, heads, extra, want):
+def test_auto_strategy_rule(shapes, heads, extra, want, why):
   (q, k) = (jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes)
-  assert seq_parallel.choose_strategy(q, k, k, n=8, heads=heads, **extra) == want
+  name, reason = seq_parallel.choose_strategy(q, k, k, n=8, heads=heads, **extra)
+  assert (name, why in reason) == (want, True), reason
+
+
+def test_explain_says_what_auto_runs():
+  """With a 'seq' axis in context, flax_mha.explain prints auto's strategy and its reason."""
+  q, k = (jax.ShapeDtypeStruct(shape, jnp.float32) for shape in MQA)
+  assert flax_mha.explain(q, k, k, is_causal=True).sequence_parallel is None  # no mesh
+  with jax.sharding.use_abstract_mesh(AbstractMesh((8,), ("seq",))):
+    windowed = str(flax_mha.explain(q, k, k, is_causal=True, local_window_size=(128, 0)))
+    causal = flax_mha.explain(q, k, k, is_causal=True).sequence_parallel
+  assert "sequence_parallel_implementation('auto') runs 'ring' on seq=8: the static masks" in (
+      windowed)
+  assert causal.startswith("runs 'all_gather' on seq=8: all keys and values"), causal
+
+
+def _ppermutes(jaxpr, trips: int = 1) -> list[tuple[int, bool]]:
+  """(times it runs, whether it sends a loop-carried value as it came in) for every ppermute of
+  `jaxpr` and the jaxprs inside it, a scan's body `length` times."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "ppermute":
+      found.append((trips, all(any(x is y for y in jaxpr.invars) for x in eqn.invars)))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found += _ppermutes(inner, trips * eqn.params.get("length", 1))
+  return found
+
+
+def test_ring_sends_n_minus_1_times_before_computing():
+  """The ring's loop has n - 1 trips, each sending K and V on as they came into the trip (no
+  dependence on the trip's compute, so XLA may overlap the two); the last shard is computed
+  after the loop. The backward's loop has n trips, each sending K and V as they came in and
+  dK, dV after adding to them (those wait for the compute)."""
+  n = 4
+  x = jax.ShapeDtypeStruct((1, 16, 2, 8), jnp.float32)
+  ring = lambda q, k, v: seq_parallel.sequence_parallel_attention(
+      q, k, v, mesh=AbstractMesh((n,), ("seq",)), strategy="ring", is_causal=True)
+  forward = _ppermutes(jax.make_jaxpr(ring)(x, x, x).jaxpr)
+  assert forward == [(n - 1, True)] * 2  # K and V, n - 1 hops, straight from the loop's carry
+  grads = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v)), argnums=(0, 1, 2)))
+  both = _ppermutes(grads(x, x, x).jaxpr)
+  backward = both[len(forward):]
+  assert both[:len(forward)] == forward
+  assert sorted(backward) == [(n, False)] * 2 + [(n, True)] * 2

@@ -3,8 +3,9 @@
 Ring attention over 4 sequence shards (x 2 batch shards) must equal the float64 NumPy attention
 of tests/conftest.py in values and single-device `flax_mha.kernels.reference` in loss and gradients:
 causal and not, MHA, GQA and MQA, T != S, V != K, on meshes with Auto, Explicit and mixed axes,
-and as the `implementation` callable of `flax_mha.dot_product_attention`; and that forward+backward
-lowers for 'cuda' and 'tpu' (`jax.export`, lowering only) from this CPU mesh.
+and as the `implementation` callable of `flax_mha.dot_product_attention`; that the compiled
+program receives n - 1 key/value shards forward and n + n (K/V, dK/dV) backward; and that
+forward+backward lowers for 'cuda' and 'tpu' (`jax.export`, lowering only) from this CPU mesh.
 Prints one 'OK ...' per check.
 """
 
@@ -14,6 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_mha
+from experiments.bench import hlo_bytes
 from flax_mha import sharding
 from flax_mha.kernels import reference
 from flax_mha import ring_implementation
@@ -151,6 +153,25 @@ def check_sinks_and_residual(rng):
   print(f"OK sinks_residual loss={float(loss):.6f}")
 
 
+def check_sends():
+  """The compiled programs (XLA's own count, loops by their trip counts): each device receives
+  n - 1 key/value shards forward, and backward n again (the last hop home, unused) plus n of
+  dK/dV (home)."""
+  n, t = 4, 16
+  mesh = sharding.make_mesh(data=2, seq=n)
+  split = NamedSharding(mesh, P("data", "seq"))
+  q, k, v = (jax.ShapeDtypeStruct(shape, jnp.float32, sharding=split)
+             for shape in ((B, t, H, K), (B, t, 3, K), (B, t, 3, V)))
+  ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, is_causal=True, batch_axis="data")
+  grads = jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v)), argnums=(0, 1, 2))
+  shard = (B // 2) * (t // n) * 3 * (K + V) * 4  # bytes of one K and V shard
+  received = [hlo_bytes.collective_bytes(jax.jit(fn).lower(q, k, v).compile().as_text(), n)
+              for fn in (ring, grads)]
+  assert received == [(n - 1) * shard, (3 * n - 1) * shard], (received, shard)
+  print(f"OK sends forward={received[0] / shard:g} forward_backward={received[1] / shard:g} "
+        "shards")
+
+
 def check_export():
   """Forward+backward of ring attention with a window and a soft cap, exported for GPU and TPU
   on the 8-device mesh: lowering only, one ring of collective permutes in it."""
@@ -175,6 +196,7 @@ def main():
   check_mesh_kinds(rng)
   check_masked_via_dot_product_attention(rng)
   check_sinks_and_residual(rng)
+  check_sends()
   check_export()
 
 
