@@ -9,11 +9,14 @@ runs the GPU choice, and each lowering keeps only its own branch.
 
 On CPU (each threshold a crossover measured on a 2-core CPU, float32, forward+backward):
   1. A few queries over many keys (generation): "decode" (DECODE_* below).
-  2. No dropout and no mask/score terms (bias, mask, is_causal and sinks are fine): "xla" up to
+  2. A window alone (with bias, mask, is_causal, sinks; no sink tokens): "rows" over each query
+     block's band of keys from ROWS_WINDOW_MIN_LOGITS logits where the band is at most S/2;
+     otherwise as 4.
+  3. No dropout and no mask/score terms (bias, mask, is_causal and sinks are fine): "xla" up to
      SMALL_LOGITS_ROWS logits per (batch, head) (SMALL_LOGITS_ROWS_CAUSAL when causal,
      SMALL_LOGITS_ROWS_CAUSAL_WIDE when causal with K > 64), "rows" beyond, "chunked" past
      ROWS_MAX_KEYS keys.
-  3. Otherwise "xla" up to SMALL_LOGITS logits per (batch, head), "chunked" beyond: chunked
+  4. Otherwise "xla" up to SMALL_LOGITS logits per (batch, head), "chunked" beyond: chunked
      skips the tiles its masks hide, so it wins earlier where they hide many. The limit falls
      to SMALL_LOGITS_CAUSAL_NARROW when causal with K <= 64; without dropout (how they were
      timed) to SMALL_LOGITS_BANDED_32 when causal or windowed with K <= 32, and to
@@ -54,6 +57,10 @@ NAMES = ("reference", "xla", "chunked", "rows", "cudnn", "decode", "ring")
 #   at N=384-512 where it visits <= 0.625 of its tiles, 1.1x where it visits 0.78 (K=64); with
 #   K=32, causal or windowed, 0.72-0.90x from N=256 on, level or slower at N=128).
 SMALL_LOGITS_ROWS = 256 * 256
+# A window alone: rows' bands (`python -m experiments.bench.blocks --windows`) took 0.76-0.91x
+# chunked's time forward+backward for causal windows of 128-512 keys at N=1024-4096, and 0.78x
+# for a (256, 256) window at N=4096, but 1.32x at N=1024, where the band covers 5/8 of S.
+ROWS_WINDOW_MIN_LOGITS = 1024 * 1024
 SMALL_LOGITS_ROWS_CAUSAL = 128 * 128
 # Causal with K > 64: at D=128, N=256 xla took 150 ms forward+backward, rows 177 (rows is
 # faster forward, slower backward there; each timed in its own process).
@@ -138,6 +145,15 @@ def choose(query, key, value, bias, mask, *, is_causal: bool, dropout_rate: floa
     return decode
   logits = t * s
   refused = rows.unsupported_reason(dropout_rate, mods)
+  window = rows.window_of(mods)
+  if refused is None and window is not None:
+    band = rows.WINDOW_ROWS + window[0] + (0 if is_causal else window[1])
+    if logits >= ROWS_WINDOW_MIN_LOGITS and 2 * band <= s:
+      return Choice("rows", f"a window alone, T·S = {logits} >= ROWS_WINDOW_MIN_LOGITS = "
+                            f"{ROWS_WINDOW_MIN_LOGITS} and each block's band of {band} keys "
+                            f"<= S/2: query-row blocks over their band of keys")
+    refused = (f"a window whose band of {band} keys is over S/2 or T·S = {logits} < "
+               f"ROWS_WINDOW_MIN_LOGITS = {ROWS_WINDOW_MIN_LOGITS}")
   if refused is None:
     limit, name = SMALL_LOGITS_ROWS, "SMALL_LOGITS_ROWS"
     if is_causal:

@@ -45,6 +45,10 @@ def ids(b, n):
     (512, 512, 64, dict(is_causal=True, local_window_size=(16, 0)), "chunked", "causal, K <= 64"),
     (512, 512, 128, dict(is_causal=True, local_window_size=(128, 0)), "chunked",
      "SMALL_LOGITS_SPARSE"),
+    # A window alone: rows over each block's band of keys where the band is at most S/2.
+    (4096, 4096, 64, dict(is_causal=True, local_window_size=(128, 0)), "rows", "band of 256"),
+    (4096, 4096, 64, dict(local_window_size=(256, 256)), "rows", "ROWS_WINDOW_MIN_LOGITS"),
+    (1024, 1024, 64, dict(local_window_size=(256, 256)), "chunked", "over S/2"),
     # Narrow heads with a causal or windowed mask: chunked from 128² (measured).
     (256, 256, 32, dict(is_causal=True, logit_soft_cap=50.0), "chunked", "BANDED_32"),
     (128, 128, 32, dict(is_causal=True, logit_soft_cap=50.0), "xla", "BANDED_32"),

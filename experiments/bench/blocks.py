@@ -6,6 +6,7 @@ behind `flax_mha.kernels.chunked.default_blocks`, `flax_mha.kernels.rows`' TILE_
   python -m experiments.bench.blocks --rows [--quick]   # rows tile budgets (plain calls)
   python -m experiments.bench.blocks --masked [--quick] # rows vs chunked vs xla, masked
   python -m experiments.bench.blocks --sparse [--quick] # chunked vs xla, windows and caps
+  python -m experiments.bench.blocks --windows [--quick] # rows' bands vs chunked, windows
 
 Float32, H=8, B·N = 4096, on this machine's CPU: for each (D, N, causal) the chunked kernel with
 square blocks of 128, 256 and 512 rows (forward+backward), or "rows" with forward tile budgets
@@ -17,7 +18,9 @@ of its keys) and a bias [1, H, T, S], forward+backward: the crossovers of masked
 --sparse times chunked and xla through `dot_product_attention` with causality, windows
 and a soft cap (D = 32, 64, 128; N = 256, 384, 512), beside the share of its tiles chunked
 visits (`flax_mha.kernels.chunked.visited_fraction`) and what None runs: the evidence for
-SMALL_LOGITS_SPARSE.
+SMALL_LOGITS_SPARSE. --windows times, for causal and two-sided windows at N up to 16384 (B=1),
+rows with bands of 64, 128 and 256 query rows against chunked, forward+backward: the evidence
+for `rows.WINDOW_ROWS` and for where None runs rows under a window.
 """
 
 from __future__ import annotations
@@ -130,6 +133,32 @@ def sparse_sweep(ds, ns, variants, runs=5, tokens=4096):
               f"visits {visited:.3f} of its tiles; None runs {picked}", flush=True)
 
 
+WINDOWS = {"causal window 128": (True, (128, 0)), "causal window 512": (True, (512, 0)),
+           "causal window 2048": (True, (2048, 0)), "window 256 + 256": (False, (256, 256))}
+
+
+def window_sweep(ns, variants, runs=5, tokens=4096):
+  """rows (bands of 64/128/256 rows) vs chunked under windows, fwd+bwd, and what None runs."""
+  for n in ns:
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (max(1, tokens // n), n, 8, 64)) for key in keys)
+    for variant in variants:
+      causal, window = WINDOWS[variant]
+      options = dict(is_causal=causal, local_window_size=window)
+      impls = {"chunked": "chunked", **{f"rows {r}": rows.make_attention(window_rows=r)
+                                        for r in (64, 128, 256)}}
+      fns = {}
+      for name, impl in impls.items():
+        loss = lambda q, k, v, impl=impl: jnp.sum(flax_mha.dot_product_attention(
+            q, k, v, implementation=impl, **options))
+        fns[name] = timing.blocking(timing.qkv_grad(loss), q, k, v)
+      ms = {name: 1e3 * t for name, t in timing.median_seconds(fns, runs).items()}
+      picked = flax_mha.explain(q, k, v, platform="cpu", **options).implementation
+      cells = ", ".join(f"{name} {t:.1f}" for name, t in ms.items())
+      print(f"N={n} {variant}: {cells} ms | rows 128 / chunked "
+            f"{ms['rows 128'] / ms['chunked']:.2f}; None runs {picked}", flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   size = parser.add_mutually_exclusive_group()
@@ -140,7 +169,13 @@ def main():
   group.add_argument("--rows", action="store_true", help="sweep rows' tiles, not chunked's")
   group.add_argument("--masked", action="store_true", help="rows/chunked/xla with mask and bias")
   group.add_argument("--sparse", action="store_true", help="chunked/xla with windows and caps")
+  group.add_argument("--windows", action="store_true", help="rows' bands vs chunked, windows")
   args = parser.parse_args()
+  if args.windows:
+    window_sweep((512,) if args.smoke else (1024, 4096) if args.quick else (1024, 4096, 16384),
+                 ["causal window 128"] if args.smoke else list(WINDOWS),
+                 runs=1 if args.smoke else 3)
+    return
   if args.sparse:
     sparse_sweep((16,) if args.smoke else (64,) if args.quick else (32, 64, 128),
                  (128,) if args.smoke else (256, 384, 512),

@@ -2,17 +2,22 @@
 
   python -m experiments.bench.sparsity [--n 16384] [--quick]   # -> docs/sparsity_cpu.{md,png}
 
-Forward+backward of `implementation="chunked"`, float32, H=8, D=64, B=1, on this machine's CPU,
-timed round-robin in one process (median of --runs after 2 warm-ups). Reports each mask's time
-as a fraction of the full (causal or non-causal) attention at the same N beside its visible
-fraction, the cost of spelling causality as a `mask_mod` and soft-capping as a `score_mod`
-against the built-ins, and the XLA temp memory of fwd+bwd with segment ids at N=131072, H=1.
+Forward+backward of `implementation=None` (whichever implementation it picks for the row, named
+in the table), float32, H=8, D=64, B=1, on this machine's CPU, timed round-robin in one process
+(median of --runs after 2 warm-ups). Reports each mask's time as a fraction of the full (causal
+or non-causal) attention at the same N beside its visible fraction, the cost of spelling
+causality as a `mask_mod` and soft-capping as a `score_mod` against the built-ins, and the XLA
+temp memory of fwd+bwd with segment ids at N=131072, H=1. Then, at --peer-n tokens, the rows
+that tokamax also takes (full, causal, a window, key lengths, soft cap) against its `xla` and
+`xla_chunked` implementations (JAX peers share the process: see `experiments.bench.attention
+--part protocol`), where tokamax imports.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -43,35 +48,81 @@ def variants(n: int, windows, doc_counts):
   return out
 
 
-def _fwd_bwd(n, kwargs, h=8, d=64):
-  keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(key, (1, n, h, d)) for key in keys)
-  loss = lambda q, k, v: jnp.sum(flax_mha.dot_product_attention(
-      q, k, v, implementation="chunked", **kwargs))
+def _qkv(n, h=8, d=64):
+  return [jax.random.normal(key, (1, n, h, d)) for key in jax.random.split(jax.random.key(0), 3)]
+
+
+def _fwd_bwd(n, kwargs, attention=flax_mha.dot_product_attention):
+  q, k, v = _qkv(n)
+  loss = lambda q, k, v: jnp.sum(attention(q, k, v, **kwargs))
   return timing.blocking(timing.qkv_grad(loss), q, k, v)
+
+
+def picks(n, cases) -> dict[str, str]:
+  """name -> the implementation `None` runs for the case."""
+  q = jax.ShapeDtypeStruct((1, n, 8, 64), jnp.float32)
+  return {name: flax_mha.explain(q, q, q, **kwargs).implementation
+          for name, (kwargs, _) in cases.items()}
+
+
+def peers(n, runs) -> list[str]:
+  """Markdown: fwd+bwd ms of None and tokamax's XLA implementations on the options both take
+  (tokamax calls key lengths `key_value_seq_lengths`, the soft cap `logits_soft_cap`)."""
+  try:
+    import tokamax  # pylint: disable=import-outside-toplevel
+    from absl import flags  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return []
+  if not flags.FLAGS.is_parsed():  # tokamax parses sys.argv (ours) with absl on first use
+    flags.FLAGS([sys.argv[0]])
+  lengths = jnp.array([n // 2])
+  cases = {"full": ({}, {}), "causal": (dict(is_causal=True), {}),
+           "causal window 512": (dict(is_causal=True, local_window_size=(512, 0)), {}),
+           "key lengths N/2": (dict(key_value_seq_lengths=lengths), {}),
+           "soft cap 30": (dict(logit_soft_cap=30.0), dict(logits_soft_cap=30.0))}
+  fns = {}
+  for name, (ours, renamed) in cases.items():
+    theirs = {**{k: v for k, v in ours.items() if k != "logit_soft_cap"}, **renamed}
+    fns[name, "None"] = _fwd_bwd(n, ours)
+    for impl in ("xla", "xla_chunked"):
+      fns[name, impl] = _fwd_bwd(n, dict(theirs, implementation=impl),
+                                 tokamax.dot_product_attention)
+  ms = {key: 1e3 * t for key, t in timing.median_seconds(fns, runs).items()}
+  chosen = picks(n, {name: (ours, None) for name, (ours, _) in cases.items()})
+  lines = [f"## Against tokamax (N={n}, fwd+bwd ms, medians of {runs})", "",
+           "| mask | `None` (runs) | tokamax xla | tokamax xla_chunked | xla / None | "
+           "xla_chunked / None |", "|---|---|---|---|---|---|"]
+  for name in cases:
+    ours = ms[name, "None"]
+    lines.append(f"| {name} | {ours:.0f} ({chosen[name]}) | {ms[name, 'xla']:.0f} | "
+                 f"{ms[name, 'xla_chunked']:.0f} | {ms[name, 'xla'] / ours:.2f} | "
+                 f"{ms[name, 'xla_chunked'] / ours:.2f} |")
+  return lines
 
 
 def segment_memory(n=131072, docs=16):
   x = jax.ShapeDtypeStruct((1, n, 1, 64), jnp.float32)
   ids = jax.ShapeDtypeStruct((1, n), jnp.int32)
   loss = lambda q, k, v, ids: jnp.sum(flax_mha.dot_product_attention(
-      q, k, v, q_segment_ids=ids, implementation="chunked"))
+      q, k, v, q_segment_ids=ids))
   return timing.grad_memory(loss, x, x, x, ids).temp_size_in_bytes / GIB
 
 
-def report(n, ms, fracs):
+def report(n, ms, fracs, chosen):
   base = lambda name: ms["causal"] if "causal" in name else ms["full"]
-  lines = [f"# Visible fraction vs time (CPU, float32, fwd+bwd, chunked, H=8, D=64, N={n})", "",
+  lines = [f"# Visible fraction vs time (CPU, float32, fwd+bwd, None, H=8, D=64, N={n})", "",
            "Generated by `python -m experiments.bench.sparsity`. Time fraction: the row's "
            "time over full attention's (non-causal rows) or full causal's (causal rows), "
-           "medians timed round-robin in one process.", "",
-           "| mask | visible fraction | ms | time fraction | time / visible (relative) |",
-           "|---|---|---|---|---|"]
+           "medians timed round-robin in one process; `implementation=None` throughout, the "
+           "implementation it runs in brackets.", "",
+           "| mask | visible fraction | ms (None runs) | time fraction | time / visible "
+           "(relative) |", "|---|---|---|---|---|"]
   for name, t in ms.items():
     base_frac = fracs["causal"] if "causal" in name else 1.0
     rel_vis = fracs[name] / base_frac
     tf = t / base(name)
-    lines.append(f"| {name} | {fracs[name]:.4f} | {t:.0f} | {tf:.3f} | {tf / rel_vis:.2f} |")
+    lines.append(f"| {name} | {fracs[name]:.4f} | {t:.0f} ({chosen[name]}) | {tf:.3f} | "
+                 f"{tf / rel_vis:.2f} |")
   lines += ["", f"`mask_mod` causal / `is_causal`: {ms['causal as mask_mod'] / ms['causal']:.3f}; "
             f"`score_mod` soft cap / `logit_soft_cap`: "
             f"{ms['soft cap 30 as score_mod'] / ms['soft cap 30']:.3f}.", ""]
@@ -89,7 +140,7 @@ def plot(ms, fracs, path):
   ax.plot([fracs["causal"]], [ms["causal"] / ms["full"]], "ks", label="causal")
   ax.plot([1e-3, 1], [1e-3, 1], "k:", lw=1, label="time = visible fraction")
   ax.set(xscale="log", yscale="log", xlabel="visible fraction of the N x N matrix",
-         ylabel="time / full attention", title="chunked fwd+bwd, CPU f32")
+         ylabel="time / full attention", title="implementation=None, fwd+bwd, CPU f32")
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -103,6 +154,7 @@ def main():
   size.add_argument("--quick", action="store_true", help="N=2048, 1 run, no memory check")
   size.add_argument("--smoke", action="store_true",
                     help="N=256, 1 run, no memory check: that the command runs")
+  parser.add_argument("--peer-n", type=int, default=4096, help="N of the tokamax comparison")
   parser.add_argument("--out", default="docs/sparsity_cpu.md")
   args = parser.parse_args()
   n = 256 if args.smoke else 2048 if args.quick else args.n
@@ -113,10 +165,11 @@ def main():
   runs = 1 if args.quick or args.smoke else args.runs
   ms = {name: 1e3 * t for name, t in timing.median_seconds(fns, runs).items()}
   fracs = {name: frac for name, (_, frac) in cases.items()}
-  lines = report(n, ms, fracs)
+  lines = report(n, ms, fracs, picks(n, cases))
   if not (args.quick or args.smoke):
     lines += [f"XLA temp memory of fwd+bwd with 16 documents (segment ids) at N=131072, H=1, "
               f"D=64: {segment_memory():.3f} GiB.", ""]
+  lines += [*peers(min(n, args.peer_n), runs), ""]
   print("\n".join(lines))
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out, "w") as f:

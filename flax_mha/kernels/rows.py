@@ -15,12 +15,16 @@ an operand (sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q, dQ
 
 Causal attention visits, per query block, only the keys up to the block's last row: query
 blocks are grouped into at most MAX_SEGMENTS segments with a static key extent each (one block
-per segment for up to MAX_SEGMENTS blocks), so causal costs about half of non-causal.
+per segment for up to MAX_SEGMENTS blocks), so causal costs about half of non-causal. A sliding
+window (left, right) visits, per block of WINDOW_ROWS query rows, one band of
+WINDOW_ROWS + left + right keys (right 0 when causal) that starts where the block's first row
+looks: work proportional to the window, not to S.
 
 Takes query, key, value, a bias and a mask (rank 4, broadcasting to [B, H, T, S], with their
-1s kept: a trip reads its [batch, heads, rows, keys] part), `is_causal` and `scale`; a query
-row that sees no key gives 0, as everywhere. Dropout and the mask/score options are refused by
-name (use "chunked" or "xla", which take everything).
+1s kept: a trip reads its [batch, heads, rows, keys] part), `is_causal`, `scale`, sinks and a
+`local_window_size` without sink tokens; a query row that sees no key gives 0, as everywhere.
+Dropout and the other mask/score options are refused by name (use "chunked" or "xla", which
+take everything).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flax_mha import checks
+from flax_mha import mods as mods_lib
 from flax_mha.kernels import _shared
 
 # Logits per tile (units · rows · keys), forward and backward: the fastest of a sweep on a 2-core
@@ -43,6 +48,7 @@ TILE_BACKWARD = 2**18
 CAUSAL_BLOCKS = 4  # causal: at least this many query blocks, so that few hidden keys are visited
 MAX_SEGMENTS = 16  # causal: distinct static key extents (each one more loop in the program)
 MIN_ROWS = 128  # query rows per block at least (up to T): skinnier products waste the matmul
+WINDOW_ROWS = 128  # query rows per block under a window narrower than S (the band's overhang)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +63,25 @@ class _Plan:
   bq: int  # query rows per block (per query head)
   n_q: int
   segments: tuple[tuple[int, int, int], ...]  # (first block, end block, key extent)
+  window: tuple[int, int] | None = None  # (left, right; 0 when causal): what a row sees
+  band: bool = False  # whether each block visits only its window's band of keys
 
 
 def unsupported_reason(dropout_rate, mods) -> str | None:
   """Why "rows" can't run this call (None when it can)."""
   if dropout_rate > 0.0:
     return "it has no dropout"
-  if mods is not None and (mods.masks or mods.scores):
-    return ("it takes no windows, lengths, segment ids, positions, soft-capping or mask/score "
-            "functions (bias, mask, is_causal and sinks only)")
+  if mods is not None and (mods.scores or window_of(mods) is None and mods.masks):
+    return ("it takes no lengths, segment ids, positions, sink tokens, soft-capping or "
+            "mask/score functions (bias, mask, is_causal, a window and sinks only)")
+  return None
+
+
+def window_of(mods) -> tuple[int, int] | None:
+  """(left, right) of a call whose only mask term is a window without sink tokens, else None."""
+  terms = () if mods is None else mods.masks
+  if len(terms) == 1 and isinstance(terms[0], mods_lib.LocalWindow) and not terms[0].sink_tokens:
+    return terms[0].left, terms[0].right
   return None
 
 
@@ -76,9 +92,18 @@ def _units(b: int, g: int, at_most: int) -> int:
              if (b * g) % d == 0 and (d % g == 0 or g % d == 0))
 
 
-def plan(b, t, s, h, g, scale, is_causal, tile) -> _Plan:
-  """Tile sizes for [B, T, H, ·] queries over [B, S, G, ·] keys within `tile` logits."""
+def plan(b, t, s, h, g, scale, is_causal, tile, window=None, window_rows=WINDOW_ROWS) -> _Plan:
+  """Tile sizes for [B, T, H, ·] queries over [B, S, G, ·] keys within `tile` logits, under a
+  window (left, right) if given (blocks of `window_rows` query rows then)."""
   r = h // g
+  if window is not None:
+    window = (window[0], 0 if is_causal else window[1])
+  if window is not None and window_rows + sum(window) < s:
+    bq = min(t, window_rows)
+    n_q, extent = -(-t // bq), bq + sum(window)
+    units = _units(b, g, tile // (r * bq * extent))
+    return _Plan(float(scale), is_causal, t, s, units, b * g // units, bq, n_q,
+                 ((0, n_q, extent),), window, band=True)
   bq = max(MIN_ROWS, min(t, tile // (r * s)))
   if is_causal:
     bq = max(MIN_ROWS, min(bq, -(-t // CAUSAL_BLOCKS)))
@@ -92,7 +117,7 @@ def plan(b, t, s, h, g, scale, is_causal, tile) -> _Plan:
     segments = tuple((a, e, min(s, e * bq)) for a, e in zip(starts, ends))
   else:
     segments = ((0, n_q, s),)
-  return _Plan(float(scale), is_causal, t, s, units, b * g // units, bq, n_q, segments)
+  return _Plan(float(scale), is_causal, t, s, units, b * g // units, bq, n_q, segments, window)
 
 
 def _to_units(x_BLHK, groups: int, n_u: int, n: int, size: int):
@@ -117,14 +142,33 @@ def _kv_units(x_BSGK, n_u: int):
   return x_BSGK.transpose(0, 2, 1, 3).reshape(n_u, b * g // n_u, s, k)
 
 
-def _hidden(p: _Plan, block, extent: int, transposed: bool):
-  """Causal: True where key > query, [1, Q, extent] (or [extent, 1, Q] when transposed) to
-  broadcast over R; None when nothing is hidden."""
-  if not p.is_causal or (isinstance(block, int) and block * p.bq >= extent - 1):
+def _key_start(p: _Plan, block):
+  """The first key block `block` visits: 0, or under a window where its first row looks,
+  clamped so that the band stays within S."""
+  if not p.band:
+    return 0
+  return jnp.clip(block * p.bq - p.window[0], 0, p.s - p.segments[0][2])
+
+
+def _keys(x, p: _Plan, start, extent: int, axis: int):
+  """The `extent` keys from `start` along `axis` of x."""
+  if not p.band:
+    return lax.slice_in_dim(x, 0, extent, axis=axis)
+  return lax.dynamic_slice_in_dim(x, start, extent, axis=axis)
+
+
+def _hidden(p: _Plan, block, start, extent: int, transposed: bool):
+  """Causal or a window: True where a key is out of a query's sight, [1, Q, extent] (or
+  [extent, 1, Q] when transposed) to broadcast over R; None when nothing is hidden."""
+  if p.window is None and (not p.is_causal or
+                           (isinstance(block, int) and block * p.bq >= extent - 1)):
     return None
-  rows = block * p.bq + jnp.arange(p.bq, dtype=jnp.int32)
-  keys = jnp.arange(extent, dtype=jnp.int32)
-  hidden = keys[None, :] > rows[:, None]  # [Q, extent]
+  rows = (block * p.bq + jnp.arange(p.bq, dtype=jnp.int32))[:, None]
+  keys = (start + jnp.arange(extent, dtype=jnp.int32))[None, :]
+  hidden = keys > rows if p.is_causal else None  # [Q, extent]
+  if p.window is not None:
+    outside = (keys < rows - p.window[0]) | (keys > rows + p.window[1])
+    hidden = outside if hidden is None else hidden | outside
   return hidden.T[:, None, :] if transposed else hidden[None]
 
 
@@ -143,13 +187,13 @@ def _over_blocks(p: _Plan, body, carry, xs):
   return carry, jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
 
-def _dense_index(shape, p: _Plan, g: int, r: int, trip, block, extent: int):
-  """(starts, sizes) of what trip `trip` and query block `block` read of a rank-4
-  [B|1, H|1, T_pad|1, S|1] mask/bias (its broadcast dims stay 1)."""
+def _dense_index(shape, p: _Plan, g: int, r: int, trip, block, start, extent: int):
+  """(starts, sizes) of what trip `trip` and query block `block` (keys from `start`) read of a
+  rank-4 [B|1, H|1, T_pad|1, S|1] mask/bias (its broadcast dims stay 1)."""
   whole = p.units % g == 0  # the trip's units are units // g whole batch elements
   first = trip * p.units
   full = [n > 1 for n in shape]
-  starts = (first // g, 0 if whole else (first % g) * r, block * p.bq, 0)
+  starts = (first // g, 0 if whole else (first % g) * r, block * p.bq, start)
   sizes = (p.units // g if whole else 1, (g if whole else p.units) * r, p.bq, extent)
   starts = tuple(jnp.asarray(x if f else 0, jnp.int32) for x, f in zip(starts, full))
   return starts, tuple(n if f else 1 for n, f in zip(sizes, full))
@@ -162,21 +206,22 @@ def _view(p: _Plan, g: int, r: int, shape, transposed: bool):
   return (nb, u // nb, a, r, c // r) if transposed else (nb, u // nb, r, a // r, c)
 
 
-def _dense_tile(x, p: _Plan, g: int, r: int, trip, block, extent: int, transposed: bool):
+def _dense_tile(x, p: _Plan, g: int, r: int, trip, block, start, extent: int, transposed: bool):
   """A mask/bias's part for a tile, broadcastable against `_view` (None stays None)."""
   if x is None:
     return None
-  starts, sizes = _dense_index(x.shape, p, g, r, trip, block, extent)
+  starts, sizes = _dense_index(x.shape, p, g, r, trip, block, start, extent)
   t = lax.dynamic_slice(x, starts, sizes)
   heads = (sizes[1] // r, r) if sizes[1] > 1 else (1, 1)
   t = t.reshape(sizes[0], *heads, sizes[2], sizes[3])
   return t.transpose(0, 1, 4, 2, 3) if transposed else t
 
 
-def _scores(s, dense, p: _Plan, g: int, r: int, trip, block, extent: int, transposed: bool):
-  """s + bias, with -inf where the mask or causality hides an entry (s's shape)."""
-  hidden = _hidden(p, block, extent, transposed)
-  bias, mask = (_dense_tile(x, p, g, r, trip, block, extent, transposed) for x in dense)
+def _scores(s, dense, p: _Plan, g: int, r: int, trip, block, start, extent: int,
+            transposed: bool):
+  """s + bias, with -inf where the mask, causality or the window hides an entry (s's shape)."""
+  hidden = _hidden(p, block, start, extent, transposed)
+  bias, mask = (_dense_tile(x, p, g, r, trip, block, start, extent, transposed) for x in dense)
   if bias is None and mask is None and hidden is None:
     return s
   s5 = s.reshape(_view(p, g, r, s.shape, transposed))
@@ -189,7 +234,7 @@ def _scores(s, dense, p: _Plan, g: int, r: int, trip, block, extent: int, transp
   return s5.reshape(s.shape)
 
 
-def _add_dbias(dbias, dst, p: _Plan, g: int, r: int, trip, block, extent: int):
+def _add_dbias(dbias, dst, p: _Plan, g: int, r: int, trip, block, start, extent: int):
   """dbias [B|1, H|1, T_pad|1, S|1] += this tile's dS (transposed [U, E, R·Q]), summed over the
   bias's broadcast dims."""
   d = dst.reshape(_view(p, g, r, dst.shape, True)).transpose(0, 1, 3, 4, 2)  # [b, G', R, Q, E]
@@ -198,7 +243,7 @@ def _add_dbias(dbias, dst, p: _Plan, g: int, r: int, trip, block, extent: int):
     if n == 1:
       d = d.sum(axis=axes, keepdims=True)
   d = d.reshape(d.shape[0], d.shape[1] * d.shape[2], *d.shape[3:])
-  starts, sizes = _dense_index(dbias.shape, p, g, r, trip, block, extent)
+  starts, sizes = _dense_index(dbias.shape, p, g, r, trip, block, start, extent)
   return lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, sizes) + d, starts)
 
 
@@ -217,7 +262,8 @@ def _forward(q, k, v, dense, sinks, p: _Plan):
   g = k.shape[2]
   r, acc = h // g, _shared.softmax_dtype(q.dtype)
   dense = (_pad_rows(dense[0], p, 0.0), _pad_rows(dense[1], p, True))
-  empty_rows = any(x is not None for x in dense)  # else every row sees a key (0 if causal)
+  # Else every row sees a key (0 if causal); under a window, padding rows past T may not.
+  empty_rows = any(x is not None for x in dense) or p.window is not None
   q_units = _to_units(q * jnp.asarray(p.scale, q.dtype), g, p.n_u, p.n_q, p.bq)
   k_units, v_units = _kv_units(k, p.n_u), _kv_units(v, p.n_u)
 
@@ -232,8 +278,10 @@ def _forward(q, k, v, dense, sinks, p: _Plan):
 
     def block(i, extent, carry, x):
       q_i, sink_i = x
-      s = jnp.einsum("UQK,USK->UQS", q_i, k_u[:, :extent], preferred_element_type=acc)
-      s = _scores(s, dense, p, g, r, trip, i, extent, False)
+      start = _key_start(p, i)
+      s = jnp.einsum("UQK,USK->UQS", q_i, _keys(k_u, p, start, extent, 1),
+                     preferred_element_type=acc)
+      s = _scores(s, dense, p, g, r, trip, i, start, extent, False)
       m = jnp.max(s, axis=-1, keepdims=True)
       if sink_i is not None:
         m = jnp.maximum(m, sink_i)
@@ -243,7 +291,7 @@ def _forward(q, k, v, dense, sinks, p: _Plan):
       l = jnp.sum(e, axis=-1, keepdims=True)
       if sink_i is not None:
         l = l + jnp.exp(sink_i - m)
-      o = jnp.einsum("UQS,USV->UQV", e.astype(v.dtype), v_u[:, :extent],
+      o = jnp.einsum("UQS,USV->UQV", e.astype(v.dtype), _keys(v_u, p, start, extent, 1),
                      preferred_element_type=acc)
       o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0) if empty_rows else o / l
       return carry, (o, _shared.row_lse(m, l)[..., 0])
@@ -277,19 +325,23 @@ def _backward(q, k, v, out, lse, dout, dense, p: _Plan):
     def block(i, extent, carry, x):
       dk, dv, dbias = carry
       q_i, do_i, lse_i, delta_i = x
-      st = _scores(mm("USK,UQK->USQ", k_u[:, :extent], q_i), (bias, mask), p, g, r, trip, i,
+      start = _key_start(p, i)
+      k_i, v_i = _keys(k_u, p, start, extent, 1), _keys(v_u, p, start, extent, 1)
+      st = _scores(mm("USK,UQK->USQ", k_i, q_i), (bias, mask), p, g, r, trip, i, start,
                    extent, True)
       pt = jnp.exp(st - lse_i[:, None])
-      dpt = mm("USV,UQV->USQ", v_u[:, :extent], do_i)
+      dpt = mm("USV,UQV->USQ", v_i, do_i)
       dst = pt * (dpt - delta_i[:, None])
       dv_i = mm("USQ,UQV->USV", pt.astype(v.dtype), do_i)
       dk_i = mm("USQ,UQK->USK", dst.astype(q.dtype), q_i)
-      dqt = mm("UKS,USQ->UKQ", kt_u[..., :extent], dst.astype(k.dtype)) * p.scale
+      dqt = mm("UKS,USQ->UKQ", _keys(kt_u, p, start, extent, 2), dst.astype(k.dtype)) * p.scale
       if dbias is not None:
-        dbias = _add_dbias(dbias, dst, p, g, r, trip, i, extent)
+        dbias = _add_dbias(dbias, dst, p, g, r, trip, i, start, extent)
       if extent == p.s:
         return (dk + dk_i, dv + dv_i, dbias), dqt
-      return (dk.at[:, :extent].add(dk_i), dv.at[:, :extent].add(dv_i), dbias), dqt
+      add = lambda x, d: lax.dynamic_update_slice_in_dim(
+          x, _keys(x, p, start, extent, 1) + d, start, axis=1)
+      return (add(dk, dk_i), add(dv, dv_i), dbias), dqt
 
     zeros = (jnp.zeros(k_u.shape, acc), jnp.zeros(v_u.shape, acc), dbias)
     (dk, dv, dbias), dqt = _over_blocks(p, block, zeros, (q_u, do_u, lse_u, delta_u))
@@ -342,12 +394,15 @@ def _attention_bwd(p_fwd, p_bwd, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BACKWARD):
+def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BACKWARD,
+                   window_rows: int = WINDOW_ROWS):
   """"rows" attention with the given tile budgets (logits per tile; tile_forward None:
-  TILE_FORWARD, or TILE_FORWARD_CAUSAL when causal), with `reference.attention`'s signature."""
+  TILE_FORWARD, or TILE_FORWARD_CAUSAL when causal) and query rows per block under a window,
+  with `reference.attention`'s signature."""
   if tile_forward is not None:
     checks.check_int("tile_forward", tile_forward)
   checks.check_int("tile_backward", tile_backward)
+  checks.check_int("window_rows", window_rows)
 
   def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
                 mods=None, return_residual=False):
@@ -362,7 +417,9 @@ def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BA
     b, t, h, _ = query.shape
     s, g = key.shape[1:3]
     forward = tile_forward or (TILE_FORWARD_CAUSAL if is_causal else TILE_FORWARD)
-    plans = [plan(b, t, s, h, g, scale, is_causal, tile) for tile in (forward, tile_backward)]
+    window = window_of(mods)
+    plans = [plan(b, t, s, h, g, scale, is_causal, tile, window, window_rows)
+             for tile in (forward, tile_backward)]
     sinks = None if mods is None else mods.sinks
     out, lse = _shared.without_forward_mode("rows", _attention, query, key, value, bias, mask,
                                             sinks, *plans)

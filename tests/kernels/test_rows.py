@@ -97,7 +97,8 @@ def test_tiles_stay_within_budget_as_s_grows():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "no dropout"),
-    (dict(local_window_size=2), "no windows"),
+    (dict(local_window_size=2, sink_tokens=1), "no lengths.*sink tokens"),
+    (dict(key_value_seq_lengths=jnp.array([3])), "no lengths"),
     (dict(mask_mod=lambda b, h, q, kv: q >= kv), "mask/score functions"),
 ])
 def test_refuses_what_it_does_not_take_by_name(kwargs, match):
@@ -123,8 +124,40 @@ def test_bad_tile_budget(tile, error):
 
 def test_unsupported_reason_reads_mods():
   assert rows.unsupported_reason(0.0, mods_lib.Mods()) is None
-  assert "no windows" in rows.unsupported_reason(
-      0.0, mods_lib.Mods(masks=(mods_lib.LocalWindow(1, 1),)))
+  window = mods_lib.LocalWindow(1, 1)
+  assert rows.unsupported_reason(0.0, mods_lib.Mods(masks=(window,))) is None
+  assert "sink tokens" in rows.unsupported_reason(
+      0.0, mods_lib.Mods(masks=(mods_lib.LocalWindow(1, 1, sink_tokens=2),)))
+  assert "sink tokens" in rows.unsupported_reason(
+      0.0, mods_lib.Mods(masks=(window, mods_lib.SeqLengths(None, jnp.array([2])))))
+
+
+@pytest.mark.parametrize("window", [(5, 3), (64, 0), (0, 0), (200, 17), (900, 900)])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dense", [False, True], ids=["plain", "bias_and_mask"])
+def test_windows_match_oracle(window, is_causal, dense):
+  """A window visits one band of keys per block of rows (a band wider than S falls back to
+  the full extent): values and gradients, with bias and mask read at the band's keys, GQA, T
+  not a multiple of the block, rows that see nothing (the mask) giving 0."""
+  t, h, g = 300, 4, 2
+  rng = np.random.default_rng(sum(window))
+  q, k, v = (jnp.asarray(x) for x in qkv(rng, t=t, s=t, h=h, g=g, k=8, v=4))
+  bias = jnp.asarray(rng.standard_normal((2, 1, t, t)), jnp.float32) if dense else None
+  mask = jnp.asarray(rng.random((2, h, 1, t)) < 0.8) if dense else None
+  call = lambda impl: lambda q, k, v, bias: flax_mha.dot_product_attention(
+      q, k, v, bias, mask, is_causal=is_causal, local_window_size=window, implementation=impl)
+  out, grads = output_and_grads(call("rows"), q, k, v, bias)
+  want_out, want = output_and_grads(call("reference"), q, k, v, bias, jit=False)
+  chex.assert_trees_all_close(out, want_out, atol=2e-6, rtol=2e-6)
+  chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
+
+
+def test_window_band_visits_work_proportional_to_the_window():
+  """Each block of WINDOW_ROWS rows visits WINDOW_ROWS + left (+ right) keys: the band, not S."""
+  for is_causal, window, width in ((True, (512, 0), 512), (False, (100, 60), 160)):
+    p = rows.plan(1, 16384, 16384, 8, 8, 0.1, is_causal, rows.TILE_FORWARD, window)
+    assert p.band and p.segments == ((0, p.n_q, rows.WINDOW_ROWS + width),)
+  assert not rows.plan(1, 256, 256, 8, 8, 0.1, False, rows.TILE_FORWARD, (200, 0)).band
 
 
 TILES = {"default": (None, rows.TILE_BACKWARD), "units_part_of_a_batch": (2**9, 2**9),
