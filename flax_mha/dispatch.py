@@ -147,7 +147,7 @@ def choose(query, key, value, bias, mask, *, is_causal: bool, dropout_rate: floa
   refused = rows.unsupported_reason(dropout_rate, mods)
   window = rows.window_of(mods)
   if refused is None and window is not None:
-    band = rows.WINDOW_ROWS + window[0] + (0 if is_causal else window[1])
+    band = rows.band_keys(window, is_causal)
     if logits >= ROWS_WINDOW_MIN_LOGITS and 2 * band <= s:
       return Choice("rows", f"a window alone, T·S = {logits} >= ROWS_WINDOW_MIN_LOGITS = "
                             f"{ROWS_WINDOW_MIN_LOGITS} and each block's band of {band} keys "

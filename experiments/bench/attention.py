@@ -43,18 +43,14 @@ from flax_mha.kernels import xla
 
 H100_BF16_TFLOPS = 989.0
 GIB = 2**30
-TORCH = ("torch", "peak torch")  # the systems timed in torch
+TORCH = ("torch", "peak torch")  # the systems timed in torch; every other one is JAX's
 
 
 def _tokamax_peers(device):
   """tokamax's implementations for this device, or {} where tokamax does not import."""
-  try:
-    import tokamax  # pylint: disable=import-outside-toplevel
-    from absl import flags  # pylint: disable=import-outside-toplevel
-  except ImportError:
+  tokamax = timing.import_tokamax()
+  if tokamax is None:
     return {}
-  if not flags.FLAGS.is_parsed():  # tokamax reads absl flags, parsing sys.argv (ours) on first use
-    flags.FLAGS([sys.argv[0]])
   names = ("mosaic", "triton", "xla") if device == "gpu" else ("xla", "xla_chunked")
   return {f"tokamax {name}": lambda q, k, v, c, name=name: tokamax.dot_product_attention(
       q, k, v, is_causal=c, implementation=name) for name in names}
@@ -132,13 +128,22 @@ def _skip(name, n, device):
   return n > limits.get(name, 4096)
 
 
-_JAX_NAMES = ("default", "chunked", "rows", "xla", "reference", "cudnn", "jax.nn", "jax.nn xla",
-              "jax.nn cudnn", "flax.linen", "tokamax mosaic", "tokamax triton", "tokamax xla",
-              "tokamax xla_chunked")
+def has_torch(device) -> bool:
+  """Whether torch imports here and, for device "gpu", sees a CUDA device (checked in this
+  process, which times nothing)."""
+  if importlib.util.find_spec("torch") is None:
+    return False
+  if device != "gpu":
+    return True
+  import torch  # pylint: disable=import-outside-toplevel
+  return torch.cuda.is_available()
 
 
-def has_torch() -> bool:
-  return importlib.util.find_spec("torch") is not None
+def _extend(times: dict, key, fwd, fwd_bwd) -> None:
+  """times[key] = ([fwd seconds], [fwd+bwd seconds]), extended by one worker's."""
+  mine = times.setdefault(key, ([], []))
+  mine[0].extend(fwd)
+  mine[1].extend(fwd_bwd)
 
 
 def time_case(d, n, causal, systems, *, dtype, device, rounds, tokens):
@@ -147,7 +152,7 @@ def time_case(d, n, causal, systems, *, dtype, device, rounds, tokens):
   b = max(1, tokens // n)
   q, k, v = (jax.random.normal(key, (b, n, 8, d), dtype)
              for key in jax.random.split(jax.random.key(0), 3))
-  peers = _jax_peers(device) if any(name in _JAX_NAMES for name in systems) else {}
+  peers = _jax_peers(device) if set(systems) - set(TORCH) - {"peak jax"} else {}
   calls = {}
   for name in systems:
     if name.startswith("peak"):
@@ -178,20 +183,18 @@ def _alternate(d, n, causal, groups, args) -> dict:
   for turn in range(args.alternations):
     for group in groups if turn % 2 == 0 else groups[::-1]:
       for name, (fwd, fwd_bwd) in _in_worker(d, n, causal, group, args).items():
-        mine = times.setdefault(name, ([], []))
-        mine[0].extend(fwd)
-        mine[1].extend(fwd_bwd)
+        _extend(times, name, fwd, fwd_bwd)
   return times
 
 
 def speed(grid, args):
   """One row per (shape, system): medians of the alternating per-process protocol."""
   rows = []
-  jax_names = [name for name in _jax_peers(args.device)]
+  jax_names = list(_jax_peers(args.device))
   for d, n, causal in grid:
     b = max(1, args.tokens // n)
     groups = [[name] for name in jax_names if not _skip(name, n, args.device)] + [["peak jax"]]
-    if has_torch():
+    if has_torch(args.device):
       groups += [[name] for name in TORCH]
     times = _alternate(d, n, causal, groups, args)
     median = {name: tuple(statistics.median(t) if t else None for t in pair)
@@ -233,11 +236,7 @@ def protocol(case, args) -> list[str]:
   times = {}
   for turn in range(args.alternations):
     for label, systems in settings.items():
-      system = systems[0]
-      fwd, fwd_bwd = _in_worker(d, n, causal, systems, args)[system]
-      mine = times.setdefault(label, ([], []))
-      mine[0].extend(fwd)
-      mine[1].extend(fwd_bwd)
+      _extend(times, label, *_in_worker(d, n, causal, systems, args)[systems[0]])
   ms = {label: [1e3 * statistics.median(t) for t in pair] for label, pair in times.items()}
   alone = {"default": ms["`None` alone"], "torch": ms["torch alone"]}
   lines = [f"D={d}, N={n}, B={max(1, args.tokens // n)}, {'causal' if causal else 'non-causal'};"
@@ -394,6 +393,8 @@ def main():
   grid, mem_sizes, cap, rounds, alternations = SIZES[size]
   args.rounds = args.rounds or rounds
   args.alternations = args.alternations or alternations
+  if args.part == "protocol" and not has_torch(args.device):
+    parser.error("--part protocol times torch beside JAX: it needs torch (pip install torch)")
   if args.worker:
     d, n, causal = map(int, args.worker.split(","))
     print(json.dumps(time_case(d, n, bool(causal), args.systems.split(","),

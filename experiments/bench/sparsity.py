@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -68,13 +67,9 @@ def picks(n, cases) -> dict[str, str]:
 def peers(n, runs) -> list[str]:
   """Markdown: fwd+bwd ms of None and tokamax's XLA implementations on the options both take
   (tokamax calls key lengths `key_value_seq_lengths`, the soft cap `logits_soft_cap`)."""
-  try:
-    import tokamax  # pylint: disable=import-outside-toplevel
-    from absl import flags  # pylint: disable=import-outside-toplevel
-  except ImportError:
+  tokamax = timing.import_tokamax()
+  if tokamax is None:
     return []
-  if not flags.FLAGS.is_parsed():  # tokamax parses sys.argv (ours) with absl on first use
-    flags.FLAGS([sys.argv[0]])
   lengths = jnp.array([n // 2])
   cases = {"full": ({}, {}), "causal": (dict(is_causal=True), {}),
            "causal window 512": (dict(is_causal=True, local_window_size=(512, 0)), {}),

@@ -61,6 +61,20 @@ def grad_memory(loss: Callable, *args):
   return jax.jit(qkv_grad(loss)).lower(*args).compile().memory_analysis()
 
 
+def import_tokamax():
+  """The tokamax module, or None where it does not import. tokamax reads absl flags, parsing
+  sys.argv on first use: a benchmark's own arguments would be unknown flags there, so the
+  flags are parsed here from the program name alone."""
+  try:
+    import tokamax  # pylint: disable=import-outside-toplevel
+    from absl import flags  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS([sys.argv[0]])
+  return tokamax
+
+
 def run_worker(command: list[str], timeout: float = 1800) -> list[str]:
   """The stdout lines of `command`, a process of its own (a benchmark's worker), or an error
   with the end of its stderr."""

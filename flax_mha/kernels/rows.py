@@ -77,6 +77,12 @@ def unsupported_reason(dropout_rate, mods) -> str | None:
   return None
 
 
+def band_keys(window: tuple[int, int], is_causal: bool, window_rows: int = WINDOW_ROWS) -> int:
+  """Keys one block of `window_rows` query rows visits under `window` (left, right): the rows'
+  own span plus the window's reach (a causal window reaches no key to the right)."""
+  return window_rows + window[0] + (0 if is_causal else window[1])
+
+
 def window_of(mods) -> tuple[int, int] | None:
   """(left, right) of a call whose only mask term is a window without sink tokens, else None."""
   terms = () if mods is None else mods.masks
@@ -98,9 +104,9 @@ def plan(b, t, s, h, g, scale, is_causal, tile, window=None, window_rows=WINDOW_
   r = h // g
   if window is not None:
     window = (window[0], 0 if is_causal else window[1])
-  if window is not None and window_rows + sum(window) < s:
+  if window is not None and band_keys(window, is_causal, window_rows) < s:
     bq = min(t, window_rows)
-    n_q, extent = -(-t // bq), bq + sum(window)
+    n_q, extent = -(-t // bq), band_keys(window, is_causal, bq)
     units = _units(b, g, tile // (r * bq * extent))
     return _Plan(float(scale), is_causal, t, s, units, b * g // units, bq, n_q,
                  ((0, n_q, extent),), window, band=True)
@@ -165,10 +171,10 @@ def _hidden(p: _Plan, block, start, extent: int, transposed: bool):
     return None
   rows = (block * p.bq + jnp.arange(p.bq, dtype=jnp.int32))[:, None]
   keys = (start + jnp.arange(extent, dtype=jnp.int32))[None, :]
-  hidden = keys > rows if p.is_causal else None  # [Q, extent]
-  if p.window is not None:
-    outside = (keys < rows - p.window[0]) | (keys > rows + p.window[1])
-    hidden = outside if hidden is None else hidden | outside
+  if p.window is None:
+    hidden = keys > rows  # [Q, extent]: causal
+  else:  # the plan's window already reaches no key to the right when causal
+    hidden = (keys < rows - p.window[0]) | (keys > rows + p.window[1])
   return hidden.T[:, None, :] if transposed else hidden[None]
 
 
