@@ -152,6 +152,33 @@ def test_windows_match_oracle(window, is_causal, dense):
   chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
 
 
+def _band_layer(impl):
+  return lambda q, k, v: flax_mha.dot_product_attention(
+      q, k, v, is_causal=True, local_window_size=(20, 0), implementation=impl)
+
+
+BAND_TRANSFORMS = {
+    "vmap": jax.vmap,  # over the batch: each call sees [T, H, K]
+    "scan": lambda f: lambda q, k, v: jax.lax.scan(lambda x, _: (f(x, k, v), None), q, None,
+                                                   length=2)[0],
+    "checkpoint": lambda f: jax.checkpoint(f),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(BAND_TRANSFORMS))
+def test_window_band_under_transforms_with_grad(transform):
+  """The band path (dynamic key starts inside the block loop) under vmap, a scan over layers
+  and jax.checkpoint, jitted, with gradients: as the oracle under the same transform."""
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(x) for x in qkv(rng, batch=(1,), t=400, s=400, h=4, g=4, k=8, v=8))
+  assert rows.plan(1, 400, 400, 4, 4, 0.1, True, rows.TILE_FORWARD, (20, 0)).band
+  wrap = BAND_TRANSFORMS[transform]
+  out, grads = output_and_grads(wrap(_band_layer("rows")), q, k, v)
+  want_out, want = output_and_grads(wrap(_band_layer("reference")), q, k, v, jit=False)
+  chex.assert_trees_all_close(out, want_out, atol=2e-6, rtol=2e-6)
+  chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
+
+
 def test_window_band_visits_work_proportional_to_the_window():
   """Each block of WINDOW_ROWS rows visits WINDOW_ROWS + left (+ right) keys: the band, not S."""
   for is_causal, window, width in ((True, (512, 0), 512), (False, (100, 60), 160)):
