@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import statistics
-import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads its OpenMP runtime
 
@@ -168,21 +167,28 @@ def time_case(d, n, causal, systems, *, dtype, device, rounds, tokens):
   return out
 
 
+def _worker_args(d, n, causal, args) -> list[str]:
+  """What a worker timing one shape is told besides its systems (`--time-case`)."""
+  return ["--shape", f"{d},{n},{int(causal)}", "--device", args.device, "--dtype", args.dtype,
+          "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
+
+
 def _in_worker(d, n, causal, systems, args) -> dict:
   """time_case in a process of its own."""
-  command = [sys.executable, "-m", "experiments.bench.attention", "--worker",
-             f"{d},{n},{int(causal)}", "--systems", ",".join(systems), "--device", args.device,
-             "--dtype", args.dtype, "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
-  return json.loads(timing.run_worker(command)[-1])
+  case = ",".join(systems)
+  return timing.isolated("experiments.bench.attention", [case], turns=1,
+                         extra_args=_worker_args(d, n, causal, args))[case][0]
 
 
 def _alternate(d, n, causal, groups, args) -> dict:
   """name -> ([fwd seconds], [fwd+bwd seconds]) over `args.alternations` turns of the process
   groups, each group in its own process, the order reversed every other turn."""
+  reports = timing.isolated("experiments.bench.attention", [",".join(g) for g in groups],
+                            turns=args.alternations, extra_args=_worker_args(d, n, causal, args))
   times = {}
-  for turn in range(args.alternations):
-    for group in groups if turn % 2 == 0 else groups[::-1]:
-      for name, (fwd, fwd_bwd) in _in_worker(d, n, causal, group, args).items():
+  for mine in reports.values():
+    for report in mine:
+      for name, (fwd, fwd_bwd) in report.items():
         _extend(times, name, fwd, fwd_bwd)
   return times
 
@@ -385,8 +391,8 @@ def main():
   parser.add_argument("--from-json", nargs="+", default=None,
                       help="time nothing: write the report of the speed rows in these files")
   parser.add_argument("--out", default=None, help="markdown path (default docs/benchmark_<dev>.md)")
-  parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "D,N,causal"
-  parser.add_argument("--systems", default="", help=argparse.SUPPRESS)
+  parser.add_argument("--time-case", default=None, help=argparse.SUPPRESS)  # "system,..."
+  parser.add_argument("--shape", default=None, help=argparse.SUPPRESS)  # "D,N,causal"
   args = parser.parse_args()
   args.dtype = args.dtype or ("bfloat16" if args.device == "gpu" else "float32")
   size = "smoke" if args.smoke else "quick" if args.quick else "full"
@@ -395,9 +401,9 @@ def main():
   args.alternations = args.alternations or alternations
   if args.part == "protocol" and not has_torch(args.device):
     parser.error("--part protocol times torch beside JAX: it needs torch (pip install torch)")
-  if args.worker:
-    d, n, causal = map(int, args.worker.split(","))
-    print(json.dumps(time_case(d, n, bool(causal), args.systems.split(","),
+  if args.time_case:
+    d, n, causal = map(int, args.shape.split(","))
+    print(json.dumps(time_case(d, n, bool(causal), args.time_case.split(","),
                                dtype=jnp.dtype(args.dtype), device=args.device,
                                rounds=args.rounds, tokens=args.tokens)))
     return

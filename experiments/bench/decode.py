@@ -6,21 +6,25 @@
 
 Parts:
   attention  T=1 query over S=32768 keys, B=1, H=8, G=2, K=128: flax_mha (None, which runs the
-             decode kernel; and "xla") and jax.nn.dot_product_attention timed round-robin in
-             this process, torch SDPA timed alone in its own process; medians.
-  sweep      the decode kernel's key block and partition count (BLOCK_K, SPLITS) on that shape.
+             decode kernel; and "xla"), jax.nn.dot_product_attention and torch SDPA, each in
+             a process of its own (the processes taking turns, see experiments.bench.timing);
+             medians over all turns. None's output is checked against jax.nn's.
+  sweep      the decode kernel's key block and partition count (BLOCK_K, SPLITS) on that shape,
+             timed round-robin in one process (one kernel's settings, not peers).
   model      the per-token latency of a 4-layer model (D=256, H=8 heads, MLP 4D) at position
              512 of a 4096-token cache: flax_mha.nnx.MultiHeadAttention with its cache as data
              against the same model on flax.nnx.MultiHeadAttention with its decode cache (same
              weights: flax's module has no GQA, so both use H key/value heads; outputs checked
-             equal), timed round-robin.
+             equal), each model in a process of its own, the processes taking turns; medians.
   rolling    a local layer's cache bytes against the generated length (1k, 8k, 64k tokens),
-             beside a global layer's.
+             beside a global layer's (no timing).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import statistics
 
 import jax
@@ -35,6 +39,7 @@ from flax_mha.kernels import decode
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 SHAPE = dict(b=1, t=1, s=32768, h=8, g=2, k=128, v=128)
+MODULE = "experiments.bench.decode"  # its workers: python -m MODULE --time-case <system>
 
 
 def _qkv(b, t, s, h, g, k, v):
@@ -44,21 +49,39 @@ def _qkv(b, t, s, h, g, k, v):
           jnp.asarray(rng.standard_normal((b, s, g, v)), jnp.float32))
 
 
-def attention(shape, rounds: int, alternations: int) -> list[str]:
-  q, k, v = _qkv(**shape)
-  fns = {"flax_mha (None: decode)": timing.blocking(flax_mha.dot_product_attention, q, k, v),
-         "flax_mha xla": timing.blocking(
-             lambda q, k, v: flax_mha.dot_product_attention(q, k, v, implementation="xla"),
-             q, k, v),
-         "jax.nn": timing.blocking(jax.nn.dot_product_attention, q, k, v)}
-  out = np.asarray(fns["flax_mha (None: decode)"]())
-  np.testing.assert_allclose(out, np.asarray(fns["jax.nn"]()), atol=1e-4, rtol=1e-4)
-  times = {name: [] for name in (*fns, "torch SDPA (alone)")}
-  for _ in range(alternations):  # JAX's round and torch's process in turn: load hits both
-    for name, seconds in timing.round_robin(fns, rounds).items():
-      times[name] += seconds
-    times["torch SDPA (alone)"] += timing.torch_sdpa_seconds(**shape, rounds=rounds)
-  ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+ATTENTION = {"flax_mha (None: decode)": flax_mha.dot_product_attention,
+             "flax_mha xla": functools.partial(flax_mha.dot_product_attention,
+                                               implementation="xla"),
+             "jax.nn": jax.nn.dot_product_attention}
+TORCH_SDPA = "torch SDPA (alone)"
+
+
+def _torch_sdpa(b, t, s, h, g, k, v):
+  """fn() of torch SDPA's forward on [B, H, T, K] x [B, G, S, K] (float32); torch is imported
+  by its worker alone."""
+  import torch  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(0)
+  q_BHTK, k_BGSK, v_BGSV = torch.randn(b, h, t, k), torch.randn(b, g, s, k), torch.randn(b, g, s, v)
+  return lambda: torch.nn.functional.scaled_dot_product_attention(q_BHTK, k_BGSK, v_BGSV,
+                                                                  enable_gqa=True)
+
+
+def _time_attention(name: str, shape, rounds: int) -> dict:
+  """Worker: {"seconds": [...], "check": its output, flat (None for torch)} of one system."""
+  if name == TORCH_SDPA:
+    return dict(seconds=timing.round_robin({name: _torch_sdpa(**shape)}, rounds)[name], check=None)
+  fn = timing.blocking(ATTENTION[name], *_qkv(**shape))
+  return dict(seconds=timing.round_robin({name: fn}, rounds)[name],
+              check=np.asarray(fn()).ravel().tolist())
+
+
+def attention(rounds: int, alternations: int, worker_args: list[str]) -> list[str]:
+  """Markdown: each system timed in its own process, `alternations` turns of `rounds`."""
+  reports = timing.isolated(MODULE, [*ATTENTION, TORCH_SDPA], turns=alternations,
+                            extra_args=worker_args)
+  np.testing.assert_allclose(reports["flax_mha (None: decode)"][0]["check"],
+                             reports["jax.nn"][0]["check"], atol=1e-4, rtol=1e-4)
+  ms = {name: 1e3 * statistics.median(t) for name, t in timing.pooled_seconds(reports).items()}
   ours = ms["flax_mha (None: decode)"]
   rows = [f"| {name} | {value:.2f} | {value / ours:.2f}x |" for name, value in ms.items()]
   return ["| system | ms (median) | its time / flax_mha's |", "|---|---|---|", *rows]
@@ -100,61 +123,83 @@ def _models(d, h, layers):
   return ours, theirs
 
 
-def model(rounds: int, *, d=256, h=8, layers=4, capacity=4096, position=512,
-          steps=32) -> list[str]:
-  """Per-token latency from `position` of a `capacity`-token cache (see the docstring): each
-  model decodes `steps` tokens in one compiled loop (its cache carried, updated in place),
-  feeding its output back as the next input; ms per token = the loop's time / steps."""
-  ours, theirs = _models(d, h, layers)
-  for block in theirs:
-    block.attention.init_cache((1, capacity, d))
-  x = jax.random.normal(jax.random.key(0), (1, position, d))
+def _our_layers(blocks, caches, x):
+  new = []
+  for block, cache in zip(blocks, caches):
+    y, cache = block.attention(block.norm1(x), cache=cache)
+    x = block.mlp(x + y)
+    new.append(cache)
+  return x, new
 
-  def our_layers(blocks, caches, x):
-    new = []
-    for block, cache in zip(blocks, caches):
-      y, cache = block.attention(block.norm1(x), cache=cache)
-      x = block.mlp(x + y)
-      new.append(cache)
-    return x, new
 
-  def their_layers(blocks, x):
-    for block in blocks:
-      x = block.mlp(x + block.attention(block.norm1(x), decode=True))
-    return x
+def _their_layers(blocks, x):
+  for block in blocks:
+    x = block.mlp(x + block.attention(block.norm1(x), decode=True))
+  return x
 
-  caches = nnx.jit(our_layers)(ours, [b.attention.new_cache(1, capacity) for b in ours], x)[1]
-  fill = nnx.jit(their_layers)
-  for t in range(position):  # flax's cache is filled a token at a time, as it decodes
-    fill(theirs, x[:, t:t + 1])
-  our_graph, our_state = nnx.split(ours)
-  their_graph, their_state = nnx.split(theirs)
+
+def _our_loop(blocks, x_BTD, capacity: int, steps: int):
+  """fn() -> the last of `steps` tokens that ours decodes in one compiled loop (its caches
+  carried, updated in place) after the prompt x_BTD, each output fed back as the next input."""
+  empty = [block.attention.new_cache(1, capacity) for block in blocks]
+  caches = nnx.jit(_our_layers)(blocks, empty, x_BTD)[1]
+  graph, state = nnx.split(blocks)
 
   @jax.jit
   @cache_lib.caller_makes_room  # the loop stays within the capacity, as decoding's loops do
-  def our_loop(state, caches, token):
-    blocks = nnx.merge(our_graph, state)
-    return jax.lax.fori_loop(0, steps, lambda _, c: our_layers(blocks, c[1], c[0]),
+  def loop(state, caches, token):
+    blocks = nnx.merge(graph, state)
+    return jax.lax.fori_loop(0, steps, lambda _, c: _our_layers(blocks, c[1], c[0]),
                              (token, caches))[0]
 
+  token = x_BTD[:, -1:]
+  return lambda: jax.block_until_ready(loop(state, caches, token))
+
+
+def _their_loop(blocks, x_BTD, capacity: int, steps: int):
+  """_our_loop for flax's model, its decode cache filled a token at a time (as it decodes)."""
+  for block in blocks:
+    block.attention.init_cache((1, capacity, x_BTD.shape[-1]))
+  fill = nnx.jit(_their_layers)
+  for t in range(x_BTD.shape[1]):
+    fill(blocks, x_BTD[:, t:t + 1])
+  graph, state = nnx.split(blocks)
+
   @jax.jit
-  def their_loop(state, token):
+  def loop(state, token):
     def body(_, carry):
       token, state = carry
-      blocks = nnx.merge(their_graph, state)
-      return their_layers(blocks, token), nnx.state(blocks)
+      blocks = nnx.merge(graph, state)
+      return _their_layers(blocks, token), nnx.state(blocks)
     return jax.lax.fori_loop(0, steps, body, (token, state))[0]
 
-  token = x[:, -1:]
-  np.testing.assert_allclose(our_loop(our_state, caches, token), their_loop(their_state, token),
+  token = x_BTD[:, -1:]
+  return lambda: jax.block_until_ready(loop(state, token))
+
+
+OURS, THEIRS = "flax_mha.nnx (cache as data)", "flax.nnx.MultiHeadAttention (decode=True)"
+
+
+def _time_model(name: str, rounds: int, *, d=256, h=8, layers=4, capacity=4096, position=512,
+                steps=32) -> dict:
+  """Worker: {"seconds": [seconds per token...], "check": the last token, flat} of one model
+  (see the docstring): each timed call decodes `steps` tokens from `position`."""
+  ours, theirs = _models(d, h, layers)
+  x_BTD = jax.random.normal(jax.random.key(0), (1, position, d))
+  run = (_our_loop(ours, x_BTD, capacity, steps) if name == OURS
+         else _their_loop(theirs, x_BTD, capacity, steps))
+  seconds = timing.round_robin({name: run}, rounds)[name]
+  return dict(seconds=[t / steps for t in seconds], check=np.asarray(run()).ravel().tolist())
+
+
+def model(rounds: int, alternations: int, worker_args: list[str]) -> list[str]:
+  """Markdown: per-token latency of each model timed in its own process, `alternations` turns
+  of `rounds`; both models' outputs checked equal."""
+  reports = timing.isolated(MODULE, [OURS, THEIRS], turns=alternations, extra_args=worker_args)
+  np.testing.assert_allclose(reports[OURS][0]["check"], reports[THEIRS][0]["check"],
                              atol=1e-3, rtol=1e-3)
-  fns = {"flax_mha.nnx (cache as data)":
-         lambda: jax.block_until_ready(our_loop(our_state, caches, token)),
-         "flax.nnx.MultiHeadAttention (decode=True)":
-         lambda: jax.block_until_ready(their_loop(their_state, token))}
-  ms = {name: 1e3 * t / steps for name, t in timing.median_seconds(fns, rounds).items()}
-  ours_ms = ms["flax_mha.nnx (cache as data)"]
-  rows = [f"| {name} | {t:.3f} | {t / ours_ms:.2f}x |" for name, t in ms.items()]
+  ms = {name: 1e3 * statistics.median(t) for name, t in timing.pooled_seconds(reports).items()}
+  rows = [f"| {name} | {t:.3f} | {t / ms[OURS]:.2f}x |" for name, t in ms.items()]
   return ["| model | ms per token (median) | its time / ours |", "|---|---|---|", *rows]
 
 
@@ -176,14 +221,21 @@ def main():
                       choices=("attention", "sweep", "model", "rolling"))
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, nothing written")
   parser.add_argument("--out", default="docs/decode_cpu.md")
+  parser.add_argument("--time-case", default=None, help=argparse.SUPPRESS)  # a worker's system
   args = parser.parse_args()
   parts = args.part or ["attention", "sweep", "model", "rolling"]
   shape = dict(SHAPE, s=1024) if args.smoke else SHAPE
   rounds, alternations = (2, 1) if args.smoke else (7, 3)
   sizes = dict(d=32, h=4, layers=2, capacity=256, position=32, steps=4) if args.smoke else {}
-  sections = {"attention": lambda: attention(shape, rounds, alternations),
+  if args.time_case:
+    print(json.dumps(_time_model(args.time_case, rounds, **sizes)
+                     if args.time_case in (OURS, THEIRS)
+                     else _time_attention(args.time_case, shape, rounds)))
+    return
+  worker_args = ["--smoke"] if args.smoke else []
+  sections = {"attention": lambda: attention(rounds, alternations, worker_args),
               "sweep": lambda: sweep(shape, rounds),
-              "model": lambda: model(rounds, **sizes),
+              "model": lambda: model(rounds, alternations, worker_args),
               "rolling": lambda: rolling((64, 512) if args.smoke else (1024, 8192, 65536))}
   timing.write_report("Decode-time attention (CPU, float32)", "python -m experiments.bench.decode", parts, sections,
                       args.out, args.smoke)

@@ -1,13 +1,18 @@
-"""How the benchmarks measure: peers timed round-robin, processes in turn, compiled memory.
+"""How the benchmarks measure: each system in its own process, processes in turn; memory.
 
-Timing every peer once per round, in turn, makes load on a shared machine hit all alike, so
-ratios between peers mean something even when absolute times move. Systems of different
-frameworks never share a process (JAX and torch side by side slow each other): each runs in a
-worker process of its own, the workers taking turns.
+Systems side by side in one process slow each other (JAX beside JAX as well as beside torch:
+`python -m experiments.bench.attention --part protocol` measures it), so the benchmarks that
+compare systems (attention, decode) time each system, or each case, in a worker
+process of its own (`isolated`): every turn runs one worker per case, one after the other, the
+order reversed every other turn, so load on a shared machine hits all alike and no case always
+follows the same other one. Within a worker, `round_robin` times its calls in turn; medians are
+taken over all rounds of all turns. The other benchmarks (blocks, nnx, ring, sparsity, training,
+decode's sweep) still time their peers round-robin in one process, as their docstrings say.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import sys
@@ -84,28 +89,26 @@ def run_worker(command: list[str], timeout: float = 1800) -> list[str]:
   return result.stdout.splitlines()
 
 
-def in_subprocess(code: str, timeout: float = 900) -> list[float]:
-  """Seconds printed by `code` (python, one number a line) run in a process of its own: how a
-  system of another framework is timed alone (torch and JAX in one process slow each other)."""
-  lines = run_worker([sys.executable, "-c", code], timeout)
-  return [float(line) for line in lines if line.strip()]
+def isolated(module: str, cases: list[str], *, turns: int, extra_args=()) -> dict[str, list]:
+  """case -> what its worker printed last (one JSON value) in each turn, in turn order.
+
+  Each turn runs `python -m <module> --time-case <case> <extra_args>` once per case, a process
+  of its own each, one after the other: in the order of `cases` on even turns, reversed on odd
+  ones (see the module docstring).
+  """
+  reports = {case: [] for case in cases}
+  for turn in range(turns):
+    for case in cases if turn % 2 == 0 else cases[::-1]:
+      lines = run_worker([sys.executable, "-m", module, "--time-case", case, *extra_args])
+      reports[case].append(json.loads(lines[-1]))
+  return reports
 
 
-TORCH_SDPA = """
-import time, torch
-torch.manual_seed(0)
-q = torch.randn({b}, {h}, {t}, {k}); k = torch.randn({b}, {g}, {s}, {k}); v = torch.randn({b}, {g}, {s}, {v})
-f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal={causal}, enable_gqa=True)
-for _ in range(2): f()
-for _ in range({rounds}):
-  start = time.perf_counter(); f(); print(time.perf_counter() - start)
-"""
-
-
-def torch_sdpa_seconds(*, b, t, s, h, g, k, v, causal=False, rounds=5) -> list[float]:
-  """torch SDPA's forward on [B, H, T, K] x [B, G, S, K] (float32, CPU), timed alone."""
-  return in_subprocess(TORCH_SDPA.format(b=b, t=t, s=s, h=h, g=g, k=k, v=v, causal=causal,
-                                         rounds=rounds))
+def pooled_seconds(reports: dict[str, list]) -> dict[str, list[float]]:
+  """case -> the seconds of all its workers, from `isolated`'s reports of workers that print
+  {"seconds": [...], ...}."""
+  return {case: [t for report in mine for t in report["seconds"]]
+          for case, mine in reports.items()}
 
 
 def write_report(title: str, command: str, parts, sections: dict, out: str, smoke: bool) -> None:
