@@ -1,7 +1,7 @@
-"""Training-step time of a small NNX model on three attention modules, in one process.
+"""Training-step time of a small NNX model on three attention modules, each in its own process.
 
-  python -m experiments.bench.nnx            # 5 timed windows of 20 steps per variant
-  python -m experiments.bench.nnx --quick    # seconds: 3 windows of 3 steps
+  python -m experiments.bench.nnx            # 3 turns of 5 timed windows of 20 steps per variant
+  python -m experiments.bench.nnx --quick    # 2 turns of 3 windows of 3 steps
 
 The model: token embedding -> 2 x (pre-LN causal self-attention + pre-LN MLP, residual) ->
 logits; D=128, H=4 heads, T=64, batch 32, vocabulary 256, adam; one jitted step (split/merge
@@ -9,16 +9,19 @@ around `jax.jit`, state donated). The variants differ in the attention module on
   nnx    flax_mha.nn.nnx.SelfAttention
   bridge flax_mha.SelfAttention (linen) through nnx.bridge.ToNNX
   flax   flax.nnx.MultiHeadAttention
-All start from the same parameters (their trees are equal), so their first losses must agree:
-the script checks that. After a compiling window each and one untimed window more, timed windows
-run the variants in turn (the order rotating) so load on a shared machine hits all alike; it
-prints the median ms/step and the median of each window's ratios.
+All start from the same parameters, "nnx"'s seeded init (their trees are equal), so their first
+losses must agree: each worker prints its variant's, and the script checks them. Each variant
+runs in a process of its own, the processes taking turns (the order reversed every other turn,
+see experiments.bench.timing) so load on a shared machine hits all alike; in its process, after
+a compiling step and two untimed windows, a variant times --windows windows. The script
+prints the median ms/step over all windows of all turns and the median of the ratios between
+the variants' windows of the same index in the same turn.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import json
 import statistics
 
 import jax
@@ -70,13 +73,14 @@ class Model(nnx.Module):
     return self.logits(self.norm(x_BTD))
 
 
-def build(name: str, params=None):
-  """(jitted step, state) for one variant; `params` (an nnx.Param state) replaces its init."""
+def build(name: str):
+  """(jitted step, state) for one variant, its parameters "nnx"'s seeded init (so that every
+  variant, in whichever process, starts from the same ones)."""
   model = Model(VARIANTS[name], nnx.Rngs(0))
   if name == "bridge":
     nnx.bridge.lazy_init(model, jnp.zeros((BATCH, T), jnp.int32))
-  if params is not None:
-    nnx.update(model, jax.tree.map(jnp.copy, params))  # copies: every step donates its state
+  if name != "nnx":
+    nnx.update(model, nnx.state(Model(VARIANTS["nnx"], nnx.Rngs(0)), nnx.Param))
   optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
 
@@ -89,55 +93,63 @@ def build(name: str, params=None):
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
-  return jax.jit(step, donate_argnums=0), state, nnx.state(model, nnx.Param)
+  return jax.jit(step, donate_argnums=0), state
 
 
-def benchmark(windows: int, steps: int) -> dict[str, list[float]]:
-  """ms/step of every variant in each timed window (a window: one pass through `steps` batches)."""
+def time_case(name: str, windows: int, steps: int) -> dict:
+  """Worker: {"seconds": [...], "first_loss": ...} of one variant: the seconds of each timed
+  window (a window: one pass through `steps` batches), its loss on the first batch."""
   batches = [jax.random.randint(jax.random.key(i), (BATCH, T + 1), 0, VOCAB)
              for i in range(steps)]
-  runs, params = {}, None
-  for name in VARIANTS:
-    step, state, model_params = build(name, params)
-    params = model_params if params is None else params  # every variant starts from "nnx"'s
-    runs[name] = {"step": step, "state": state}
-  first = {}
-  for name, run in runs.items():  # warm-up: compile, and the first loss of each variant
-    for i, batch in enumerate(batches):
-      run["state"], loss = run["step"](run["state"], batch)
-      if i == 0:
-        first[name] = float(loss)
-  spread = max(first.values()) - min(first.values())
-  print("first losses " + ", ".join(f"{n} {v:.6f}" for n, v in first.items()))
-  if spread > 1e-4:
-    raise RuntimeError(f"variants differ on the same parameters: {first}")
+  step, state = build(name)
+  run = {"state": state}
 
-  def window(run):
+  def window():
     """One pass through `batches`, to its last loss."""
     for batch in batches:
-      run["state"], loss = run["step"](run["state"], batch)
-    jax.block_until_ready(loss)
+      run["state"], loss = step(run["state"], batch)
+    return jax.block_until_ready(loss)
 
-  passes = {name: functools.partial(window, run) for name, run in runs.items()}
-  seconds = timing.round_robin(passes, windows, warmups=1, rotate=True)
-  return {name: [1e3 * t / len(batches) for t in times] for name, times in seconds.items()}
+  run["state"], first_loss = step(run["state"], batches[0])  # compiles
+  seconds = timing.round_robin({name: window}, windows, warmups=2)[name]
+  return dict(seconds=seconds, first_loss=float(first_loss))
+
+
+def benchmark(turns: int, windows: int, steps: int) -> dict[str, list[float]]:
+  """ms/step of every variant in each timed window, each variant in its own process for
+  `turns` turns; raises where the variants' first losses differ."""
+  reports = timing.isolated("experiments.bench.nnx", list(VARIANTS), turns=turns,
+                            extra_args=["--windows", str(windows), "--steps", str(steps)])
+  first = {name: mine[0]["first_loss"] for name, mine in reports.items()}
+  print("first losses " + ", ".join(f"{n} {v:.6f}" for n, v in first.items()))
+  if max(first.values()) - min(first.values()) > 1e-4:
+    raise RuntimeError(f"variants differ on the same parameters: {first}")
+  return {name: [1e3 * t / steps for t in seconds]
+          for name, seconds in timing.pooled_seconds(reports).items()}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   size = parser.add_mutually_exclusive_group()
-  size.add_argument("--quick", action="store_true", help="3 windows of 3 steps")
+  size.add_argument("--quick", action="store_true", help="2 turns of 3 windows of 3 steps")
   size.add_argument("--smoke", action="store_true",
-                    help="1 window of 1 step: that the command runs, no figures")
-  parser.add_argument("--windows", type=int, default=5)
+                    help="1 turn of 1 window of 1 step: that the command runs, no figures")
+  parser.add_argument("--turns", type=int, default=3, help="processes per variant, in turn")
+  parser.add_argument("--windows", type=int, default=5, help="timed windows per process")
   parser.add_argument("--steps", type=int, default=20, help="training steps per window")
+  parser.add_argument("--time-case", default=None, help=argparse.SUPPRESS)  # a worker's variant
   args = parser.parse_args()
-  windows, steps = (1, 1) if args.smoke else (3, 3) if args.quick else (args.windows, args.steps)
+  if args.time_case:
+    print(json.dumps(time_case(args.time_case, args.windows, args.steps)))
+    return
+  turns, windows, steps = ((1, 1, 1) if args.smoke else (2, 3, 3) if args.quick
+                           else (args.turns, args.windows, args.steps))
   print(f"{jax.devices()[0].device_kind}: D={D} H={H} T={T} batch={BATCH} layers={LAYERS}, "
-        f"{windows} windows x {steps} steps")
-  ms = benchmark(windows, steps)
+        f"{turns} turns of {windows} windows x {steps} steps")
+  ms = benchmark(turns, windows, steps)
   median = {name: statistics.median(v) for name, v in ms.items()}
-  # Ratios within each round, then their median: load that shifts between rounds cancels.
+  # Ratios of windows of one index in one turn, then their median: load that shifts between
+  # turns cancels.
   ratio = lambda name, base: statistics.median(a / b for a, b in zip(ms[name], ms[base]))
   print("| attention | ms/step (median) | windows | vs flax | vs nnx |")
   print("|---|---|---|---|---|")
@@ -145,7 +157,8 @@ def main():
     cells = " ".join(f"{v:.1f}" for v in ms[name])
     print(f"| {name} | {m:.2f} | {cells} | {ratio(name, 'flax'):.3f} | "
           f"{ratio(name, 'nnx'):.3f} |")
-  print("ratios: the median over windows of (ms/step) / (the same window's ms/step of flax, nnx)")
+  print("ratios: the median over windows of (ms/step) / (ms/step of flax, nnx in the window of "
+        "the same index and turn)")
 
 
 if __name__ == "__main__":
