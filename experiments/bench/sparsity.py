@@ -3,20 +3,23 @@
   python -m experiments.bench.sparsity [--n 16384] [--quick]   # -> docs/sparsity_cpu.{md,png}
 
 Forward+backward of `implementation=None` (whichever implementation it picks for the row, named
-in the table), float32, H=8, D=64, B=1, on this machine's CPU, timed round-robin in one process
-(median of --runs after 2 warm-ups). Reports each mask's time as a fraction of the full (causal
-or non-causal) attention at the same N beside its visible fraction, the cost of spelling
-causality as a `mask_mod` and soft-capping as a `score_mod` against the built-ins, and the XLA
-temp memory of fwd+bwd with segment ids at N=131072, H=1. Then, at --peer-n tokens, the rows
-that tokamax also takes (full, causal, a window, key lengths, soft cap) against its `xla` and
-`xla_chunked` implementations (JAX peers share the process: see `experiments.bench.attention
---part protocol`), where tokamax imports.
+in the table), float32, H=8, D=64, B=1, on this machine's CPU. Each mask is timed in a process
+of its own (2 warm-ups, then --runs timed runs), the processes taking turns --turns times (the
+order reversed every other turn, see experiments.bench.timing); medians over all runs of all
+turns. Reports each mask's time as a fraction of the full (causal or non-causal) attention at
+the same N beside its visible fraction, the cost of spelling causality as a `mask_mod` and
+soft-capping as a `score_mod` against the built-ins, and the XLA temp memory of fwd+bwd with
+segment ids at N=131072, H=1. Then, at --peer-n tokens, the rows that tokamax also takes (full,
+causal, a window, key lengths, soft cap) against its `xla` and `xla_chunked` implementations,
+each (mask, system) in a process of its own in the same way, where tokamax imports.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +34,10 @@ def _segments(n: int, docs: int):
   return jnp.repeat(jnp.arange(docs, dtype=jnp.int32), n // docs)[None]
 
 
-def variants(n: int, windows, doc_counts):
+def variants(n: int):
   """name -> (dot_product_attention kwargs, visible fraction of the [N, N] matrix)."""
+  windows = [w for w in (128, 512, 2048) if w < n]
+  doc_counts = [d for d in (4, 16, 64) if n % d == 0]
   causal_frac = (n + 1) / (2 * n)
   out = {"full": ({}, 1.0), "causal": (dict(is_causal=True), causal_frac)}
   for w in windows:
@@ -64,34 +69,58 @@ def picks(n, cases) -> dict[str, str]:
           for name, (kwargs, _) in cases.items()}
 
 
-def peers(n, runs) -> list[str]:
-  """Markdown: fwd+bwd ms of None and tokamax's XLA implementations on the options both take
-  (tokamax calls key lengths `key_value_seq_lengths`, the soft cap `logits_soft_cap`)."""
-  tokamax = timing.import_tokamax()
-  if tokamax is None:
-    return []
+MODULE = "experiments.bench.sparsity"  # its workers: python -m MODULE --time-case <case>
+PEER_SYSTEMS = ("None", "xla", "xla_chunked")  # ours, then tokamax's implementations
+
+
+def peer_cases(n):
+  """mask -> (our kwargs, tokamax's where it names them otherwise: `key_value_seq_lengths` is
+  the same, the soft cap is `logits_soft_cap`)."""
   lengths = jnp.array([n // 2])
-  cases = {"full": ({}, {}), "causal": (dict(is_causal=True), {}),
-           "causal window 512": (dict(is_causal=True, local_window_size=(512, 0)), {}),
-           "key lengths N/2": (dict(key_value_seq_lengths=lengths), {}),
-           "soft cap 30": (dict(logit_soft_cap=30.0), dict(logits_soft_cap=30.0))}
-  fns = {}
-  for name, (ours, renamed) in cases.items():
+  return {"full": ({}, {}), "causal": (dict(is_causal=True), {}),
+          "causal window 512": (dict(is_causal=True, local_window_size=(512, 0)), {}),
+          "key lengths N/2": (dict(key_value_seq_lengths=lengths), {}),
+          "soft cap 30": (dict(logit_soft_cap=30.0), dict(logits_soft_cap=30.0))}
+
+
+def time_case(case: str, n: int, runs: int) -> dict:
+  """Worker: {"seconds": [...]} of one case: a mask of `variants`, or "<mask> | <system>" of
+  the tokamax table."""
+  mask, _, system = case.partition(" | ")
+  if system in ("", "None"):
+    kwargs = (variants(n) if not system else peer_cases(n))[mask][0]
+    fn = _fwd_bwd(n, kwargs)
+  else:
+    ours, renamed = peer_cases(n)[mask]
     theirs = {**{k: v for k, v in ours.items() if k != "logit_soft_cap"}, **renamed}
-    fns[name, "None"] = _fwd_bwd(n, ours)
-    for impl in ("xla", "xla_chunked"):
-      fns[name, impl] = _fwd_bwd(n, dict(theirs, implementation=impl),
-                                 tokamax.dot_product_attention)
-  ms = {key: 1e3 * t for key, t in timing.median_seconds(fns, runs).items()}
+    fn = _fwd_bwd(n, dict(theirs, implementation=system),
+                  timing.import_tokamax().dot_product_attention)
+  return dict(seconds=timing.round_robin({case: fn}, runs)[case])
+
+
+def isolated_ms(cases, n, runs, turns) -> dict[str, float]:
+  """case -> median fwd+bwd ms, each case timed in its own process (time_case), `turns` turns."""
+  reports = timing.isolated(MODULE, list(cases), turns=turns,
+                            extra_args=["--n", str(n), "--runs", str(runs)])
+  return {case: 1e3 * statistics.median(t) for case, t in timing.pooled_seconds(reports).items()}
+
+
+def peers(n, runs, turns) -> list[str]:
+  """Markdown: fwd+bwd ms of None and tokamax's XLA implementations on the options both take."""
+  if timing.import_tokamax() is None:
+    return []
+  cases = peer_cases(n)
+  ms = isolated_ms([f"{mask} | {system}" for mask in cases for system in PEER_SYSTEMS],
+                   n, runs, turns)
   chosen = picks(n, {name: (ours, None) for name, (ours, _) in cases.items()})
-  lines = [f"## Against tokamax (N={n}, fwd+bwd ms, medians of {runs})", "",
+  lines = [f"## Against tokamax (N={n}, fwd+bwd ms, medians of {turns} turns x {runs} runs, "
+           "each (mask, system) in its own process)", "",
            "| mask | `None` (runs) | tokamax xla | tokamax xla_chunked | xla / None | "
            "xla_chunked / None |", "|---|---|---|---|---|---|"]
   for name in cases:
-    ours = ms[name, "None"]
-    lines.append(f"| {name} | {ours:.0f} ({chosen[name]}) | {ms[name, 'xla']:.0f} | "
-                 f"{ms[name, 'xla_chunked']:.0f} | {ms[name, 'xla'] / ours:.2f} | "
-                 f"{ms[name, 'xla_chunked'] / ours:.2f} |")
+    ours, xla, chunked = (ms[f"{name} | {system}"] for system in PEER_SYSTEMS)
+    lines.append(f"| {name} | {ours:.0f} ({chosen[name]}) | {xla:.0f} | {chunked:.0f} | "
+                 f"{xla / ours:.2f} | {chunked / ours:.2f} |")
   return lines
 
 
@@ -108,8 +137,8 @@ def report(n, ms, fracs, chosen):
   lines = [f"# Visible fraction vs time (CPU, float32, fwd+bwd, None, H=8, D=64, N={n})", "",
            "Generated by `python -m experiments.bench.sparsity`. Time fraction: the row's "
            "time over full attention's (non-causal rows) or full causal's (causal rows), "
-           "medians timed round-robin in one process; `implementation=None` throughout, the "
-           "implementation it runs in brackets.", "",
+           "each mask timed in a process of its own, the processes taking turns, medians; "
+           "`implementation=None` throughout, the implementation it runs in brackets.", "",
            "| mask | visible fraction | ms (None runs) | time fraction | time / visible "
            "(relative) |", "|---|---|---|---|---|"]
   for name, t in ms.items():
@@ -144,27 +173,29 @@ def plot(ms, fracs, path):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--n", type=int, default=16384)
-  parser.add_argument("--runs", type=int, default=3)
+  parser.add_argument("--runs", type=int, default=3, help="timed runs per process")
+  parser.add_argument("--turns", type=int, default=2, help="processes per case, in turn")
   size = parser.add_mutually_exclusive_group()
   size.add_argument("--quick", action="store_true", help="N=2048, 1 run, no memory check")
   size.add_argument("--smoke", action="store_true",
                     help="N=256, 1 run, no memory check: that the command runs")
   parser.add_argument("--peer-n", type=int, default=4096, help="N of the tokamax comparison")
   parser.add_argument("--out", default="docs/sparsity_cpu.md")
+  parser.add_argument("--time-case", default=None, help=argparse.SUPPRESS)  # a worker's case
   args = parser.parse_args()
+  if args.time_case:
+    print(json.dumps(time_case(args.time_case, args.n, args.runs)))
+    return
   n = 256 if args.smoke else 2048 if args.quick else args.n
-  windows = [w for w in (128, 512, 2048) if w < n]
-  docs = [d for d in (4, 16, 64) if n % d == 0]
-  cases = variants(n, windows, docs)
-  fns = {name: _fwd_bwd(n, kwargs) for name, (kwargs, _) in cases.items()}
-  runs = 1 if args.quick or args.smoke else args.runs
-  ms = {name: 1e3 * t for name, t in timing.median_seconds(fns, runs).items()}
+  runs, turns = (1, 1) if args.quick or args.smoke else (args.runs, args.turns)
+  cases = variants(n)
+  ms = isolated_ms(cases, n, runs, turns)
   fracs = {name: frac for name, (_, frac) in cases.items()}
   lines = report(n, ms, fracs, picks(n, cases))
   if not (args.quick or args.smoke):
     lines += [f"XLA temp memory of fwd+bwd with 16 documents (segment ids) at N=131072, H=1, "
               f"D=64: {segment_memory():.3f} GiB.", ""]
-  lines += [*peers(min(n, args.peer_n), runs), ""]
+  lines += [*peers(min(n, args.peer_n), runs, turns), ""]
   print("\n".join(lines))
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out, "w") as f:
