@@ -146,3 +146,16 @@ def test_collective_bytes_reads_replica_groups():
       '  %w = f32[4]{0} while(%a), body=%body, backend_config={"known_trip_count":{"n":"3"}}',
       "}"])
   assert hlo_bytes.collective_bytes(hlo, 8) == 3 * 16 + 32 * 3 / 4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_layout_part_times_the_same_attention(causal):
+  """--part layout's head-major plain graph, given the inputs transposed, is `None`'s attention
+  transposed: the two columns it compares compute the same thing."""
+  from experiments.bench import attention as bench  # pylint: disable=import-outside-toplevel
+  import flax_mha  # pylint: disable=import-outside-toplevel
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (2, 16, 4, 8)) for key in keys)
+  ours = flax_mha.dot_product_attention(q, k, v, is_causal=causal)
+  theirs = bench._head_major_plain(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), causal)
+  assert jax.numpy.allclose(theirs.transpose(0, 2, 1, 3), ours, atol=1e-5)

@@ -2,6 +2,7 @@
 
   python -m experiments.bench.attention [--quick]   # CPU, float32 -> docs/benchmark_cpu.*
   python -m experiments.bench.attention --part protocol --out docs/benchmark_cpu_protocol.md
+  python -m experiments.bench.attention --part layout --out docs/benchmark_cpu_layout.md
   python -m experiments.bench.attention --part memory --out docs/benchmark_cpu_memory.md
   python -m experiments.bench.attention --device gpu --dtype bfloat16 --json gpu.json
 
@@ -13,7 +14,10 @@ every other turn); in its process a system is compiled and run twice, then its f
 forward+backward are timed in turn for `--rounds` rounds. Cells are medians over all rounds of
 all turns. Systems share no process because sharing one changes their times: `--part protocol`
 measures it, timing `None` alone against `None` among every JAX peer in one process, and torch
-alone against torch beside JAX (the protocol before this one). tokamax is an optional peer
+alone against torch beside JAX (the protocol before this one). `--part layout` times, at the
+small shapes (N <= 512, non-causal), `None` beside the same plain graph given its inputs already
+in torch's [B, H, N, D] layout (no transpose in its program) and torch SDPA: what the API's
+[B, N, H, D] layout costs on XLA:CPU and what remains without it. tokamax is an optional peer
 (`pip install tokamax`), timed where it imports. FLOPs: forward 4·B·H·N²·D (halved when
 causal), forward + backward 3.5x that. Memory: XLA's temp bytes of the compiled
 forward+backward.
@@ -43,6 +47,17 @@ from flax_mha.kernels import xla
 H100_BF16_TFLOPS = 989.0
 GIB = 2**30
 TORCH = ("torch", "peak torch")  # the systems timed in torch; every other one is JAX's
+HEAD_MAJOR = "head-major plain graph"  # --part layout: inputs transposed before timing
+
+
+def _head_major_plain(q_BHNK, k_BHNK, v_BHNK, causal):
+  """`xla`'s plain graph (scaled query, product, library softmax, product) on inputs already
+  in torch's [B, H, N, D] layout, the output left in it: nothing for XLA to transpose."""
+  logits = jnp.einsum("BHTK,BHSK->BHTS", q_BHNK * q_BHNK.shape[-1]**-0.5, k_BHNK)
+  if causal:
+    n = logits.shape[-1]
+    logits = logits + jnp.where(jnp.tri(n, dtype=bool), 0.0, jnp.finfo(logits.dtype).min)
+  return jnp.einsum("BHTS,BHSV->BHTV", jax.nn.softmax(logits, axis=-1), v_BHNK)
 
 
 def _tokamax_peers(device):
@@ -151,14 +166,19 @@ def time_case(d, n, causal, systems, *, dtype, device, rounds, tokens):
   b = max(1, tokens // n)
   q, k, v = (jax.random.normal(key, (b, n, 8, d), dtype)
              for key in jax.random.split(jax.random.key(0), 3))
-  peers = _jax_peers(device) if set(systems) - set(TORCH) - {"peak jax"} else {}
+  peers = _jax_peers(device) if set(systems) - {*TORCH, "peak jax", HEAD_MAJOR} else {}
   calls = {}
   for name in systems:
     if name.startswith("peak"):
       calls[name, 0] = _peak_callable(name, device)
       continue
-    fns = (_torch_callables(q, k, v, causal, device) if name == "torch"
-           else _jax_callables(peers[name], q, k, v, causal))
+    if name == "torch":
+      fns = _torch_callables(q, k, v, causal, device)
+    elif name == HEAD_MAJOR:
+      fns = _jax_callables(_head_major_plain, *(x.transpose(0, 2, 1, 3) for x in (q, k, v)),
+                           causal)
+    else:
+      fns = _jax_callables(peers[name], q, k, v, causal)
     calls.update({(name, i): fn for i, fn in enumerate(fns)})
   times = timing.round_robin(calls, rounds, rotate=True)
   out = {}
@@ -228,6 +248,15 @@ def speed(grid, args):
   return rows
 
 
+def _write(path, text):
+  """The report to `path` (its folder made) and to stdout."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    f.write(text)
+  print(text)
+  print(f"wrote {path}")
+
+
 def _write_json(path, speed_rows, mem_rows=(), largest=None):
   with open(path, "w") as f:
     json.dump(dict(speed=speed_rows, memory=list(mem_rows), largest_n=largest or {}), f, indent=1)
@@ -252,6 +281,26 @@ def protocol(case, args) -> list[str]:
     base = alone["torch" if label.startswith("torch") else "default"]
     lines.append(f"| {label} | {fwd:.1f} / {fwd_bwd:.1f} | {fwd / base[0]:.2f} / "
                  f"{fwd_bwd / base[1]:.2f} |")
+  return lines
+
+
+def layout(grid, args) -> list[str]:
+  """Markdown: `None`, the head-major plain graph and torch at each shape of `grid`."""
+  systems = ["default", HEAD_MAJOR] + (["torch"] if has_torch(args.device) else [])
+  lines = [f"{args.alternations} turns of {args.rounds} rounds, each system in its own process, "
+           "medians; ms forward / forward+backward.", "",
+           "| D | N | B | `None` (API layout) | plain graph on [B, H, N, D] | torch SDPA | "
+           "`None` / plain graph | plain graph / torch |", "|---|---|---|---|---|---|---|---|"]
+  for d, n, causal in grid:
+    times = _alternate(d, n, causal, [[name] for name in systems], args)
+    ms = {name: [1e3 * statistics.median(t) for t in pair] for name, pair in times.items()}
+    cell = lambda name: "{:.1f} / {:.1f}".format(*ms[name]) if name in ms else "—"
+    ratio = lambda a, b: ("{:.2f} / {:.2f}".format(*(x / y for x, y in zip(ms[a], ms[b])))
+                          if a in ms and b in ms else "—")
+    lines.append(f"| {d} | {n} | {max(1, args.tokens // n)} | {cell('default')} | "
+                 f"{cell(HEAD_MAJOR)} | {cell('torch')} | {ratio('default', HEAD_MAJOR)} | "
+                 f"{ratio(HEAD_MAJOR, 'torch')} |")
+    print(lines[-1], flush=True)
   return lines
 
 
@@ -380,8 +429,9 @@ def main():
   parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on GPU by default")
   parser.add_argument("--tokens", type=int, default=4096,
                       help="B·N (B = max(1, tokens // N)); a GPU needs e.g. 65536 to be busy")
-  parser.add_argument("--part", choices=("all", "speed", "memory", "protocol"), default="all",
-                      help="speed, memory (CPU), both (all), or the protocol's check")
+  parser.add_argument("--part", choices=("all", "speed", "memory", "protocol", "layout"),
+                      default="all", help="speed, memory (CPU), both (all), the protocol's "
+                      "check, or what the API layout costs at small N")
   parser.add_argument("--rounds", type=int, default=None, help="timed rounds per turn")
   parser.add_argument("--alternations", type=int, default=None,
                       help="turns of the JAX and torch processes per shape")
@@ -409,14 +459,21 @@ def main():
     return
   keep = lambda values, x: values is None or x in map(int, values.split(","))
   grid = [(d, n, c) for d, n, c in grid if keep(args.ds, d) and keep(args.ns, n)]
+  if args.part == "layout":
+    grid = grid if args.smoke else [(d, n, c) for d, n, c in grid if n <= 512 and not c]
   if args.from_json:
     speed_rows = [row for path in args.from_json for row in json.load(open(path))["speed"]]
   else:
     speed_rows = speed(grid, args) if args.part in ("all", "speed") else []
+  if args.part == "layout":
+    text = "\n".join(["# What the [B, N, H, D] layout costs at small N", "",
+                      "`python -m experiments.bench.attention --part layout` (see its "
+                      "docstring).", "", *layout(grid, args), ""])
+    _write(args.out or "docs/benchmark_cpu_layout.md", text)
+    return
   mem_rows, largest = (memory(mem_sizes, cap)
                        if args.device == "cpu" and args.part in ("all", "memory") else ([], {}))
   out = args.out or f"docs/benchmark_{args.device}.md"
-  os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
   if args.part == "protocol":
     text = "\n".join(["# The benchmark protocol's check", "",
                       "`python -m experiments.bench.attention --part protocol` (see its "
@@ -424,14 +481,11 @@ def main():
                       *protocol(grid[0] if args.smoke else PROTOCOL_CASE, args), ""])
   else:
     text = markdown(speed_rows, mem_rows, largest, args.device, args.dtype)
-  with open(out, "w") as f:
-    f.write(text)
-  print(text)
+  _write(out, text)
   if speed_rows:
     plot(speed_rows, out[:-3] + ".png", args.device)
   if args.json:
     _write_json(args.json, speed_rows, mem_rows, largest)
-  print(f"wrote {out}")
 
 
 if __name__ == "__main__":
