@@ -70,7 +70,11 @@ SMALL_LOGITS_CAUSAL_NARROW = 256 * 256  # causal, K <= 64
 SMALL_LOGITS_BANDED_32 = 128 * 128  # causal or a window, K <= 32
 SMALL_LOGITS_SPARSE = 256 * 256  # chunked visits at most SPARSE_VISITED of its tiles
 SPARSE_VISITED = 0.625
-ROWS_MAX_KEYS = 16384  # a "rows" tile holds >= 128 query rows x S keys: chunked's tiles beyond
+# A "rows" tile holds >= 128 query rows x S keys: past 8192 keys it outgrows the cache, and
+# chunked's tiles do not (`python -m experiments.bench.attention --ds 64 --ns 8192,16384`, each
+# in its own process: rows took 0.89-0.94x chunked's forward+backward time at N=8192, 1.10x
+# non-causal and 1.12x causal at N=16384).
+ROWS_MAX_KEYS = 8192
 # Up to DECODE_MAX_QUERIES queries over at least DECODE_MIN_KEYS keys of a cache (positions or
 # key lengths: the decode kernel skips the blocks that hold nothing visible), or over at least
 # DECODE_MIN_KEYS_DENSE keys otherwise, "decode" (keys split, merged by lse;

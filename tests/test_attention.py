@@ -114,7 +114,8 @@ def test_default_implementation_equals_numpy_at_both_regimes(n):
 @pytest.mark.parametrize("n, k, is_causal, dropout_rate, picked", [
     (256, 64, False, 0.0, "xla"), (512, 64, False, 0.0, "rows"),
     (128, 64, True, 0.0, "xla"), (256, 64, True, 0.0, "rows"),
-    (32768, 64, False, 0.0, "chunked"),
+    (8192, 64, True, 0.0, "rows"), (16384, 64, False, 0.0, "chunked"),
+    (16384, 64, True, 0.0, "chunked"),
     (512, 64, False, 0.1, "xla"), (1024, 64, False, 0.1, "chunked"),
     (256, 64, True, 0.1, "xla"), (512, 64, True, 0.1, "chunked"), (512, 128, True, 0.1, "xla"),
 ])
