@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import flax_mha
 from experiments.bench import timing
 from flax_mha import attention as attention_lib
+from flax_mha import masks as masks_lib
 from flax_mha.kernels import chunked
 from flax_mha.kernels import rows as rows_lib
 from flax_mha.kernels import xla
@@ -55,8 +56,8 @@ def _head_major_plain(q_BHNK, k_BHNK, v_BHNK, causal):
   in torch's [B, H, N, D] layout, the output left in it: nothing for XLA to transpose."""
   logits = jnp.einsum("BHTK,BHSK->BHTS", q_BHNK * q_BHNK.shape[-1]**-0.5, k_BHNK)
   if causal:
-    n = logits.shape[-1]
-    logits = logits + jnp.where(jnp.tri(n, dtype=bool), 0.0, jnp.finfo(logits.dtype).min)
+    visible = masks_lib.causal_mask(logits.shape[-1])
+    logits = logits + jnp.where(visible, 0.0, jnp.finfo(logits.dtype).min)
   return jnp.einsum("BHTS,BHSV->BHTV", jax.nn.softmax(logits, axis=-1), v_BHNK)
 
 
@@ -466,16 +467,15 @@ def main():
   grid = [(d, n, c) for d in axes[0] for n in axes[1] for c in axes[2]]
   if args.part == "layout":
     grid = grid if args.smoke else [(d, n, c) for d, n, c in grid if n <= 512 and not c]
-  if args.from_json:
-    speed_rows = [row for path in args.from_json for row in json.load(open(path))["speed"]]
-  else:
-    speed_rows = speed(grid, args) if args.part in ("all", "speed") else []
-  if args.part == "layout":
     text = "\n".join(["# What the [B, N, H, D] layout costs at small N", "",
                       "`python -m experiments.bench.attention --part layout` (see its "
                       "docstring).", "", *layout(grid, args), ""])
     _write(args.out or "docs/benchmark_cpu_layout.md", text)
     return
+  if args.from_json:
+    speed_rows = [row for path in args.from_json for row in json.load(open(path))["speed"]]
+  else:
+    speed_rows = speed(grid, args) if args.part in ("all", "speed") else []
   mem_rows, largest = (memory(mem_sizes, cap)
                        if args.device == "cpu" and args.part in ("all", "memory") else ([], {}))
   out = args.out or f"docs/benchmark_{args.device}.md"
