@@ -56,7 +56,7 @@ def _code_spans(name: str, text: str) -> list[str]:
 
 def cited_commands() -> list[str]:
   """Each `python -m experiments.` command cited, from its first word (an environment
-  variable's, if any) to its end; one of those that differ by --quick only."""
+  variable's, if any) to its end; one of those that differ by --quick or --out only."""
   commands = []
   for name in CITING:
     for span in _code_spans(name, (REPO / name).read_text()):
@@ -72,8 +72,11 @@ def cited_commands() -> list[str]:
 
 
 def _smoke_key(command: str) -> str:
-  """What a command runs as a smoke test: --quick makes no difference there."""
-  return " ".join(w for w in command.split() if w != "--quick")
+  """What a command runs as a smoke test: --quick makes no difference there, nor --out (a smoke
+  run writes no file)."""
+  words = command.split()
+  return " ".join(w for i, w in enumerate(words)
+                  if w != "--quick" and w != "--out" and (i == 0 or words[i - 1] != "--out"))
 
 
 def _tiny(args: list[str], workdir: pathlib.Path) -> list[str]:

@@ -1,19 +1,23 @@
 """Training throughput: the Transformer on flax_mha's attention vs on flax.linen's.
 
   python -m experiments.bench.training --config configs/dates.py
-  python -m experiments.bench.training --config configs/dates.py:tiny --windows 3
+  python -m experiments.bench.training --config configs/dates.py:tiny --turns 2 --windows 3
 
 Both models are the same `flax_mha.models.transformer.Transformer`, once with the default
 `flax_mha.MultiHeadAttention` and once with `flax.linen.MultiHeadDotProductAttention` swapped in
 (`TransformerConfig.attention_cls`). They train on the same batches with the same jitted step,
-in one process; timed windows alternate between the two so load on the machine hits both alike.
-Prints a markdown table of tokens/s (the runner's count: non-pad source + target tokens), the
-median over the windows.
+each in a process of its own: the processes take turns, the order reversed every other turn
+(see experiments.bench.timing), and each times --windows windows after a compiling one. Prints
+a markdown table of tokens/s (the runner's count: non-pad source + target tokens): the median
+over all windows of all turns, and the median of the ratios of windows of the same index in the
+same turn.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import sys
 from typing import Any
 
 import flax.linen as nn
@@ -50,50 +54,64 @@ class LinenAttention(nn.Module):
                                           deterministic=deterministic, sow_weights=sow_weights)
 
 
-def benchmark(config, windows: int, steps_per_window: int) -> list[dict]:
-  """Median tokens/s of each attention over `windows` timed windows, after a warm-up window."""
+VARIANTS = {"flax_mha.MultiHeadAttention": None,
+            "flax.linen.MultiHeadDotProductAttention": LinenAttention}
+
+
+def time_case(config, name: str, windows: int, steps_per_window: int) -> dict:
+  """Worker: {"seconds": [...], "tokens": ..., "params": ...} of one attention: the seconds of
+  each timed window (a window: one pass through the same `steps_per_window` batches, always
+  from the initial state; the step donates nothing), after an untimed one that compiles."""
   runner = Seq2SeqRunner(config)
   batches = [runner.train_batch(step) for step in range(steps_per_window)]
-  tokens = sum(runner.num_tokens(b) for b in batches)
   tx = train.make_optimizer(config.train)
-  base = runner.model.config
-  runs = {}
-  for name, cfg in (("flax_mha.MultiHeadAttention", base),
-                    ("flax.linen.MultiHeadDotProductAttention",
-                     base.replace(attention_cls=LinenAttention))):
-    variant = Seq2SeqRunner(config, model=Transformer(cfg))
-    state = train.init_state(variant, tx)
-    step_fn = jax.jit(functools.partial(train.train_step, runner=variant, model=variant.model,
-                                        tx=tx, label_smoothing=config.train.label_smoothing))
-    runs[name] = {"step_fn": step_fn, "state": state,
-                  "params": sum(x.size for x in jax.tree.leaves(state.params))}
+  model_config = runner.model.config
+  if VARIANTS[name] is not None:
+    model_config = model_config.replace(attention_cls=VARIANTS[name])
+  variant = Seq2SeqRunner(config, model=Transformer(model_config))
+  initial = train.init_state(variant, tx)
+  step_fn = jax.jit(functools.partial(train.train_step, runner=variant, model=variant.model,
+                                      tx=tx, label_smoothing=config.train.label_smoothing))
 
-  def window(run):
-    """One pass through `batches`, always from the initial state (the step donates nothing)."""
-    state = run["state"]
+  def window():
+    state = initial
     for batch in batches:
-      state, metrics = run["step_fn"](state, batch)
+      state, metrics = step_fn(state, batch)
     jax.block_until_ready((state, metrics))
 
-  passes = {name: functools.partial(window, run) for name, run in runs.items()}
-  seconds = timing.round_robin(passes, windows, warmups=1)  # the warm-up compiles every shape
-  rates = {name: tokens / np.array(seconds[name]) for name in runs}
-  return [{"attention": name, "params": run["params"],
-           "tokens_per_second": float(np.median(rates[name])),
-           "min": float(np.min(rates[name])), "max": float(np.max(rates[name]))}
-          for name, run in runs.items()]
+  seconds = timing.round_robin({name: window}, windows, warmups=1)[name]
+  return {"seconds": seconds, "tokens": sum(runner.num_tokens(b) for b in batches),
+          "params": sum(x.size for x in jax.tree.leaves(initial.params))}
+
+
+def benchmark(turns: int, worker_args: list[str]) -> list[dict]:
+  """Tokens/s of each attention over all timed windows of `turns` turns of worker processes
+  (each given `worker_args`, this command's own flags)."""
+  reports = timing.isolated("experiments.bench.training", list(VARIANTS), turns=turns,
+                            extra_args=worker_args)
+  tokens = {name: mine[0]["tokens"] for name, mine in reports.items()}
+  if len(set(tokens.values())) != 1:
+    raise RuntimeError(f"the variants trained on different batches: {tokens}")
+  rates = {name: [tokens[name] / t for t in seconds]
+           for name, seconds in timing.pooled_seconds(reports).items()}
+  linen = rates["flax.linen.MultiHeadDotProductAttention"]
+  return [{"attention": name, "params": reports[name][0]["params"],
+           "tokens_per_second": float(np.median(rate)), "min": float(np.min(rate)),
+           "max": float(np.max(rate)), "windows": len(rate),
+           "vs_linen": float(np.median([a / b for a, b in zip(rate, linen)]))}
+          for name, rate in rates.items()]
 
 
 def markdown(rows: list[dict], config) -> str:
-  baseline = rows[-1]["tokens_per_second"]
   lines = [f"task `{config.task.name}`, batch {config.train.batch_size}, "
            f"d={config.model.d_model}, {config.model.num_encoder_layers}+"
            f"{config.model.num_decoder_layers} layers, backend {jax.default_backend()}", "",
-           "| attention | params | tokens/s (median) | min | max | vs linen |",
-           "|---|---|---|---|---|---|"]
+           f"| attention | params | tokens/s (median of {rows[0]['windows']} windows) | min | "
+           "max | vs linen |", "|---|---|---|---|---|---|"]
   lines += [f"| {r['attention']} | {r['params']:,} | {r['tokens_per_second']:,.0f} | "
-            f"{r['min']:,.0f} | {r['max']:,.0f} | {r['tokens_per_second'] / baseline:.2f}x |"
-            for r in rows]
+            f"{r['min']:,.0f} | {r['max']:,.0f} | {r['vs_linen']:.2f}x |" for r in rows]
+  lines += ["", "vs linen: the median over windows of tokens/s over linen's in the window of the "
+            "same index and turn"]
   return "\n".join(lines)
 
 
@@ -102,15 +120,21 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   config, args = flags.FLAGS.config, flags.FLAGS
   windows, steps = (1, 1) if args.smoke else (args.windows, args.steps_per_window)
-  print(markdown(benchmark(config, windows, steps), config))
+  if args["time-case"].value:
+    print(json.dumps(time_case(config, args["time-case"].value, windows, steps)))
+    return
+  turns = 1 if args.smoke else args.turns
+  print(markdown(benchmark(turns, sys.argv[1:]), config))
 
 
 if __name__ == "__main__":
   config_flags.DEFINE_config_file(
       "config", "configs/dates.py", "experiment config: configs/<name>.py[:arg]",
       lock_config=True)
-  flags.DEFINE_integer("windows", 5, "timed windows per attention")
+  flags.DEFINE_integer("turns", 3, "processes per attention, in turn")
+  flags.DEFINE_integer("windows", 5, "timed windows per process")
   flags.DEFINE_integer("steps_per_window", 16, "training steps per window")
-  flags.DEFINE_bool("smoke", False, "1 window of 1 step: that the command runs, no figures "
-                    "(with a config's tiny variant, the least it can compile)")
+  flags.DEFINE_bool("smoke", False, "1 turn of 1 window of 1 step: that the command runs, no "
+                    "figures (with a config's tiny variant, the least it can compile)")
+  flags.DEFINE_string("time-case", None, "a worker's attention (set by the benchmark itself)")
   app.run(main)
