@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import statistics
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads its OpenMP runtime
 
@@ -436,7 +437,8 @@ def main():
   parser.add_argument("--rounds", type=int, default=None, help="timed rounds per turn")
   parser.add_argument("--alternations", type=int, default=None,
                       help="turns of the JAX and torch processes per shape")
-  parser.add_argument("--json", default=None, help="also write all rows as JSON here")
+  parser.add_argument("--json", default=None,
+                      help="also write all rows as JSON here (a temporary file under --smoke)")
   parser.add_argument("--ds", default=None,
                       help="these D in place of the grid's, e.g. 64,128 (ignored by --smoke)")
   parser.add_argument("--ns", default=None,
@@ -460,6 +462,9 @@ def main():
                                dtype=jnp.dtype(args.dtype), device=args.device,
                                rounds=args.rounds, tokens=args.tokens)))
     return
+  if args.smoke:  # every step runs, but no report of the repository is overwritten
+    args.out = os.path.join(tempfile.mkdtemp(), "smoke.md")
+    args.json = args.json and os.path.join(os.path.dirname(args.out), "smoke.json")
   axes = [sorted({case[i] for case in grid}) for i in range(3)]  # the grid's D, N and causal
   for i, values in ((0, args.ds), (1, args.ns)):
     if values is not None and not args.smoke:  # a smoke run keeps its tiny shape
