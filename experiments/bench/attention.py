@@ -195,13 +195,6 @@ def _worker_args(d, n, causal, args) -> list[str]:
           "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
 
 
-def _in_worker(d, n, causal, systems, args) -> dict:
-  """time_case in a process of its own."""
-  case = ",".join(systems)
-  return timing.isolated("experiments.bench.attention", [case], turns=1,
-                         extra_args=_worker_args(d, n, causal, args))[case][0]
-
-
 def _alternate(d, n, causal, groups, args) -> dict:
   """name -> ([fwd seconds], [fwd+bwd seconds]) over `args.alternations` turns of the process
   groups, each group in its own process, the order reversed every other turn."""
@@ -270,14 +263,18 @@ def protocol(case, args) -> list[str]:
   others = [name for name in _jax_peers(args.device) if not _skip(name, n, args.device)]
   settings = {"`None` alone": ["default"], "`None` among every JAX peer": ["default", *others],
               "torch alone": ["torch"], "torch beside `None` (one process)": ["torch", "default"]}
-  times = {}
-  for turn in range(args.alternations):
-    for label, systems in settings.items():
-      _extend(times, label, *_in_worker(d, n, causal, systems, args)[systems[0]])
+  reports = timing.isolated("experiments.bench.attention",
+                            [",".join(systems) for systems in settings.values()],
+                            turns=args.alternations, extra_args=_worker_args(d, n, causal, args))
+  times = {}  # each setting's first system, in that setting's processes
+  for label, systems in settings.items():
+    for report in reports[",".join(systems)]:
+      _extend(times, label, *report[systems[0]])
   ms = {label: [1e3 * statistics.median(t) for t in pair] for label, pair in times.items()}
   alone = {"default": ms["`None` alone"], "torch": ms["torch alone"]}
   lines = [f"D={d}, N={n}, B={max(1, args.tokens // n)}, {'causal' if causal else 'non-causal'};"
-           f" {args.alternations} turns of {args.rounds} rounds, medians.", "",
+           f" {args.alternations} turns of {args.rounds} rounds (the four processes in turn, their"
+           " order reversed every other turn), medians.", "",
            "| setting | ms fwd / fwd+bwd | time / alone, fwd / fwd+bwd |", "|---|---|---|"]
   for label, (fwd, fwd_bwd) in ms.items():
     base = alone["torch" if label.startswith("torch") else "default"]
