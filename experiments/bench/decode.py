@@ -53,7 +53,7 @@ ATTENTION = {"flax_mha (None: decode)": flax_mha.dot_product_attention,
              "flax_mha xla": functools.partial(flax_mha.dot_product_attention,
                                                implementation="xla"),
              "jax.nn": jax.nn.dot_product_attention}
-TORCH_SDPA = "torch SDPA (alone)"
+TORCH_SDPA = "torch SDPA"
 
 
 def _torch_sdpa(b, t, s, h, g, k, v):
