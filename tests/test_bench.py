@@ -58,7 +58,7 @@ def _code_spans(name: str, text: str) -> list[str]:
 
 def cited_commands() -> list[str]:
   """Each `python -m experiments.` command cited, from its first word (an environment
-  variable's, if any) to its end; one of those that differ by --quick or --out only."""
+  variable's, if any) to its end; one of those that run the same smoke test (`_smoke_key`)."""
   commands = []
   for name in CITING:
     for span in _code_spans(name, (REPO / name).read_text()):
@@ -77,10 +77,14 @@ def _smoke_key(command: str) -> str:
   """What a command runs as a smoke test: --quick makes no difference there, nor --out (a smoke
   run writes no report of the repository's) or the options SMOKE_IGNORES names."""
   words = command.split()
-  module = words[words.index("-m") + 1]
-  ignored = {"--out", *SMOKE_IGNORES.get(module, ())}
+  ignored = {"--out", *SMOKE_IGNORES.get(_module(command), ())}
   kept = [w for before, w in zip([""] + words, words) if w not in ignored and before not in ignored]
   return " ".join(w for w in kept if w != "--quick")
+
+
+def _module(command: str) -> str:
+  """The module a cited command runs."""
+  return command.split("python -m ")[1].split()[0]
 
 
 def _tiny(args: list[str], workdir: pathlib.Path) -> list[str]:
@@ -110,7 +114,7 @@ def smoke_argv(command: str, scratch: pathlib.Path) -> tuple[dict, list[str]]:
 
 
 COMMANDS = cited_commands()
-MODULES = sorted({c.split("python -m ")[1].split()[0] for c in COMMANDS} - set(TESTED_ELSEWHERE))
+MODULES = sorted({_module(c) for c in COMMANDS} - set(TESTED_ELSEWHERE))
 
 
 def test_every_benchmark_is_cited():

@@ -263,12 +263,12 @@ def protocol(case, args) -> list[str]:
   others = [name for name in _jax_peers(args.device) if not _skip(name, n, args.device)]
   settings = {"`None` alone": ["default"], "`None` among every JAX peer": ["default", *others],
               "torch alone": ["torch"], "torch beside `None` (one process)": ["torch", "default"]}
-  reports = timing.isolated("experiments.bench.attention",
-                            [",".join(systems) for systems in settings.values()],
+  cases = {label: ",".join(systems) for label, systems in settings.items()}
+  reports = timing.isolated("experiments.bench.attention", list(cases.values()),
                             turns=args.alternations, extra_args=_worker_args(d, n, causal, args))
   times = {}  # each setting's first system, in that setting's processes
   for label, systems in settings.items():
-    for report in reports[",".join(systems)]:
+    for report in reports[cases[label]]:
       _extend(times, label, *report[systems[0]])
   ms = {label: [1e3 * statistics.median(t) for t in pair] for label, pair in times.items()}
   alone = {"default": ms["`None` alone"], "torch": ms["torch alone"]}

@@ -2,12 +2,13 @@
 
 Systems side by side in one process slow each other (JAX beside JAX as well as beside torch:
 `python -m experiments.bench.attention --part protocol` measures it), so the benchmarks that
-compare systems (attention, decode, nnx, sparsity, training) time each system, or each case, in a worker
-process of its own (`isolated`): every turn runs one worker per case, one after the other, the
-order reversed every other turn, so load on a shared machine hits all alike and no case always
-follows the same other one. Within a worker, `round_robin` times its calls in turn; medians are
-taken over all rounds of all turns. The benchmarks that sweep one kernel's own settings
-(blocks, ring, decode's sweep) time them round-robin in one process, as their docstrings say.
+compare systems (attention, decode, nnx, sparsity, training) time each system, or each case, in
+a worker process of its own (`isolated`): every turn runs one worker per case, one after the
+other, the order reversed every other turn, so load on a shared machine hits all alike and no
+case always follows the same other one. Within a worker, `round_robin` times its calls in
+turn; medians are taken over all rounds of all turns. The benchmarks that sweep one kernel's
+own settings (blocks, ring, decode's sweep) time them round-robin in one process, as their
+docstrings say.
 """
 
 from __future__ import annotations

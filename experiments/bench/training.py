@@ -65,10 +65,8 @@ def time_case(config, name: str, windows: int, steps_per_window: int) -> dict:
   runner = Seq2SeqRunner(config)
   batches = [runner.train_batch(step) for step in range(steps_per_window)]
   tx = train.make_optimizer(config.train)
-  model_config = runner.model.config
-  if VARIANTS[name] is not None:
-    model_config = model_config.replace(attention_cls=VARIANTS[name])
-  variant = Seq2SeqRunner(config, model=Transformer(model_config))
+  variant = runner if VARIANTS[name] is None else Seq2SeqRunner(config, model=Transformer(
+      runner.model.config.replace(attention_cls=VARIANTS[name])))
   initial = train.init_state(variant, tx)
   step_fn = jax.jit(functools.partial(train.train_step, runner=variant, model=variant.model,
                                       tx=tx, label_smoothing=config.train.label_smoothing))
