@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 WORKDIR ?= runs/dates
 
-.PHONY: run test test-slow test-min bench docs docs-serve venv clean
+.PHONY: run test test-integration test-slow test-min bench docs docs-serve venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -19,8 +19,17 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m experiments.train --config configs/dates.py --workdir $(WORKDIR)
 
+# The unit suite (pyproject's default markers: not slow, not integration): in-process, minutes.
+# PYTEST_ARGS adds options to either part (CI passes --durations=25).
+PYTEST_ARGS ?=
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
+
+# The integration part: subprocesses (multi-device checks, the wheel, the command lines),
+# benchmark smoke runs, the site build with every page's examples, end-to-end trainings. Each
+# test file stays on one worker, so a module's training fixture trains once.
+test-integration: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m 'integration and not slow' $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

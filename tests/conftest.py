@@ -225,3 +225,11 @@ def variant(request):
 def _clear_trace_counter():
   chex.clear_trace_counter()
   yield
+
+
+def pytest_collection_modifyitems(items):
+  """A multi-device check starts an interpreter of its own: it belongs to the integration part
+  (`make test-integration`), never the unit suite."""
+  for item in items:
+    if item.get_closest_marker("multidevice"):
+      item.add_marker(pytest.mark.integration)

@@ -127,6 +127,7 @@ def test_every_benchmark_is_cited():
 
 @pytest.mark.parametrize("module", [
     pytest.param(m, marks=[pytest.mark.slow] if m in SLOW_MODULES else [], id=m) for m in MODULES])
+@pytest.mark.integration
 def test_cited_commands_run(module, tmp_path):
   """The module's cited commands, one after the other: later ones reuse the programs the first
   compiled (a shared jax compilation cache)."""

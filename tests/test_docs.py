@@ -66,6 +66,7 @@ def test_blocks_that_do_not_run_are_rare():
   assert sum(skipped.values()) <= 1, skipped
 
 
+@pytest.mark.integration
 def test_readme_examples_run(tmp_path):
   text = (REPO / "README.md").read_text()
   assert examples.python_blocks(text), "README.md has a usage example"
@@ -111,6 +112,7 @@ def test_api_reference_covers_every_public_module():
   assert not missing, f"modules without an API reference entry (docs/api_*.md): {missing}"
 
 
+@pytest.mark.integration
 def test_site_builds_strict_with_every_figure(tmp_path):
   site = tmp_path / "site"
   env = dict(os.environ, NO_MKDOCS_2_WARNING="1")

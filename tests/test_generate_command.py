@@ -23,6 +23,7 @@ def _trained(kind, tmp_path):
   return tmp_path
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["dates", "lm"])
 def test_a_trained_workdir_answers_prompts(kind, tmp_path):
   """One training per model (each test a process of its own under xdist would train again):

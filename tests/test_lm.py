@@ -103,6 +103,7 @@ def trained(tmp_path_factory):
     return workdir, train.train_and_evaluate(tiny_config(), workdir), evaluations
 
 
+@pytest.mark.integration
 def test_tiny_config_learns_the_answers_tokens(trained):
   """Held-out loss on the answers under a uniform guess over the vocabulary (it starts above)."""
   workdir, summary, _ = trained
@@ -112,6 +113,7 @@ def test_tiny_config_learns_the_answers_tokens(trained):
   assert losses[0] > uniform and losses[-1] < uniform and summary["eval_loss"] < uniform
 
 
+@pytest.mark.integration
 def test_tokens_per_second_counts_each_real_token_once(trained):
   """Real tokens: the packed documents' tokens, counted by their segment ids (0 is padding)."""
   workdir, _, _ = trained
@@ -126,6 +128,7 @@ def test_tokens_per_second_counts_each_real_token_once(trained):
   assert_tokens_per_second(workdir, real_tokens, config.train.log_every)
 
 
+@pytest.mark.integration
 def test_exact_match_is_that_of_independent_greedy_answers(trained):
   """The last evaluation's answers, redone by appending one argmax at a time to `source BOS`
   (no segments: causality alone hides the PAD after the prefix)."""

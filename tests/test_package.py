@@ -1,9 +1,14 @@
 """The package: `import flax_mha` and its pure API load no flax; the front ends and models load on
-first access under the names the README shows."""
+first access under the names the README shows; the wheel holds the library alone and runs the
+README's usage example outside the repository."""
 
 import os
+import pathlib
+import re
+import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -11,6 +16,7 @@ import flax_mha
 from tests.multidevice.run import ROOT
 
 
+@pytest.mark.integration
 def test_the_pure_api_loads_no_flax():
   """`import flax_mha`, a call of dot_product_attention (and explain, masks, mods, rotary,
   sharding): neither flax nor optax is imported; the front ends load on first access."""
@@ -49,3 +55,43 @@ def test_lazy_names_are_the_front_ends_and_models():
   assert {"MultiHeadAttention", "nnx", "Transformer"} <= set(dir(flax_mha))
   with pytest.raises(AttributeError, match="module 'flax_mha' has no attribute 'Nope'"):
     flax_mha.Nope  # pylint: disable=pointless-statement
+
+
+def readme_usage() -> str:
+  """The python block under the README's '## Usage' heading."""
+  text = (ROOT / "README.md").read_text(encoding="utf-8")
+  usage = text[text.index("## Usage"):]
+  return re.search(r"```python\n(.*?)```", usage, re.S).group(1)
+
+
+@pytest.mark.integration
+def test_the_wheel_is_the_library_alone(tmp_path):
+  """Built offline from a copy of the sources, the wheel holds flax_mha and its metadata only
+  (experiments/ and configs/ run from the repository); installed into a folder of its own and
+  imported from outside the repository, it runs the README's usage example."""
+  source = tmp_path / "source"
+  source.mkdir()
+  for name in ("pyproject.toml", "README.md"):
+    shutil.copy(ROOT / name, source / name)
+  shutil.copytree(ROOT / "flax_mha", source / "flax_mha",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+  subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w",
+                  str(tmp_path / "dist"), str(source)], check=True, cwd=tmp_path)
+  (wheel,) = (tmp_path / "dist").glob("flax_mha-*.whl")
+  tops = {pathlib.PurePosixPath(n).parts[0] for n in zipfile.ZipFile(wheel).namelist()}
+  assert {t for t in tops if not t.endswith(".dist-info")} == {"flax_mha"}, tops
+  site = tmp_path / "site"
+  subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+                 check=True, cwd=tmp_path)
+  code = f"""
+import importlib.util, pathlib
+import flax_mha
+assert pathlib.Path(flax_mha.__file__).is_relative_to({str(site)!r}), flax_mha.__file__
+assert importlib.util.find_spec("experiments") is None
+assert importlib.util.find_spec("configs") is None
+{readme_usage()}
+assert out.shape == (2, 64, 8, 16) and y.shape == (2, 64, 128)
+"""
+  subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True,
+                 env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(site)))

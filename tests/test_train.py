@@ -117,6 +117,7 @@ def _truncate_files(folder):
       os.truncate(os.path.join(root, name), 0)
 
 
+@pytest.mark.integration
 def test_loss_goes_down(trained):
   workdir, _, _ = trained
   losses = [r["train/loss"] for r in metrics.read_rows(workdir) if "train/loss" in r]
@@ -124,6 +125,7 @@ def test_loss_goes_down(trained):
   assert len(losses) == 4 and losses[-1] < 0.95 * losses[0] and losses[-1] < 0.8 * uniform
 
 
+@pytest.mark.integration
 def test_summary_metrics_and_plots_written(trained):
   """The summary holds the last evaluation and the clock's 20 s (1 s a step), nothing else."""
   workdir, summary, evaluations = trained
@@ -142,6 +144,7 @@ def test_summary_metrics_and_plots_written(trained):
   assert os.listdir(os.path.join(workdir, "tensorboard"))
 
 
+@pytest.mark.integration
 def test_checkpoint_round_trip(trained):
   """A finished workdir restores its final state: re-evaluating it reproduces the summary."""
   workdir, summary, _ = trained
@@ -149,6 +152,7 @@ def test_checkpoint_round_trip(trained):
   assert again == summary  # train_seconds too: it is saved with the state
 
 
+@pytest.mark.integration
 def test_tokens_per_second_counts_each_real_token_once(trained):
   """Real tokens: each source character, BOS and each target character (read back as text)."""
   workdir, _, _ = trained
@@ -176,6 +180,7 @@ def greedy_by_recomputation(model, params, src_BS, length):
   return tgt_BT[:, 1:]
 
 
+@pytest.mark.integration
 def test_exact_match_is_that_of_independent_greedy_decoding(trained):
   """The last evaluation's greedy answers and exact match, redone from its parameters."""
   _, summary, evaluations = trained
@@ -194,6 +199,7 @@ def test_exact_match_is_that_of_independent_greedy_decoding(trained):
   assert reported["eval/exact_match"] == summary["eval_exact_match"] == exact
 
 
+@pytest.mark.integration
 def test_exact_match_counts_answers_equal_to_the_target(trained, monkeypatch):
   """A quarter of the answers right (the model's own answers are wrong): exact match 0.25."""
   _, _, evaluations = trained
@@ -208,6 +214,7 @@ class Killed(Exception):
   pass
 
 
+@pytest.mark.integration
 def test_killed_and_resumed_run_equals_uninterrupted(trained, tmp_path, monkeypatch):
   """Killed at step 13 (checkpoint at 10), restarted: same metrics as one uninterrupted run."""
   uninterrupted_dir, uninterrupted, _ = trained
@@ -228,6 +235,7 @@ def test_killed_and_resumed_run_equals_uninterrupted(trained, tmp_path, monkeypa
   assert metrics.read_rows(str(tmp_path)) == metrics.read_rows(uninterrupted_dir)
 
 
+@pytest.mark.integration
 def test_resume_skips_unreadable_checkpoints(trained, tmp_path, capsys):
   """Newest checkpoint truncated and an empty later one: resume from 10, same final metrics."""
   uninterrupted_dir, uninterrupted, _ = trained
@@ -250,6 +258,7 @@ def test_resume_skips_unreadable_checkpoints(trained, tmp_path, capsys):
   assert again == resumed
 
 
+@pytest.mark.integration
 def test_no_readable_checkpoint_raises(trained, tmp_path):
   workdir = str(tmp_path / "run")
   shutil.copytree(trained[0], workdir)
@@ -319,6 +328,7 @@ def test_unknown_model_kind_raises_before_anything_runs(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 def test_bad_config_value_fails_from_the_command_line(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "experiments.train", "--config", "configs/dates.py:tiny",
@@ -355,6 +365,7 @@ def test_text_target_reports_bleu_and_chrf(tmp_path):
   assert 0.0 <= summary["eval_bleu"] <= 100.0 and 0.0 <= summary["eval_chrf"] <= 100.0
 
 
+@pytest.mark.integration
 def test_greedy_decodings_are_vocabulary_strings(trained):
   del trained  # run after it: the compilation cache then holds the decoder
   config = tiny_config()
@@ -377,6 +388,7 @@ def test_configs_build_their_task(module, arg):
     module.get_config("no_such_variant")
 
 
+@pytest.mark.integration
 def test_unknown_config_key_raises(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "experiments.train", "--config", "configs/dates.py:tiny",
