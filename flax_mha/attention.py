@@ -84,6 +84,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
     mask: optional boolean mask, True = attend, broadcastable to [..., H, T, S]. Numeric masks
       are refused rather than guessed at: flax's float 1/0 masks (`flax.linen.make_causal_mask`)
       mean `mask.astype(bool)`; torch-style additive float masks (0 / -inf) belong in `bias`.
+      Dims align from the right (as in jax.nn and flax): a rank-3 mask is [H, T, S], so a
+      per-example [B, T, S] mask needs `mask[:, None]` (B == H would otherwise pass unnoticed).
     is_causal: static; query i sees keys j <= i (top-left aligned when T != S).
     scale: static finite multiplier of the logits; default 1/sqrt(K).
     local_window_size: static int w or (left, right): query i sees keys i - left .. i + right

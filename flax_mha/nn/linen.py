@@ -90,8 +90,13 @@ class MultiHeadAttention(nn.Module):
 
     mask broadcasts to [..., H, T, S]: boolean (True = attend) or, as in flax.linen, numeric with
     nonzero = attend (e.g. the float32 masks of `nn.make_causal_mask`, `nn.make_attention_mask`).
-    A torch-style additive float mask (0 / -inf) is not a mask: pass it as `bias`, which is added
-    to the logits and broadcasts to [..., H, T, S] too.
+    Its dims align from the right, as in jax.nn and flax: a rank-3 mask is [H, T, S], so a
+    per-example [B, T, S] mask needs `mask[:, None]` (else B lands on the heads: an error when
+    B != H, silently wrong when B == H). A torch-style additive float mask (0 / -inf) is not a
+    mask: pass it as `bias`, which is added to the logits and broadcasts to [..., H, T, S] too.
+    A float mask holding values other than 0 and 1 is refused when they are concrete; under
+    `jit` they are traced and unchecked (nonzero = attend). torch's boolean masks mean the
+    opposite of ours (True = hide): pass `~mask` (docs/tour_modules.md has the table).
 
     q_segment_ids [..., T], kv_segment_ids [..., S]: ints; a query sees only keys of its own
     segment (packed documents); one alone serves both sides when T == S. Not with `decode`.
