@@ -58,8 +58,8 @@ def _window(size, t: int, s: int, sink_tokens: int) -> mods_lib.LocalWindow:
   if t != s:
     raise ValueError(
         f"local_window_size needs T == S (query i and key i at the same position), got T={t}, "
-        f"S={s}: for other alignments (e.g. a KV cache) write the window as a mask_mod over "
-        "absolute positions")
+        f"S={s}: for other alignments (e.g. a KV cache) pass q_positions [..., T] and "
+        "kv_positions [..., S], and the window compares those positions")
   # A side wider than the sequence sees all of it: clamped, so int32 positions never overflow.
   return mods_lib.LocalWindow(min(left, s), min(right, s), sink_tokens)
 
