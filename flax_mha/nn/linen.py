@@ -164,17 +164,32 @@ class MultiHeadAttention(nn.Module):
   def new_cache(self, batch_size: int, capacity: int, *, in_features: int | None = None,
                 dtype=jnp.float32):
     """An empty `flax_mha.cache.KVCache` for `cache=`: full with `capacity` slots, or, for a
-    layer with a window (left, right), rolling with sink_tokens + left slots. `in_features`
-    (the input width D) is needed when qkv_features is None."""
-    qkv = self.qkv_features or in_features
-    if qkv is None:
-      raise ValueError("new_cache needs the input width: pass in_features (qkv_features is "
-                       "None, so the head dim follows from the inputs)")
+    layer with a window (left, right), rolling with sink_tokens + left slots.
+
+    The head dims come from qkv_features and v_features when set, else from the parameters of
+    a bound module (`layer.bind(variables).new_cache(B, C)`, or inside a model's own methods).
+    An unbound linen module with qkv_features None does not know them (linen reads the input
+    width D at init, where NNX takes it at construction): pass `in_features` (D) then.
+    """
+    qkv, v = self._cache_features(in_features)
     g = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
     return _attend.new_cache(
         batch_size, capacity, num_heads=self.num_heads, num_kv_heads=g, qkv_features=qkv,
-        v_features=self.v_features or qkv, sink_tokens=self.sink_tokens, dtype=dtype,
+        v_features=v, sink_tokens=self.sink_tokens, dtype=dtype,
         window=checks.check_window("local_window_size", self.local_window_size))
+
+  def _cache_features(self, in_features):
+    """(H·K, H·V) for `new_cache`: from the attributes, `in_features`, or the bound params."""
+    qkv = self.qkv_features or in_features
+    if qkv is not None:
+      return qkv, self.v_features or qkv
+    params = self.variables.get("params", {}) if self.scope is not None else {}
+    if "query" not in params:
+      raise ValueError("new_cache needs the head dims, and this module's qkv_features is None "
+                       "(they follow from the input width D): pass in_features=D, or call it "
+                       "on the module bound to its params, layer.bind(variables).new_cache(...)")
+    h = self.num_heads
+    return h * params["query"]["kernel"].shape[-1], h * params["value"]["kernel"].shape[-1]
 
   def _head_dims(self, inputs_q):
     """(H, G, K, V) from the attributes, checked."""
