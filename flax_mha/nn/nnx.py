@@ -352,8 +352,11 @@ def linen_params_to_nnx(params, module: MultiHeadAttention) -> MultiHeadAttentio
 
   `params` is the linen variables ({'params': {...}}) or their 'params' entry; its tree must be
   the one `nnx_to_linen_params(module)` makes (same names and shapes). Values are cast to the
-  module's parameter dtypes.
+  module's parameter dtypes. The two arguments are told apart by type (a module, a mapping), so
+  `nnx.update`'s order, (module, params), works as well.
   """
+  if isinstance(params, MultiHeadAttention) and isinstance(module, Mapping):
+    params, module = module, params
   if not isinstance(module, MultiHeadAttention):
     raise TypeError(f"module must be a flax_mha.nn.nnx.MultiHeadAttention, got "
                     f"{type(module).__name__}")

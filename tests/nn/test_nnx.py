@@ -385,6 +385,16 @@ def test_conversion_round_trip(rng, use_bias):
   assert ("bias" in got["params"]["query"]) == use_bias
 
 
+def test_linen_params_to_nnx_takes_nnx_updates_order_too(rng):
+  """(module, params), nnx.update's order, loads the same as (params, module)."""
+  module = fnnx.MultiHeadAttention(H, DQ, H * K, rngs=nnx.Rngs(0))
+  params = _random_params(module)
+  assert fnnx.linen_params_to_nnx(module, {"params": params}) is module
+  chex.assert_trees_all_equal(fnnx.nnx_to_linen_params(module), {"params": params})
+  with pytest.raises(TypeError, match="module must be a flax_mha.nn.nnx.MultiHeadAttention"):
+    fnnx.linen_params_to_nnx(params, params)
+
+
 def test_conversion_errors():
   module = fnnx.MultiHeadAttention(H, DQ, H * K, rngs=nnx.Rngs(0))
   params = _random_params(module)
