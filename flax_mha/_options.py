@@ -53,6 +53,13 @@ OPTIONS = tuple(name for name, p in inspect.signature(build).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def check_names(options) -> None:
+  """Raise a TypeError naming any keyword in `options` that is not one of OPTIONS."""
+  unknown = set(options) - set(OPTIONS)
+  if unknown:
+    raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; options are {OPTIONS}")
+
+
 def _window(size, t: int, s: int, sink_tokens: int) -> mods_lib.LocalWindow:
   left, right = checks.check_window("local_window_size", size)
   if t != s:

@@ -329,10 +329,7 @@ def _checked(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
     checks.check_broadcast("mask", mask, target, boolean=True)
   if scale is None:
     scale = 1.0 / math.sqrt(k) if k else 1.0  # K = 0: every logit is 0 whatever the scale
-  unknown = set(options) - set(_options.OPTIONS)
-  if unknown:
-    raise TypeError(
-        f"unexpected keyword arguments {sorted(unknown)}; options are {_options.OPTIONS}")
+  _options.check_names(options)
   mods, is_causal = _options.build(tuple(batch), t, s, h, query.dtype, is_causal, **options)
   return (_flatten_batch(bias, batch), _flatten_batch(mask, batch), float(scale), mods,
           is_causal)
