@@ -169,7 +169,8 @@ class MultiHeadAttention(nnx.Module):
     logits) broadcast to [..., H, T, S], as `flax_mha.MultiHeadAttention`'s: a rank-3 mask is
     [H, T, S], a float mask of values other than 0/1 (torch's additive one: pass it as `bias`)
     is refused when concrete, unchecked under `jit`. `deterministic` and `decode` default to
-    the attributes; `rngs` (an `nnx.Rngs`, an `nnx.RngStream` or one key) to the stream kept at construction.
+    the attributes; `rngs` (an `nnx.Rngs`, an `nnx.RngStream` or one key) to the stream kept
+    at construction.
     With `decode`, the T new tokens are appended to the cache and query t sees cached positions
     <= index + t. q_segment_ids [..., T], kv_segment_ids [..., S] and q_positions [..., T],
     kv_positions [..., S] mean what they mean in `flax_mha.MultiHeadAttention` (segment ids
