@@ -167,7 +167,7 @@ class MultiHeadAttention(nn.Module):
     layer with a window (left, right), rolling with sink_tokens + left slots.
 
     The head dims come from qkv_features and v_features when set, else from the parameters of
-    a bound module (`layer.bind(variables).new_cache(B, C)`, or inside a model's own methods).
+    a bound module (`layer.bind(variables).new_cache(B, C)`).
     An unbound linen module with qkv_features None does not know them (linen reads the input
     width D at init, where NNX takes it at construction): pass `in_features` (D) then.
     """
