@@ -53,13 +53,20 @@ OPTIONS = tuple(name for name, p in inspect.signature(build).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def check_names(options) -> None:
+  """Raise a TypeError naming any keyword in `options` that is not one of OPTIONS."""
+  unknown = set(options) - set(OPTIONS)
+  if unknown:
+    raise TypeError(f"unexpected keyword arguments {sorted(unknown)}; options are {OPTIONS}")
+
+
 def _window(size, t: int, s: int, sink_tokens: int) -> mods_lib.LocalWindow:
   left, right = checks.check_window("local_window_size", size)
   if t != s:
     raise ValueError(
         f"local_window_size needs T == S (query i and key i at the same position), got T={t}, "
-        f"S={s}: for other alignments (e.g. a KV cache) write the window as a mask_mod over "
-        "absolute positions")
+        f"S={s}: for other alignments (e.g. a KV cache) pass q_positions [..., T] and "
+        "kv_positions [..., S], and the window compares those positions")
   # A side wider than the sequence sees all of it: clamped, so int32 positions never overflow.
   return mods_lib.LocalWindow(min(left, s), min(right, s), sink_tokens)
 

@@ -84,6 +84,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
     mask: optional boolean mask, True = attend, broadcastable to [..., H, T, S]. Numeric masks
       are refused rather than guessed at: flax's float 1/0 masks (`flax.linen.make_causal_mask`)
       mean `mask.astype(bool)`; torch-style additive float masks (0 / -inf) belong in `bias`.
+      Dims align from the right (as in jax.nn and flax): a rank-3 mask is [H, T, S], so a
+      per-example [B, T, S] mask needs `mask[:, None]` (B == H would otherwise pass unnoticed).
     is_causal: static; query i sees keys j <= i (top-left aligned when T != S).
     scale: static finite multiplier of the logits; default 1/sqrt(K).
     local_window_size: static int w or (left, right): query i sees keys i - left .. i + right
@@ -327,10 +329,7 @@ def _checked(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
     checks.check_broadcast("mask", mask, target, boolean=True)
   if scale is None:
     scale = 1.0 / math.sqrt(k) if k else 1.0  # K = 0: every logit is 0 whatever the scale
-  unknown = set(options) - set(_options.OPTIONS)
-  if unknown:
-    raise TypeError(
-        f"unexpected keyword arguments {sorted(unknown)}; options are {_options.OPTIONS}")
+  _options.check_names(options)
   mods, is_causal = _options.build(tuple(batch), t, s, h, query.dtype, is_causal, **options)
   return (_flatten_batch(bias, batch), _flatten_batch(mask, batch), float(scale), mods,
           is_causal)

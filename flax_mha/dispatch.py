@@ -5,10 +5,16 @@ The choice reads static facts only (shapes, dtype, `is_causal`, the dropout rate
 score terms a call has, the tiles its static masks hide) and the platform the program is
 lowered for: `dot_product_attention` asks for every platform in PLATFORMS and, where the answers
 differ, stages them with `lax.platform_dependent`, so a program exported for 'cuda' from a CPU
-runs the GPU choice, and each lowering keeps only its own branch.
+runs the GPU choice, and each lowering keeps only its own branch. One exception: cuDNN is
+traced by reading the installed cuDNN, so only a process with a CUDA GPU can lower it; from a
+CPU-only process a call that cuDNN would take on a GPU gets the next 'cuda' choice ("xla", or
+"chunked" past ACCELERATOR_MAX_LOGITS), and `explain(..., platform="cuda")` there says so.
 
 On CPU (each threshold a crossover measured on a 2-core CPU, float32, forward+backward):
-  1. A few queries over many keys (generation): "decode" (DECODE_* below).
+  1. A few queries over many keys (generation): "decode", for up to DECODE_MAX_QUERIES = 32
+     queries over at least DECODE_MIN_KEYS = 1024 keys with positions or key lengths (a
+     cache), DECODE_MIN_KEYS_DENSE = 8192 keys without: settings, not measured crossovers
+     (see DECODE_* below).
   2. A window alone (with bias, mask, is_causal, sinks; no sink tokens): "rows" over each query
      block's band of keys from ROWS_WINDOW_MIN_LOGITS logits where the band is at most S/2;
      otherwise as 4.
@@ -77,8 +83,10 @@ SPARSE_VISITED = 0.625
 ROWS_MAX_KEYS = 8192
 # Up to DECODE_MAX_QUERIES queries over at least DECODE_MIN_KEYS keys of a cache (positions or
 # key lengths: the decode kernel skips the blocks that hold nothing visible), or over at least
-# DECODE_MIN_KEYS_DENSE keys otherwise, "decode" (keys split, merged by lse;
-# `python -m experiments.bench.decode`).
+# DECODE_MIN_KEYS_DENSE keys otherwise, "decode" (keys split, merged by lse). The three are
+# settings, not measured crossovers: `python -m experiments.bench.decode` times one shape,
+# T=1 over S=32768 (B=1, H=8, G=2, K=128), where decode took 1/3.09 of xla's time
+# (docs/decode_cpu.md); no command sweeps S or T for where decode starts to win.
 DECODE_MAX_QUERIES = 32
 DECODE_MIN_KEYS = 1024
 DECODE_MIN_KEYS_DENSE = 8192
@@ -136,12 +144,15 @@ def choose(query, key, value, bias, mask, *, is_causal: bool, dropout_rate: floa
   b, t, h, k = query.shape
   s = key.shape[1]
   if platform != "cpu":
-    logits = b * h * t * s
+    logits, why = b * h * t * s, ""
+    if platform == "cuda" and cudnn.gpu_reason(query, key, value, dropout_rate, mods) is None:
+      why = ("cuDNN would run this call on a GPU, but this process has none to trace it with, "
+             "so a program lowered here for 'cuda' runs the next choice: ")
     if logits <= ACCELERATOR_MAX_LOGITS:
-      return Choice("xla", f"on {platform!r} the plain XLA graph, as jax.nn's default, while "
-                           f"B·H·T·S = {logits} logits <= ACCELERATOR_MAX_LOGITS = "
+      return Choice("xla", f"{why}on {platform!r} the plain XLA graph, as jax.nn's default, "
+                           f"while B·H·T·S = {logits} logits <= ACCELERATOR_MAX_LOGITS = "
                            f"{ACCELERATOR_MAX_LOGITS} (a memory bound, not a timing)")
-    return Choice("chunked", f"on {platform!r}: B·H·T·S = {logits} logits > "
+    return Choice("chunked", f"{why}on {platform!r}: B·H·T·S = {logits} logits > "
                              f"ACCELERATOR_MAX_LOGITS = {ACCELERATOR_MAX_LOGITS}, too many to "
                              "materialise; chunked's memory is linear in S")
   decode = _decode_choice(t, s, mods)

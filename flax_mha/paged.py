@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flax_mha import _options
 from flax_mha import checks
@@ -40,8 +41,12 @@ def paged_attention(query, k_pages, v_pages, lengths, page_indices, *, is_causal
   Args:
     query: [B, T, H, K] floating; k_pages [P, page, G, K], v_pages [P, page, G, V], same dtype.
     lengths: int [B], tokens held per row (T <= length <= n·page).
-    page_indices: int [B, n], the pages of each row in order. Slots past a row's length are
-      hidden and their values zeroed, whatever a reused page holds there.
+    page_indices: int [B, n], the pages of each row in order, each in [0, P). Slots past a
+      row's length are hidden and their values zeroed, whatever a reused page holds there.
+      Concrete lengths and page indices (an eager call) are checked and a bad one is refused by
+      name; under `jit` they are traced and unchecked: an index outside [0, P) silently reads
+      another page (wrapped or clamped, as jnp indexing does), and a length outside
+      [T, n·page] gives numbers with no meaning.
     is_causal, scale, local_window_size, logit_soft_cap, sinks, sink_tokens, return_residual:
       as in `dot_product_attention` (positions: the rows' own).
     implementation: None (the decode kernel over the pages for up to PAGED_MAX_QUERIES queries,
@@ -51,8 +56,10 @@ def paged_attention(query, k_pages, v_pages, lengths, page_indices, *, is_causal
   Returns:
     [B, T, H, V] (and with `return_residual` the lse [B, T, H]).
   """
+  _check_pages(query, k_pages, v_pages, page_indices)
   b, t = query.shape[:2]
   lengths = _check_lengths(lengths, b)
+  _check_table(lengths, page_indices, t, k_pages.shape[:2])
   q_positions = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)
   return attend_pages(query, k_pages, v_pages, page_indices, q_positions, lengths,
                       is_causal=is_causal, scale=scale, local_window_size=local_window_size,
@@ -101,6 +108,26 @@ def _check_lengths(lengths, batch: int):
   if tuple(lengths.shape) != (batch,):
     raise ValueError(f"lengths must have shape [B] = ({batch},), got {tuple(lengths.shape)}")
   return jnp.asarray(lengths, jnp.int32)
+
+
+def _check_table(lengths, page_indices, t: int, pool: tuple) -> None:
+  """Concrete lengths in [T, n·page] and page indices in [0, P) (traced ones pass unread)."""
+  (num_pages, page), n = pool, page_indices.shape[1]
+  if not isinstance(page_indices, jax.core.Tracer):
+    table = np.asarray(page_indices)
+    bad = (table < 0) | (table >= num_pages)
+    if bad.any():
+      row, col = np.argwhere(bad)[0]
+      raise ValueError(f"page_indices must be in [0, P) = [0, {num_pages}), got "
+                       f"{table[row, col]} at [{row}, {col}]")
+  if not isinstance(lengths, jax.core.Tracer):
+    held = np.asarray(lengths)
+    bad = (held < t) | (held > n * page)
+    if bad.any():
+      row = np.argwhere(bad)[0][0]
+      raise ValueError(f"lengths must be in [T, n·page] = [{t}, {n * page}] (the T queries are "
+                       f"the last T tokens of each row's n={n} pages of {page}), got "
+                       f"{held[row]} at [{row}]")
 
 
 def _check_pages(query, k_pages, v_pages, page_indices) -> None:

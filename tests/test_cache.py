@@ -71,6 +71,21 @@ def test_cached_calls_equal_the_whole_sequence(kind, option, chunks):
     assert cache.capacity == window[0] + OPTIONS[option].get("sink_tokens", 0)
 
 
+def test_linen_new_cache_reads_its_head_dims_from_bound_params():
+  """qkv_features None: a bound linen module reads K and V from its kernels (no in_features),
+  as NNX's new_cache needs none; unbound, it asks for in_features by name."""
+  module = flax_mha.MultiHeadAttention(num_heads=H, num_kv_heads=G, v_features=3 * H)
+  x = jnp.zeros((B, L, D))
+  params = module.init(jax.random.key(1), x)
+  bound = module.bind(params).new_cache(B, 11)
+  chex.assert_shape([bound.key, bound.value], [(B, G, 11, D // H), (B, G, 11, 3)])
+  theirs = flax_mha.nnx.MultiHeadAttention(H, D, num_kv_heads=G, v_features=3 * H,
+                                           rngs=nnx.Rngs(0)).new_cache(B, 11)
+  chex.assert_trees_all_equal_shapes_and_dtypes(bound, theirs)
+  with pytest.raises(ValueError, match=r"pass in_features=D, or .*bind\(variables\)"):
+    module.new_cache(B, 11)
+
+
 def test_rolling_cache_bytes_do_not_grow_with_the_generated_length():
   module = flax_mha.SelfAttention(num_heads=H, num_kv_heads=G, local_window_size=(8, 0),
                                   sink_tokens=4)

@@ -6,6 +6,8 @@ Everything here reads shapes only (jax.ShapeDtypeStruct): nothing is compiled.
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,12 +113,27 @@ def test_platforms():
   else:
     assert cuda.implementation == "xla"
     assert "no CUDA GPU" in cuda.alternatives["cudnn"]
+    # The pick says that a GPU process would take cuDNN; a call cuDNN refuses anyway does not.
+    assert str(cuda).startswith("implementation=None runs 'xla' on 'cuda': cuDNN would run")
+    f32 = shapes(640)
+    assert "cuDNN would" not in flax_mha.explain(*f32, platform="cuda").reason
   big = shapes(8192, b=8, h=8, g=8)
   assert flax_mha.explain(*big, is_causal=True, platform="tpu").implementation == "chunked"
   # Decode shapes: the CPU's split-key loop there, the plain graph on an accelerator.
   cache = shapes(1, 8192)
   assert flax_mha.explain(*cache, platform="cpu").implementation == "decode"
   assert flax_mha.explain(*cache, platform="rocm").implementation == "xla"
+
+
+def test_dense_decode_threshold_is_documented():
+  """T=1 without positions or lengths runs decode from DECODE_MIN_KEYS_DENSE keys, the number
+  the dispatch rule (module docstring and docs/design.md) states."""
+  s = dispatch.DECODE_MIN_KEYS_DENSE
+  assert flax_mha.explain(*shapes(1, s // 2), platform="cpu").implementation == "xla"
+  assert flax_mha.explain(*shapes(1, s), platform="cpu").implementation == "decode"
+  assert f"DECODE_MIN_KEYS_DENSE = {s}" in dispatch.__doc__
+  design = (pathlib.Path(__file__).parent.parent / "docs" / "design.md").read_text()
+  assert f"from S = {s} without" in design
 
 
 def test_decode_for_a_cache():

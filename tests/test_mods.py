@@ -198,7 +198,8 @@ def test_soft_cap_and_score_mod_match_numpy_float64():
 
 
 BAD = [
-    (dict(local_window_size=3), dict(s=T + 2), ValueError, "local_window_size needs T == S"),
+    (dict(local_window_size=3), dict(s=T + 2), ValueError,
+     "local_window_size needs T == S.*pass q_positions .* and kv_positions"),
     (dict(local_window_size=(-1, 2)), {}, ValueError, "local_window_size must be an int >= 0"),
     (dict(q_segment_ids=SEGMENTS[:, :5]), {}, ValueError,
      r"q_segment_ids must broadcast to \[\.\.\., T\] = \(2, 37\), got shape \(2, 5\)"),

@@ -121,3 +121,27 @@ def test_bad_arguments_are_named(kwargs, error, match):
   args.update(kwargs)
   with pytest.raises(error, match=match):
     flax_mha.paged_attention(**args)
+
+
+def _table_with(row, col, value):
+  return _pool(4)[4].at[row, col].set(value)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(page_indices=_table_with(1, 2, POOL)), r"page_indices must be in \[0, P\) = "
+     r"\[0, 17\), got 17 at \[1, 2\]"),
+    (dict(page_indices=_table_with(0, 4, -1)), r"page_indices .* got -1 at \[0, 4\]"),
+    (dict(lengths=jnp.array([3, 1, 20])), r"lengths must be in \[T, n·page\] = \[2, 20\].*"
+     r"got 1 at \[1\]"),
+    (dict(lengths=jnp.array([3, 13, 21])), r"lengths must be in .* got 21 at \[2\]"),
+])
+def test_concrete_page_table_and_lengths_are_checked(kwargs, match):
+  """Eagerly, a page outside the pool or a length outside [T, n·page] is refused by name (under
+  jit they are traced: the docstring says what happens); the edges T and n·page are taken."""
+  q, k_pages, v_pages, lengths, table = _pool(4)
+  args = dict(query=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, page_indices=table)
+  with pytest.raises(ValueError, match=match):
+    flax_mha.paged_attention(**{**args, **kwargs})
+  edges = jnp.array([2, 13, N_PAGES * PAGE])
+  np.testing.assert_allclose(flax_mha.paged_attention(**{**args, "lengths": edges}),
+                             _contiguous(q, k_pages, v_pages, edges, table), atol=1e-5)

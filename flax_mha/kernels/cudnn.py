@@ -16,20 +16,40 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 128
 
 
+# Why a program lowered for 'cuda' in a process without a CUDA GPU cannot hold cuDNN.
+NO_GPU_HERE = ("jax.nn's cuDNN path reads the installed cuDNN while it traces, and this process "
+               "has no CUDA GPU: a program lowered for 'cuda' here cannot use it")
+
+
 def unsupported_reason(query, key, value, dropout_rate, mods=None,
                        platform: str | None = None) -> str | None:
   """Why cuDNN can't run this call lowered for `platform` (None: the default backend's), or
   None when it can. Reads static facts only."""
-  if mods is not None and (mods.masks or mods.scores or mods.sinks is not None):
-    return ("flax_mha's cuDNN path takes mask, bias and is_causal only, not windows, lengths, "
-            "segment ids, positions, soft-capping, mask/score functions or sinks: use "
-            "implementation='chunked'")
+  if _terms_reason(mods) is not None:
+    return _terms_reason(mods)
   platform = _shared.backend_platform() if platform is None else platform
   if platform != "cuda":
     return f"cuDNN needs an NVIDIA GPU (platform 'cuda'), not {platform!r}"
   if not _shared.has_platform("cuda"):
-    return ("jax.nn's cuDNN path reads the installed cuDNN while it traces, and this process "
-            "has no CUDA GPU: a program lowered for 'cuda' here cannot use it")
+    return NO_GPU_HERE
+  return _inputs_reason(query, key, value, dropout_rate)
+
+
+def gpu_reason(query, key, value, dropout_rate, mods=None) -> str | None:
+  """Why cuDNN could not run this call even traced in a process with a CUDA GPU (None: it
+  could)."""
+  return _terms_reason(mods) or _inputs_reason(query, key, value, dropout_rate)
+
+
+def _terms_reason(mods) -> str | None:
+  if mods is not None and (mods.masks or mods.scores or mods.sinks is not None):
+    return ("flax_mha's cuDNN path takes mask, bias and is_causal only, not windows, lengths, "
+            "segment ids, positions, soft-capping, mask/score functions or sinks: use "
+            "implementation='chunked'")
+  return None
+
+
+def _inputs_reason(query, key, value, dropout_rate) -> str | None:
   if query.dtype not in SUPPORTED_DTYPES:
     return f"cuDNN needs bfloat16 or float16 inputs, got {query.dtype}"
   if dropout_rate > 0.0:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from flax_mha import _options
 from flax_mha import checks
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import _layouts
@@ -60,7 +61,8 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
                                 axis_name: str = SEQ_AXIS, is_causal: bool = False,
                                 scale: float | None = None, batch_axis: str | None = None,
                                 head_axis: str | None = None, bias=None, mods=None,
-                                tokens: str = "natural", return_residual: bool = False):
+                                tokens: str = "natural", return_residual: bool = False,
+                                **options):
   """Exact attention with the sequence split over `mesh`'s `axis_name`.
 
   Args:
@@ -87,6 +89,10 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
       lengths, segment ids, positions, soft-capping, mask_mod / score_mod, sinks), seen at
       global positions. A mask_mod reading b or h, or a score_mod, needs batch_axis and
       head_axis None (they would see local indices).
+    **options: instead of `mods`, `dot_product_attention`'s keyword options themselves
+      (local_window_size, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
+      kv_segment_ids, q_positions, kv_positions, logit_soft_cap, mask_mod, score_mod, sinks,
+      sink_tokens), checked and built into mods as there (`flax_mha._options.build`).
     tokens: static, "natural" (the tokens in their order: moved to the layout inside and back)
       or "in_layout": the sequence dims of query, key, value, mask, bias and the arrays of
       segment ids and positions are in the layout's order already (`to_layout_order`), and so
@@ -112,6 +118,12 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
   if not isinstance(return_residual, bool):
     raise TypeError(f"return_residual must be a Python bool, got {type(return_residual).__name__}")
   (b, t, h, _), (s, g) = query.shape, key.shape[1:3]
+  if options:
+    _options.check_names(options)
+    if mods is not None:
+      raise ValueError(f"pass mods or the keyword options {sorted(options)}, not both: the "
+                       "options build the mods")
+    mods, is_causal = _options.build((b,), t, s, h, query.dtype, is_causal, **options)
   mask, bias = _rank4("mask", mask, (b, h, t, s), True), _rank4("bias", bias, (b, h, t, s), False)
   _check_axes(mesh, axis_name, batch_axis, head_axis)
   layout = _layouts.check_layout(layout)
@@ -320,12 +332,12 @@ def _to_explicit(x, spec, mesh):
 def ring_attention(query, key, value, mask=None, *, mesh: Mesh | AbstractMesh,
                    axis_name: str = SEQ_AXIS, is_causal: bool = False, scale: float | None = None,
                    batch_axis: str | None = None, head_axis: str | None = None, mods=None,
-                   layout: str = "contiguous", return_residual: bool = False):
+                   layout: str = "contiguous", return_residual: bool = False, **options):
   """`sequence_parallel_attention` with strategy="ring" (the arguments are its)."""
   return sequence_parallel_attention(
       query, key, value, mask, mesh=mesh, strategy="ring", layout=layout, axis_name=axis_name,
       is_causal=is_causal, scale=scale, batch_axis=batch_axis, head_axis=head_axis, mods=mods,
-      return_residual=return_residual)
+      return_residual=return_residual, **options)
 
 
 @dataclasses.dataclass(frozen=True)

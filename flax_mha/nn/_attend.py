@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flax_mha import cache as cache_lib
 from flax_mha import checks
@@ -199,14 +201,33 @@ def flax_decode_step(query_THK, key_SGK, value_SGV, cached_key, cached_value, in
 
 
 def as_bool_mask(mask):
-  """A boolean mask; numeric masks mean what they mean in flax.linen: nonzero = attend."""
+  """A boolean mask; numeric masks mean what they mean in flax.linen: nonzero = attend.
+
+  A float mask holding anything but 0 and 1 (torch's additive `attn_mask`, 0 = attend and
+  -inf = hide, which would read inverted here) is refused when its values are concrete. Under
+  `jit` they are traced and cannot be read: such a mask then means nonzero = attend, unchecked.
+  """
   if mask is None or not hasattr(mask, "dtype") or mask.dtype == jnp.bool_:
     return mask  # None, bool, or not an array: the pure function's checks name the problem
   if not (jnp.issubdtype(mask.dtype, jnp.integer) or jnp.issubdtype(mask.dtype, jnp.floating)):
     raise TypeError(
         "mask must be boolean (True = attend) or integer/float (nonzero = attend, as in "
         f"flax.linen), got dtype {mask.dtype}")
+  if jnp.issubdtype(mask.dtype, jnp.floating) and not isinstance(mask, jax.core.Tracer):
+    _check_zero_one(np.asarray(mask))
   return mask != 0
+
+
+def _check_zero_one(mask) -> None:
+  """Raise unless the float mask holds only 0 and 1 (flax's masks)."""
+  bad = (mask != 0) & (mask != 1)
+  if bad.any():
+    raise ValueError(
+        f"mask must hold only 0 and 1 when float (flax's convention: nonzero = attend), got "
+        f"{mask[bad].flat[0]} at index {tuple(int(i) for i in np.argwhere(bad)[0])}: this looks "
+        "like torch's additive attn_mask (0 = attend, -inf = hide), which as a mask would "
+        "attend where torch hides. Pass it as `bias` (added to the logits), or a boolean mask "
+        "(True = attend)")
 
 
 def attend(query_THK, key_SGK, value_SGV, bias, mask, *, implementation, sow: bool,

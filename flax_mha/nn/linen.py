@@ -90,8 +90,13 @@ class MultiHeadAttention(nn.Module):
 
     mask broadcasts to [..., H, T, S]: boolean (True = attend) or, as in flax.linen, numeric with
     nonzero = attend (e.g. the float32 masks of `nn.make_causal_mask`, `nn.make_attention_mask`).
-    A torch-style additive float mask (0 / -inf) is not a mask: pass it as `bias`, which is added
-    to the logits and broadcasts to [..., H, T, S] too.
+    Its dims align from the right, as in jax.nn and flax: a rank-3 mask is [H, T, S], so a
+    per-example [B, T, S] mask needs `mask[:, None]` (else B lands on the heads: an error when
+    B != H, silently wrong when B == H). A torch-style additive float mask (0 / -inf) is not a
+    mask: pass it as `bias`, which is added to the logits and broadcasts to [..., H, T, S] too.
+    A float mask holding values other than 0 and 1 is refused when they are concrete; under
+    `jit` they are traced and unchecked (nonzero = attend). torch's boolean masks mean the
+    opposite of ours (True = hide): pass `~mask` (docs/tour_modules.md has the table).
 
     q_segment_ids [..., T], kv_segment_ids [..., S]: ints; a query sees only keys of its own
     segment (packed documents); one alone serves both sides when T == S. Not with `decode`.
@@ -159,17 +164,32 @@ class MultiHeadAttention(nn.Module):
   def new_cache(self, batch_size: int, capacity: int, *, in_features: int | None = None,
                 dtype=jnp.float32):
     """An empty `flax_mha.cache.KVCache` for `cache=`: full with `capacity` slots, or, for a
-    layer with a window (left, right), rolling with sink_tokens + left slots. `in_features`
-    (the input width D) is needed when qkv_features is None."""
-    qkv = self.qkv_features or in_features
-    if qkv is None:
-      raise ValueError("new_cache needs the input width: pass in_features (qkv_features is "
-                       "None, so the head dim follows from the inputs)")
+    layer with a window (left, right), rolling with sink_tokens + left slots.
+
+    The head dims come from qkv_features and v_features when set, else from the parameters of
+    a bound module (`layer.bind(variables).new_cache(B, C)`).
+    An unbound linen module with qkv_features None does not know them (linen reads the input
+    width D at init, where NNX takes it at construction): pass `in_features` (D) then.
+    """
+    qkv, v = self._cache_features(in_features)
     g = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
     return _attend.new_cache(
         batch_size, capacity, num_heads=self.num_heads, num_kv_heads=g, qkv_features=qkv,
-        v_features=self.v_features or qkv, sink_tokens=self.sink_tokens, dtype=dtype,
+        v_features=v, sink_tokens=self.sink_tokens, dtype=dtype,
         window=checks.check_window("local_window_size", self.local_window_size))
+
+  def _cache_features(self, in_features):
+    """(H·K, H·V) for `new_cache`: from the attributes, `in_features`, or the bound params."""
+    qkv = self.qkv_features or in_features
+    if qkv is not None:
+      return qkv, self.v_features or qkv
+    params = self.variables.get("params", {}) if self.scope is not None else {}
+    if "query" not in params:
+      raise ValueError("new_cache needs the head dims, and this module's qkv_features is None "
+                       "(they follow from the input width D): pass in_features=D, or call it "
+                       "on the module bound to its params, layer.bind(variables).new_cache(...)")
+    h = self.num_heads
+    return h * params["query"]["kernel"].shape[-1], h * params["value"]["kernel"].shape[-1]
 
   def _head_dims(self, inputs_q):
     """(H, G, K, V) from the attributes, checked."""

@@ -166,8 +166,11 @@ class MultiHeadAttention(nnx.Module):
     inputs_v [..., S, in_v_features] (default inputs_k).
 
     mask (bool, True = attend; or numeric, nonzero = attend, as in flax) and bias (added to the
-    logits) broadcast to [..., H, T, S]. `deterministic` and `decode` default to the attributes;
-    `rngs` (an `nnx.Rngs`, an `nnx.RngStream` or one key) to the stream kept at construction.
+    logits) broadcast to [..., H, T, S], as `flax_mha.MultiHeadAttention`'s: a rank-3 mask is
+    [H, T, S], a float mask of values other than 0/1 (torch's additive one: pass it as `bias`)
+    is refused when concrete, unchecked under `jit`. `deterministic` and `decode` default to
+    the attributes; `rngs` (an `nnx.Rngs`, an `nnx.RngStream` or one key) to the stream kept
+    at construction.
     With `decode`, the T new tokens are appended to the cache and query t sees cached positions
     <= index + t. q_segment_ids [..., T], kv_segment_ids [..., S] and q_positions [..., T],
     kv_positions [..., S] mean what they mean in `flax_mha.MultiHeadAttention` (segment ids
@@ -350,8 +353,11 @@ def linen_params_to_nnx(params, module: MultiHeadAttention) -> MultiHeadAttentio
 
   `params` is the linen variables ({'params': {...}}) or their 'params' entry; its tree must be
   the one `nnx_to_linen_params(module)` makes (same names and shapes). Values are cast to the
-  module's parameter dtypes.
+  module's parameter dtypes. The two arguments are told apart by type (a module, a mapping), so
+  `nnx.update`'s order, (module, params), works as well.
   """
+  if isinstance(params, MultiHeadAttention) and isinstance(module, Mapping):
+    params, module = module, params
   if not isinstance(module, MultiHeadAttention):
     raise TypeError(f"module must be a flax_mha.nn.nnx.MultiHeadAttention, got "
                     f"{type(module).__name__}")

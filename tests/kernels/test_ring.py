@@ -34,7 +34,8 @@ def test_ring_matches_single_device_on_8_devices():
 def test_every_strategy_and_layout_matches_single_device_on_8_devices():
   names = [line.split()[1] for line in run_check("check_seq_parallel.py")]
   pairs = {tuple(name.split("/")[1:]) for name in names}
-  assert len(pairs) == 9 and len(names) == 18, names  # 3 strategies x 3 layouts, in_layout 2
+  # 3 strategies x 3 layouts, in_layout 2, keyword options 3
+  assert len(pairs) == 9 and len(names) == 21, names
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -42,6 +43,25 @@ def test_one_device_ring_is_plain_attention(rng, is_causal):
   q, k, v = qkv(rng)
   out = ring_attention(q, k, v, mesh=sharding.make_mesh(), is_causal=is_causal)
   np.testing.assert_allclose(out, np_attention(q, k, v, is_causal=is_causal), atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_keyword_options_as_in_dot_product_attention(rng, strategy):
+  """The strategies take dot_product_attention's keyword options (built into mods the same
+  way) and compute what it computes with them; with mods= too, or an unknown one, an error."""
+  q, k, v = qkv(rng, t=7, s=7)
+  ids = jnp.asarray(np.cumsum(rng.random((q.shape[0], 7)) < 0.3, axis=1), jnp.int32)
+  pos = jnp.asarray(np.arange(7) * 2)[None]
+  options = dict(is_causal=True, q_segment_ids=ids, q_positions=pos, kv_positions=pos,
+                 local_window_size=(5, 0), logit_soft_cap=3.0, query_seq_lengths=jnp.array([6, 7]))
+  mesh = sharding.make_mesh()
+  out = flax_mha.sequence_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, **options)
+  want = flax_mha.dot_product_attention(q, k, v, implementation="reference", **options)
+  np.testing.assert_allclose(out, want, atol=1e-5)
+  with pytest.raises(ValueError, match=r"pass mods or the keyword options \['logit_soft_cap'\]"):
+    ring_attention(q, k, v, mesh=mesh, mods=mods_lib.Mods(), logit_soft_cap=3.0)
+  with pytest.raises(TypeError, match=r"unexpected keyword arguments \['q_segment'\]"):
+    ring_attention(q, k, v, mesh=mesh, q_segment=ids)
 
 
 def test_float64_in_float64_accuracy_out(rng):

@@ -4,7 +4,8 @@ Every sequence-parallel strategy x layout on data x seq = 2 x 4 devices must equ
 `flax_mha.dot_product_attention` (the reference implementation) in output, loss and gradients to
 1e-5: causal GQA with packed documents (segment ids), a causal window with soft-capping, key
 lengths with a mask_mod over arrays, a score_mod over a table; and with the tokens given in the
-layout's order (tokens="in_layout").
+layout's order (tokens="in_layout"); and sequence_parallel_attention given the keyword
+options themselves.
 Prints one 'OK ...' per check.
 """
 
@@ -50,8 +51,14 @@ def cases(rng):
 
 
 def loss_and_grads(options, implementation, q, k, v):
+  return grads_of(functools.partial(flax_mha.dot_product_attention,
+                                    implementation=implementation, **options), q, k, v)
+
+
+def grads_of(attend, q, k, v):
+  """((loss, attend(q, k, v)), the loss's gradients in q, k, v), jitted."""
   def loss(q, k, v):
-    out = flax_mha.dot_product_attention(q, k, v, implementation=implementation, **options)
+    out = attend(q, k, v)
     return jnp.sum(jnp.sin(out) * jnp.arange(V)), out
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
@@ -97,11 +104,27 @@ def check_tokens_in_layout(rng):
     check(f"in_layout/{strategy}/{layout}", ((loss, back(out)), [back(g) for g in grads]), want)
 
 
+def check_keyword_options(rng):
+  """sequence_parallel_attention itself, given dot_product_attention's keyword options rather
+  than prebuilt mods, equals the single-device call with them, every strategy."""
+  mesh = sharding.make_mesh(data=2, seq=4)
+  options = dict(is_causal=True, q_segment_ids=segment_ids(rng), local_window_size=(5, 0),
+                 logit_soft_cap=5.0)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+             for shape in ((B, T, H, K), (B, T, G, K), (B, T, G, V)))
+  want = loss_and_grads(options, "reference", q, k, v)
+  for strategy, layout in zip(STRATEGIES, _layouts.LAYOUTS):
+    attend = functools.partial(flax_mha.sequence_parallel_attention, mesh=mesh,
+                               strategy=strategy, layout=layout, batch_axis="data", **options)
+    check(f"keywords/{strategy}/{layout}", grads_of(attend, q, k, v), want)
+
+
 def main():
   assert jax.device_count() == 8, jax.device_count()
   rng = np.random.default_rng(0)
   check_strategies_and_layouts(rng)
   check_tokens_in_layout(rng)
+  check_keyword_options(rng)
 
 
 if __name__ == "__main__":

@@ -174,6 +174,19 @@ def test_masks_bool_and_numeric(make_attention, rng, dtype):
   np.testing.assert_allclose(out[0, 1], params["out"]["bias"], **TOL)
 
 
+def test_additive_float_mask_refused(make_attention, rng):
+  """torch's additive attn_mask (0 = attend, -inf = hide) read as flax's nonzero = attend would
+  be inverted: refused eagerly, pointing at `bias`, which computes what torch means."""
+  attn, params = _make_cross(make_attention)
+  xq, xk, xv = _cross_inputs(rng)
+  keep = random_mask(rng, B, 1, T, S)
+  additive = np.where(keep, 0.0, -np.inf).astype(np.float32)
+  with pytest.raises(ValueError, match=r"mask must hold only 0 and 1.*-inf.*torch.*`bias`"):
+    attn(xq, xk, xv, mask=additive)
+  out, _ = attn(xq, xk, xv, bias=additive)
+  np.testing.assert_allclose(out, np_mha(params, xq, xk, xv, mask=keep), **TOL)
+
+
 def test_bias(make_attention, rng):
   attn, params = _make_cross(make_attention)
   xq, xk, xv = _cross_inputs(rng)
@@ -370,6 +383,16 @@ def test_conversion_round_trip(rng, use_bias):
   chex.assert_trees_all_equal(got, want)
   np.testing.assert_allclose(module(xq, xk), linen.apply(want, xq, xk), **TOL)
   assert ("bias" in got["params"]["query"]) == use_bias
+
+
+def test_linen_params_to_nnx_takes_nnx_updates_order_too(rng):
+  """(module, params), nnx.update's order, loads the same as (params, module)."""
+  module = fnnx.MultiHeadAttention(H, DQ, H * K, rngs=nnx.Rngs(0))
+  params = _random_params(module)
+  assert fnnx.linen_params_to_nnx(module, {"params": params}) is module
+  chex.assert_trees_all_equal(fnnx.nnx_to_linen_params(module), {"params": params})
+  with pytest.raises(TypeError, match="module must be a flax_mha.nn.nnx.MultiHeadAttention"):
+    fnnx.linen_params_to_nnx(params, params)
 
 
 def test_conversion_errors():
