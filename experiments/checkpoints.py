@@ -1,9 +1,10 @@
 """Checkpoints of a run's train state: orbax save and restore, and unreadable ones set aside.
 
-A checkpoint holds the train state and the training seconds so far (so a resumed run's
-`train_seconds` and steps/s continue where they stopped). The two newest are kept. A checkpoint
-that cannot be read (a save cut short, a truncated folder) is skipped for the one before it and
-moved to <workdir>/checkpoints_unreadable.
+A checkpoint holds the train state, the training seconds so far (so a resumed run's
+`train_seconds` and steps/s continue where they stopped) and the config of the run that saved it.
+The two newest are kept. A checkpoint that cannot be read (a save cut short, a truncated folder)
+is skipped for the one before it and moved to <workdir>/checkpoints_unreadable; one saved with
+other settings (experiments.run_config.FIXED_KEYS) is refused by name.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import os
 import sys
 from typing import Any
 
+import ml_collections
 import orbax.checkpoint as ocp
+
+from experiments import run_config
 
 CHECKPOINT_DIR = "checkpoints"  # in the workdir
 UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir: checkpoints a restart skipped
@@ -24,9 +28,14 @@ def open_manager(workdir: str) -> ocp.CheckpointManager:
                                options=ocp.CheckpointManagerOptions(max_to_keep=2))
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: Any, train_seconds: float) -> None:
+def save(manager: ocp.CheckpointManager, step: int, state: Any, train_seconds: float,
+         config: ml_collections.ConfigDict | None = None) -> None:
+  """Save `state` as `step`, with the run's `config` (None: no record, no check on restore)."""
+  meta = {"train_seconds": train_seconds}
+  if config is not None:
+    meta["config"] = run_config.as_dict(config)
   manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"train_seconds": train_seconds})))
+      state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
 
 def _restore(manager: ocp.CheckpointManager, step: int, state: Any):
@@ -52,20 +61,35 @@ def _set_aside(path: str, aside_dir: str) -> str:
   return dest
 
 
-def restore_newest_readable(manager: ocp.CheckpointManager, state: Any, aside_dir: str):
+def _check_config(manager: ocp.CheckpointManager, step: int, path: str, config) -> None:
+  """Raise run_config.ConfigMismatch if checkpoint `step` records a config that differs from
+  `config` in a fixed setting (before its arrays are read: orbax's shape errors name none)."""
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+  if "config" in meta:  # checkpoints saved before the record have none
+    run_config.check_same(meta["config"], config, f"checkpoint {path}")
+
+
+def restore_newest_readable(manager: ocp.CheckpointManager, state: Any, aside_dir: str,
+                            config: ml_collections.ConfigDict | None = None):
   """(state, train_seconds) from the newest checkpoint that restores; (state, 0.0) if none exist.
 
   A run killed while saving, or a folder emptied or truncated later, leaves a checkpoint that
   cannot be read. Restarts skip it for the next older one and move it into `aside_dir` (kept
   for inspection): otherwise orbax, which never saves a step at or below its newest one, would
   keep the broken folder in place of the new save. Prints one line per skipped checkpoint.
-  Raises RuntimeError naming the checkpoint directory when checkpoints exist but none restores.
+  Raises RuntimeError naming the checkpoint directory when checkpoints exist but none restores,
+  and run_config.ConfigMismatch (nothing moved) at the first readable checkpoint that records
+  another `config` than the one given (None: no check).
   """
   skipped = []
   for step in sorted(manager.all_steps(), reverse=True):
     path = os.path.join(str(manager.directory), str(step))
     try:
+      if config is not None:
+        _check_config(manager, step, path, config)
       restored = _restore(manager, step, state)
+    except run_config.ConfigMismatch:
+      raise
     except Exception as e:  # broad: orbax raises a bare Exception for corrupt array data
       skipped.append((path, _first_line(e)))
       continue

@@ -9,6 +9,7 @@ The run's own config (<workdir>/config.json, written by experiments.train) rebui
 the Transformer answers a source, the LM continues `prompt BOS`. Greedy by default; with
 --temperature, --top_k or --top_p it samples, reproducibly for a --seed. Decoding stops at EOS
 or after --max_new_tokens (default: the length the run's held-out answers were decoded with).
+A checkpoint saved with another model, task or seed than config.json says is refused by name.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import jax
 from absl import app, flags, logging
 
-from experiments import checkpoints, train
+from experiments import checkpoints, run_config, train
 from experiments.tasks import EOS
 from flax_mha.models import decoding
 
@@ -34,13 +35,13 @@ def sampler_from(temperature: float, top_k: int | None, top_p: float | None):
 def restore_params(workdir: str):
   """(runner, params) of the newest readable checkpoint in `workdir`."""
   workdir = os.path.abspath(workdir)  # orbax restores absolute paths only
-  runner = train.make_runner(train.load_config(workdir))
+  runner = train.make_runner(run_config.load(workdir))
   state = train.init_state(runner, train.make_optimizer(runner.config.train))
   with checkpoints.open_manager(workdir) as manager:
     if not manager.all_steps():
       raise FileNotFoundError(f"no checkpoint in {workdir}: train first (experiments.train)")
     state, _ = checkpoints.restore_newest_readable(
-        manager, state, os.path.join(workdir, checkpoints.UNREADABLE_DIR))
+        manager, state, os.path.join(workdir, checkpoints.UNREADABLE_DIR), runner.config)
   return runner, state.params
 
 
@@ -74,8 +75,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  generate(f.workdir, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens,
-           temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed)
+  try:
+    generate(f.workdir, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens,
+             temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed)
+  except run_config.ConfigMismatch as e:
+    sys.exit(f"error: {e}")  # the reason alone: no traceback to read it in
 
 
 if __name__ == "__main__":  # flags only here: importing this module defines none

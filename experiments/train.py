@@ -11,7 +11,9 @@ the Transformer, experiments.lm for the decoder-only LM (config.kind="lm"), pick
 A killed run restarted with the same workdir resumes from its last checkpoint and ends with the
 metrics an uninterrupted run would have: batches are a pure function of (seed, step) and the
 dropout key of step k is fold_in(state.rng, k). A checkpoint that cannot be read (a save cut short,
-a truncated folder) is skipped for the one before it (experiments.checkpoints).
+a truncated folder) is skipped for the one before it (experiments.checkpoints). A restart whose
+model, task or seed differ from the run's is refused, naming them, before anything is written
+(experiments.run_config); train.steps (to extend a run), logging and evaluation may change.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -33,7 +36,7 @@ import tqdm
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import checkpoints, metrics, plots
+from experiments import checkpoints, metrics, plots, run_config
 from experiments.lm import LMRunner
 from experiments.runner import Runner
 from experiments.seq2seq import Seq2SeqRunner
@@ -264,37 +267,29 @@ def train_loop(runner: Runner, state: TrainState, train_seconds: float, step_fn,
         writer.write(step, eval_metrics)
         postfix["exact"] = f"{eval_metrics['eval/exact_match']:.3f}"
       if save:
-        checkpoints.save(manager, step, state, train_seconds)
+        checkpoints.save(manager, step, state, train_seconds, config)
       bar.set_postfix(postfix)
       window_start = time.perf_counter()
   return state, train_seconds, eval_metrics
 
 
-CONFIG_FILE = "config.json"  # in the workdir: the run's config, as the command line made it
-
-
-def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a run in `workdir` was trained with."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: is {workdir} the workdir of a training run?")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Train (resuming from <workdir>'s last checkpoint), evaluate, plot; return the summary."""
+  """Train (resuming from <workdir>'s last checkpoint), evaluate, plot; return the summary.
+
+  Raises run_config.ConfigMismatch, with the workdir as it was, if <workdir> holds a run whose
+  model, task or seed differ from `config`'s (experiments.run_config).
+  """
   check_config(config)
   runner = make_runner(config)
   workdir = os.path.abspath(workdir)
+  run_config.check_resume(workdir, config)
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, CONFIG_FILE), "w") as f:  # for experiments.generate
-    f.write(config.to_json_best_effort(indent=2))
   tx = make_optimizer(config.train)
   state, step_fn = shard_and_compile(runner, init_state(runner, tx), tx)
   with checkpoints.open_manager(workdir) as manager:
     state, train_seconds = checkpoints.restore_newest_readable(
-        manager, state, os.path.join(workdir, checkpoints.UNREADABLE_DIR))
+        manager, state, os.path.join(workdir, checkpoints.UNREADABLE_DIR), config)
+    run_config.write(workdir, config)  # for experiments.generate
     writer = metrics.MetricWriter(workdir, resume_step=int(state.step))
     try:
       state, train_seconds, eval_metrics = train_loop(
@@ -323,7 +318,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
-  summary = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+  try:
+    summary = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+  except run_config.ConfigMismatch as e:
+    sys.exit(f"error: {e}")  # the reason alone: no traceback to read it in
   print(json.dumps(summary, indent=2))
 
 

@@ -4,7 +4,9 @@ greedily (as the runner's own greedy decoding does) or by sampling (reproducible
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -28,7 +30,8 @@ def _trained(kind, tmp_path):
 def test_a_trained_workdir_answers_prompts(kind, tmp_path):
   """One training per model (each test a process of its own under xdist would train again):
   greedy answers are the runner's own greedy decoding, printed one per prompt; samples are
-  reproducible by seed; the command line (run for the LM) answers with a relative --workdir."""
+  reproducible by seed; the command line (run for the LM) answers with a relative --workdir;
+  a config.json edited to another model is refused by name."""
   workdir = _trained(kind, tmp_path)
   runner, params = generate.restore_params(str(workdir))
   sources = [source for source, _ in runner.pairs[:3]]
@@ -41,9 +44,12 @@ def test_a_trained_workdir_answers_prompts(kind, tmp_path):
                                           temperature=1.5, seed=seed, out=io.StringIO())
   assert sample(4) == sample(4)
   assert len(sample(4)) == 3
+  if kind == "lm":  # the command line is the same code for both models: one process
+    _assert_the_command_line_answers(workdir)
+  _assert_another_model_is_refused(workdir)
 
-  if kind != "lm":  # the command line is the same code for both models: one process
-    return
+
+def _assert_the_command_line_answers(workdir):
   result = subprocess.run(
       [sys.executable, "-m", "experiments.generate", "--workdir",
        os.path.relpath(workdir, ROOT), "--prompt",  # a relative workdir, as a user types it
@@ -52,6 +58,19 @@ def test_a_trained_workdir_answers_prompts(kind, tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   lines = result.stdout.splitlines()
   assert len(lines) == 2 and all(line.startswith("3 août 2098 -> ") for line in lines)
+
+
+def _assert_another_model_is_refused(workdir):
+  """The workdir's config.json says d_ff=128 beside checkpoints of d_ff=64: a ValueError naming
+  the setting, not orbax's shape errors."""
+  path = os.path.join(workdir, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config["model"]["d_ff"] = 128
+  with open(path, "w") as f:
+    json.dump(config, f)
+  with pytest.raises(ValueError, match=re.escape("model.d_ff: 64 (saved) != 128 (given)")):
+    generate.restore_params(str(workdir))
 
 
 def test_a_directory_without_a_run_is_named(tmp_path):

@@ -6,6 +6,8 @@ are exact numbers to check.
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -16,7 +18,8 @@ from experiments.lm import LMRunner
 from experiments.tasks import BOS, EOS, PAD, get_task
 from flax_mha.models import decoding
 from flax_mha.models.lm import DecoderLM, LMConfig
-from tests.test_train import assert_tokens_per_second, spy_on_evaluate, step_clock
+from tests.test_train import (assert_resume_refused, assert_tokens_per_second, spy_on_evaluate,
+                              step_clock)
 
 TASK = get_task("reverse", heldout_percent=10, min_len=1, max_len=9)
 
@@ -126,6 +129,15 @@ def test_tokens_per_second_counts_each_real_token_once(trained):
     return int(np.count_nonzero(batch["segment_ids"]))
 
   assert_tokens_per_second(workdir, real_tokens, config.train.log_every)
+
+
+@pytest.mark.integration
+def test_resume_with_another_model_is_refused_and_changes_nothing(trained, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained[0], workdir)
+  config = tiny_config()
+  config.model.num_kv_heads = 2
+  assert_resume_refused(workdir, config, ["model.num_kv_heads: 1 (saved) != 2 (given)"])
 
 
 @pytest.mark.integration

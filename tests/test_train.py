@@ -19,7 +19,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import algorithmic, dates, dates_long, num2words_de
-from experiments import checkpoints, data, metrics, seq2seq, tasks, train
+from experiments import checkpoints, data, metrics, run_config, seq2seq, tasks, train
 from experiments.tasks import BOS, PAD
 from tests.multidevice.run import run_check
 
@@ -268,6 +268,81 @@ def test_no_readable_checkpoint_raises(trained, tmp_path):
   with pytest.raises(RuntimeError, match=f"no readable checkpoint in {re.escape(saved)}"):
     train.train_and_evaluate(tiny_config(), workdir)
   assert sorted(os.listdir(saved)) == ["10", "20"]  # left for the user to inspect
+
+
+def file_bytes(folder) -> dict[str, bytes]:
+  """Every file under `folder`, by path relative to it: its bytes."""
+  out = {}
+  for root, _, files in os.walk(folder):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, folder)] = f.read()
+  return out
+
+
+def assert_resume_refused(workdir, config, differences):
+  """Resuming `workdir`'s run with `config` raises a ValueError that names each of
+  `differences` and suggests a new workdir; no file of the workdir changes."""
+  before = file_bytes(workdir)
+  with pytest.raises(ValueError, match="trained with other settings") as refusal:
+    train.train_and_evaluate(config, workdir)
+  message = str(refusal.value)
+  assert all(difference in message for difference in differences), message
+  assert "new --workdir" in message
+  assert file_bytes(workdir) == before
+
+
+@pytest.mark.integration
+def test_resume_with_another_model_is_refused_and_changes_nothing(trained, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained[0], workdir)
+  config = tiny_config()
+  config.model.d_ff, config.seed = 128, 3
+  assert_resume_refused(workdir, config, ["model.d_ff: 64 (saved) != 128 (given)",
+                                          "seed: 0 (saved) != 3 (given)"])
+
+
+@pytest.mark.integration
+def test_checkpoints_refuse_another_model_without_config_json(trained, tmp_path):
+  """Each checkpoint records its run's config: the check holds with config.json gone."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained[0], workdir)
+  os.remove(os.path.join(workdir, run_config.CONFIG_FILE))
+  config = tiny_config()
+  config.task.kwargs.max_len = 9
+  assert_resume_refused(workdir, config, ["task.kwargs.max_len: 8 (saved) != 9 (given)"])
+
+
+def test_settings_that_leave_the_checkpoints_alone_may_change():
+  """Extending a run, its optimizer, logging, evaluation and mesh may change on resume; the
+  model, task, seed and kind may not."""
+  saved, given = tiny_config(), tiny_config()
+  given.train.update(steps=40, peak_lr=1e-4, log_every=2, remat="layer")
+  given.eval.update(every=3, num_examples=7)
+  given.mesh.data = 2
+  assert run_config.differences(run_config.as_dict(saved), given) == []
+  given.model.num_heads, given.kind = 4, "lm"
+  assert run_config.differences(run_config.as_dict(saved), given) == [
+      "kind: (absent) (saved) != 'lm' (given)", "model.num_heads: 2 (saved) != 4 (given)"]
+
+
+@pytest.mark.integration
+def test_refused_resume_from_the_command_line_says_why_first(tmp_path):
+  """One line on stderr naming the setting, no traceback, no orbax teardown noise."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  run_config.write(str(workdir), dates.get_config("tiny"))
+  before = file_bytes(workdir)
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--config", "configs/dates.py:tiny",
+       "--workdir", str(workdir), "--config.model.d_ff=128"],
+      capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr.startswith(f"error: {workdir} was trained with other settings: "
+                                  "model.d_ff: 64 (saved) != 128 (given)"), result.stderr[-2000:]
+  assert "Traceback" not in result.stderr and "Event loop is closed" not in result.stderr
+  assert file_bytes(workdir) == before
 
 
 def test_learning_rate_schedule():
