@@ -51,7 +51,7 @@ class Sampling:
     if self.top_k is not None:
       checks.check_int("top_k", self.top_k)
     if self.top_p is not None:
-      checks.check_real("top_p", self.top_p, above=0, below=1.0000001)
+      checks.check_real("top_p", self.top_p, above=0, highest=1)
 
   def __call__(self, logits_BC, rng):
     return jax.random.categorical(rng, self.restrict(logits_BC), axis=-1).astype(jnp.int32)

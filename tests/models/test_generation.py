@@ -157,3 +157,17 @@ def test_decoding_loops_trace_no_host_callback():
   user_step = jax.make_jaxpr(lambda c: model.apply(params, PROMPTS[:, :1], c,
                                                    method=DecoderLM.logits))(cache)
   assert "callback" in str(user_step)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(top_p=1.5), ValueError, "top_p must be a finite number in (0, 1], got 1.5"),
+    (dict(top_p=0.0), ValueError, "top_p must be a finite number in (0, 1], got 0.0"),
+    (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0, got 0.0"),
+    (dict(top_k=0), ValueError, "top_k must be a positive int, got 0"),
+    (dict(top_k=2.0), TypeError, "top_k must be a positive int, got float 2.0"),
+])
+def test_bad_sampling_fields_are_named_with_their_range(kwargs, error, message):
+  with pytest.raises(error) as info:
+    decoding.Sampling(**kwargs)
+  assert str(info.value) == message
+  decoding.Sampling(top_p=1.0)  # the bound is inclusive
