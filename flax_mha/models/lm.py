@@ -112,8 +112,10 @@ class Block(nn.Module):
 class DecoderLM(nn.Module):
   """`__call__(tokens [B, L], segment_ids [B, L], positions [B, L]) -> logits [B, L, C]`.
 
-  segment_ids: int, 0 for padding; tokens attend causally within their own segment.
-  positions: int, each token's position within its segment (rotary angles).
+  segment_ids: int, 0 for padding; tokens attend causally within their own segment. Default
+    (None): every row one document, all ones.
+  positions: int, each token's position within its segment (rotary angles). Default (None):
+    0..L-1 in every row.
 
   Generation (`flax_mha.models.decoding`): `init_cache(tokens, max_length)` makes one KV cache
   per layer (rolling, of the window's size, for local layers) and `logits(tokens, cache,
@@ -129,10 +131,15 @@ class DecoderLM(nn.Module):
   config: LMConfig
 
   @nn.compact
-  def __call__(self, tokens, segment_ids, positions, *, train: bool = False, cache=None):
+  def __call__(self, tokens, segment_ids=None, positions=None, *, train: bool = False,
+               cache=None):
     cfg = self.config
     checks.check_tokens("tokens", tokens)
     if cache is None:
+      if segment_ids is None:
+        segment_ids = jnp.ones(tokens.shape, jnp.int32)
+      if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
       checks.check_tokens("segment_ids", segment_ids)
       checks.check_tokens("positions", positions)
       if not tokens.shape == segment_ids.shape == positions.shape:
