@@ -171,3 +171,52 @@ def test_bad_sampling_fields_are_named_with_their_range(kwargs, error, message):
     decoding.Sampling(**kwargs)
   assert str(info.value) == message
   decoding.Sampling(top_p=1.0)  # the bound is inclusive
+
+
+def _decoders(model, params, prompts):
+  """Every decoding entry point, each called on `prompts` [B, L] (a list of rows for serving)."""
+  rows = [list(row) for row in np.asarray(prompts)]
+  return {
+      "generate": lambda: decoding.generate(model, params, (prompts,), prompts, max_new_tokens=3),
+      "stream": lambda: list(decoding.stream(model, params, (prompts,), prompts,
+                                             max_new_tokens=3)),
+      "generate_beam": lambda: decoding.generate_beam(model, params, (prompts,), prompts,
+                                                      max_new_tokens=3, beam_size=2),
+      "serve": lambda: serving.serve(model, params, rows, 3, batch_size=1, page_size=4,
+                                     num_pages=4),
+      "serve_static": lambda: serving.serve_static(model, params, rows, 3, batch_size=1),
+  }
+
+
+@pytest.mark.parametrize("bad", [VOCAB, -1])
+@pytest.mark.parametrize("entry", ["generate", "stream", "generate_beam", "serve",
+                                   "serve_static"])
+def test_ids_outside_the_vocabulary_are_refused_by_every_entry_point(entry, bad):
+  model, params = _lm()
+  prompts = np.array([[3, bad]])
+  name = r"prompts\[0\]" if entry.startswith("serve") else "prompts"
+  where = r"\(1,\)" if entry.startswith("serve") else r"\(0, 1\)"
+  with pytest.raises(ValueError, match=rf"^{name} holds token id {bad} at position {where}, "
+                                       rf"outside the vocabulary \[0, {VOCAB}\)$"):
+    _decoders(model, params, prompts)[entry]()
+
+
+def test_padding_past_a_prompts_length_is_not_checked():
+  model, params = _lm()
+  padded = PROMPTS.copy()
+  padded[1, LENGTHS[1]:] = -1
+  np.testing.assert_array_equal(
+      decoding.generate(model, params, (PROMPTS,), padded, LENGTHS, max_new_tokens=3),
+      decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=3))
+
+
+@pytest.mark.parametrize("entry", ["serve", "serve_static"])
+def test_serving_refuses_an_empty_prompt_by_name(entry):
+  model, params = _lm()
+  call = dict(serve=lambda: serving.serve(model, params, [[3, 4], []], 3, batch_size=1,
+                                          page_size=4, num_pages=4),
+              serve_static=lambda: serving.serve_static(model, params, [[3, 4], []], 3,
+                                                        batch_size=1))[entry]
+  with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty sequence of integer "
+                                       r"token ids, got shape \(0,\)"):
+    call()
