@@ -48,7 +48,7 @@ class NNXModel:
   (inside the decoding loops' `jit`, so the state is traced and nothing is mutated)."""
   graphdef: Any
 
-  def apply(self, state, *args, method: str, **kwargs):
+  def apply(self, state, *args, method: str = "__call__", **kwargs):
     return getattr(nnx.merge(self.graphdef, state), method)(*args, **kwargs)
 
 

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_mha.models import decoding, serving
+from flax import nnx
+
+from flax_mha.models import decoding, lm_nnx, serving
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 VOCAB = 13
@@ -58,6 +60,28 @@ def test_lm_cached_greedy_equals_recompute_for_prompts_of_different_lengths(kwar
   model, params = _lm(**kwargs)
   got = decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=7)
   assert np.asarray(got).tolist() == _recompute_greedy(model, params, PROMPTS, LENGTHS, 7)
+
+
+def test_an_nnx_lm_decodes_as_recompute_and_as_its_linen_twin():
+  """The NNX DecoderLM, given the linen one's parameters, through every entry point: greedy
+  tokens equal recomputing its whole forward each step, and beam search the linen model's."""
+  model, params = _lm(learned_sinks=True, sink_tokens=1)
+  nnx_lm = lm_nnx.load_linen_params(lm_nnx.DecoderLM(model.config, rngs=nnx.Rngs(1)), params)
+  want = _recompute_greedy(*decoding.decodable(nnx_lm), PROMPTS, LENGTHS, 5)
+  got = decoding.generate(nnx_lm, None, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=5)
+  assert np.asarray(got).tolist() == want
+  np.testing.assert_array_equal(
+      got, decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=5))
+  first = PROMPTS[:1, :LENGTHS[0]]
+  assert list(decoding.stream(nnx_lm, None, (first,), first, max_new_tokens=5)) == want[0]
+  rows = [PROMPTS[i, :n] for i, n in enumerate(LENGTHS)]
+  served, _ = serving.serve(nnx_lm, None, rows, 5, batch_size=2, page_size=4, num_pages=8)
+  assert served == want
+  beam = lambda m, p: np.asarray(decoding.generate_beam(m, p, (PROMPTS,), PROMPTS, LENGTHS,
+                                                        max_new_tokens=4, beam_size=3))
+  np.testing.assert_array_equal(beam(nnx_lm, None), beam(model, params))
+  with pytest.raises(ValueError, match="an NNX model holds its parameters: params must be None"):
+    decoding.generate(nnx_lm, params, (PROMPTS,), PROMPTS, max_new_tokens=2)
 
 
 def test_lm_beam_search_equals_exhaustive_search():
