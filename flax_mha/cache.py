@@ -15,11 +15,14 @@ cache updates in place inside a decoding loop), so it costs what is filled, not 
 a long prefill goes through `dot_product_attention`'s dispatch (chunked skips empty tiles).
 
 Two layouts, by what a layer attends to:
-- full (window None): slot = position; writing at or past the capacity raises (a ValueError
-  while tracing or eagerly, a runtime error inside `jit`), never overwrites. The check inside
-  `jit` is a host callback per write: a decoding loop that sizes its cache for every token it
-  writes (as `flax_mha.models.decoding` and `serving` do) traces inside
-  `room_made_by_caller()`, which drops it.
+- full (window None): slot = position; writing at or past the capacity raises, never
+  overwrites. A chunk at the rows' next positions (the default) longer than the capacity is a
+  ValueError while tracing (static sizes), inside `jit` too, as is any overflow eagerly; inside
+  `jit` a position past the capacity that only the data shows (the cache's length is traced)
+  fails at run time, as a `JaxRuntimeError` whose text ends with the overflow message (XLA's
+  callback error leads it). That check is a host callback per write: a decoding loop that sizes
+  its cache for every token it writes (as `flax_mha.models.decoding` and `serving` do) traces
+  inside `room_made_by_caller()`, which drops it.
 - rolling (a local layer, window w): the first `sink_tokens` positions keep their slots
   (StreamingLLM's attention sinks) and the rest share w slots round-robin, so memory stays
   sink_tokens + w whatever the generated length. A chunk attends over the cache and itself
@@ -87,7 +90,11 @@ class KVCache:
 
 
 def next_positions(cache, num_tokens: int):
-  """[B, T] positions of the next `num_tokens` tokens of each row."""
+  """[B, T] positions of the next `num_tokens` tokens of each row. More than a full or paged
+  cache's capacity cannot fit: a ValueError, while tracing too (the sizes are static)."""
+  if getattr(cache, "window", None) is None and num_tokens > cache.capacity:
+    raise ValueError(f"KV cache overflow: writing {num_tokens} tokens into a cache of capacity "
+                     f"{cache.capacity}; make the cache larger (capacity >= prompt + new tokens)")
   return cache.length[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)
 
 

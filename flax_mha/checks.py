@@ -113,19 +113,24 @@ def check_int(name: str, value, lowest: int = 1, highest: int | None = None) -> 
   return int(value)
 
 
-def check_real(name: str, value, *, above=None, lowest=None, below=None) -> float:
-  """A finite Python real number (not a bool) > above, >= lowest and < below (each optional);
-  returns it as a float. Static: a jax array is refused."""
-  bounds = [f"> {above}" if above is not None else None,
-            f">= {lowest}" if lowest is not None else None,
-            f"< {below}" if below is not None else None]
-  expected = "a finite number" + "".join(f" {b}" for b in bounds if b)
-  if lowest is not None and below is not None:
-    expected = f"a finite number in [{lowest}, {below})"
+def check_real(name: str, value, *, above=None, lowest=None, below=None, highest=None) -> float:
+  """A finite Python real number (not a bool) > above, >= lowest, < below and <= highest (each
+  optional); returns it as a float. Static: a jax array is refused."""
+  low = f"({above}" if above is not None else f"[{lowest}" if lowest is not None else None
+  high = f"{below})" if below is not None else f"{highest}]" if highest is not None else None
+  if low and high:
+    expected = f"a finite number in {low}, {high}"
+  else:
+    bounds = [f"> {above}" if above is not None else None,
+              f">= {lowest}" if lowest is not None else None,
+              f"< {below}" if below is not None else None,
+              f"<= {highest}" if highest is not None else None]
+    expected = "a finite number" + "".join(f" {b}" for b in bounds if b)
   if not _is_real(value):
     raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
   ok = (math.isfinite(value) and (above is None or value > above) and
-        (lowest is None or value >= lowest) and (below is None or value < below))
+        (lowest is None or value >= lowest) and (below is None or value < below) and
+        (highest is None or value <= highest))
   if not ok:
     raise ValueError(f"{name} must be {expected}, got {value}")
   return float(value)

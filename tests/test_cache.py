@@ -16,6 +16,7 @@ from flax import nnx
 
 import flax_mha
 from flax_mha import cache as cache_lib
+from flax_mha.models.lm import DecoderLM, LMConfig
 
 from conftest import grid
 
@@ -162,3 +163,26 @@ def test_a_rolling_cache_belongs_to_its_window():
   other = cache_lib.KVCache.create(B, 32, G, D // H, window=6)
   with pytest.raises(ValueError, match="a rolling cache of window 6"):
     call(jnp.zeros((B, 1, D)), cache=other)
+
+
+def test_a_chunk_longer_than_the_cache_is_refused_while_tracing():
+  """Under jit a chunk of T > capacity tokens at the next positions (static sizes) is a
+  ValueError at trace time, the overflow message its first line (not XLA's callback error
+  around a traceback), for the cache and for a model's prefill (DecoderLM.logits). A padded
+  chunk (serving's prefill buckets) writes only its real tokens: not refused by its length."""
+  cache = cache_lib.KVCache.create(1, 4, G, 8)
+  k = jnp.zeros((1, 5, G, 8))
+  jitted = jax.jit(lambda c: cache_lib.attend(k, k, k, c)[1])
+  with pytest.raises(ValueError) as info:
+    jitted(cache)
+  assert str(info.value).splitlines()[0] == (
+      "KV cache overflow: writing 5 tokens into a cache of capacity 4; make the cache larger "
+      "(capacity >= prompt + new tokens)")
+  lm = DecoderLM(LMConfig(vocab_size=11, d_model=16, num_heads=2, num_kv_heads=1, num_layers=2,
+                          d_ff=16, local_window=None))
+  tokens = jnp.ones((1, 5), jnp.int32)
+  params = lm.init(jax.random.key(0), tokens)
+  lm_cache = lm.apply(params, tokens, 4, method=DecoderLM.init_cache)
+  with pytest.raises(ValueError) as info:
+    jax.jit(lambda c: lm.apply(params, tokens, c, method=DecoderLM.logits))(lm_cache)
+  assert str(info.value).splitlines()[0].startswith("KV cache overflow: writing 5 tokens")

@@ -89,6 +89,19 @@ def test_recompute_generation_equals_the_cached_one():
     assert got[row, n:n + 4].tolist() == cached[row].tolist()
 
 
+def test_one_document_needs_no_segment_ids_or_positions():
+  """Without segment_ids and positions a row is one document at positions 0..L-1: the logits
+  (and the parameters init makes) equal those of passing them explicitly."""
+  model = _model()
+  tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 7), 0, TASK.vocab.size))
+  segments, positions = np.ones_like(tokens), np.broadcast_to(np.arange(7), tokens.shape)
+  params = model.init(jax.random.key(1), tokens)
+  explicit = model.init(jax.random.key(1), tokens, segments, positions)
+  jax.tree.map(np.testing.assert_array_equal, params, explicit)
+  np.testing.assert_array_equal(model.apply(params, tokens),
+                                model.apply(params, tokens, segments, positions))
+
+
 def tiny_config():
   config = lm_config.get_config("tiny")
   config.train.steps = 60  # enough to beat a uniform guess on held-out answers

@@ -1,13 +1,22 @@
 """One decoding module for every model: greedy, sampling and beam search over a cache that is data.
 
-A model is decodable when it has two methods (applied with `model.apply(params, ...)`):
+A model is decodable when it has two methods:
 
   init_cache(*context, max_length) -> cache      the decoding state (a pytree whose leaves all
                                                  lead with the batch dim B)
   logits(tokens [B, T], cache, positions) -> (logits [B, T, C], cache)
 
-`flax_mha.models.DecoderLM` (context: its prompts) and `flax_mha.models.Transformer` (context:
-the source it encodes once) are. Generation prefills the prompts in one call, each row at its
+A linen module comes with its variables as `params` (the methods run through `model.apply`); an
+NNX module comes alone (`params` None): `decodable` splits it into its structure and its state,
+which the loops carry as `params` and merge inside `jit`, so the module is called directly and
+its cache is data, as a linen one's. `flax_mha.models.DecoderLM` (context: its prompts),
+`flax_mha.models.lm_nnx.DecoderLM` and `flax_mha.models.Transformer` (context: the source it
+encodes once) are decodable.
+
+Token ids (the prompts, and integer arrays of the context such as the source) must lie in
+[0, C), C the size of the logits: when they are concrete, a ValueError names the first one
+outside; inside `jit` they are traced and not checked (an id >= C embeds as NaN in flax's
+`nn.Embed`, a negative one reads another row). Generation prefills the prompts in one call, each row at its
 own positions (rows of different lengths, right-padded, waste nothing: padding has position -1),
 then feeds one token a step. Everything is jitted with the model, sizes and sampler static;
 the loop stops once every row has emitted a stop token (later tokens are `pad_id`).
@@ -20,13 +29,77 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.models.transformer import Transformer, TransformerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class NNXModel:
+  """An NNX module's structure (`nnx.split`'s graphdef) with linen's calling convention,
+  `apply(state, *args, method=name)`: the module is merged from the state and its method called
+  (inside the decoding loops' `jit`, so the state is traced and nothing is mutated)."""
+  graphdef: Any
+
+  def apply(self, state, *args, method: str = "__call__", **kwargs):
+    return getattr(nnx.merge(self.graphdef, state), method)(*args, **kwargs)
+
+
+def decodable(model, params=None):
+  """(model, params) as the decoding loops take them: a linen module and its variables as they
+  are; an NNX module (params None: it holds its own) as `NNXModel` and its state."""
+  if isinstance(model, nnx.Module):
+    if params is not None:
+      raise ValueError(f"an NNX model holds its parameters: params must be None, got "
+                       f"{type(params).__name__}")
+    graphdef, state = nnx.split(model)
+    return NNXModel(graphdef), state
+  if not callable(getattr(model, "apply", None)):
+    raise TypeError(f"model must be a linen module or an NNX module, got {type(model).__name__}")
+  return model, params
+
+
+def vocabulary(model, params, method: str, context=(), static=(), batch: int = 1) -> int:
+  """C, the size of the logits `model` gives for one token after its cache method `method`
+  (`*context, *static`; `static` ints): shapes only, nothing runs."""
+  return _one_token.eval_shape(model, params, method, tuple(context), tuple(static),
+                               batch).shape[-1]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 4, 5))
+def _one_token(model, params, method, context, static, batch):
+  cache = model.apply(params, *context, *static, method=method)
+  tokens = jnp.zeros((batch, 1), jnp.int32)
+  return model.apply(params, tokens, cache, tokens, method="logits")[0]
+
+
+def check_ids(name: str, ids, vocab_size: int, lengths=None) -> None:
+  """Every id of `ids` [B, L] (the first `lengths` [B] of each row, when given) in
+  [0, vocab_size), when concrete; traced ids (inside `jit`) are the caller's to check."""
+  if isinstance(ids, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
+    return
+  ids = np.asarray(ids)
+  if lengths is not None:  # padding past a row's length is never read
+    ids = np.where(np.arange(ids.shape[1]) < np.asarray(lengths)[:, None], ids, 0)
+  checks.check_token_ids(name, ids, vocab_size)
+
+
+def _check_ids(model, params, context, prompts, lengths) -> None:
+  """The prompts' ids and those of the context's integer arrays, against the logits' size."""
+  if isinstance(prompts, jax.core.Tracer):
+    return
+  vocab = vocabulary(model, params, "init_cache", context, (1,), prompts.shape[0])
+  check_ids("prompts", prompts, vocab, lengths)
+  for i, x in enumerate(context):
+    if x is not prompts and jnp.issubdtype(getattr(x, "dtype", float), jnp.integer):
+      check_ids(f"context[{i}]", x, vocab)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +124,7 @@ class Sampling:
     if self.top_k is not None:
       checks.check_int("top_k", self.top_k)
     if self.top_p is not None:
-      checks.check_real("top_p", self.top_p, above=0, below=1.0000001)
+      checks.check_real("top_p", self.top_p, above=0, highest=1)
 
   def __call__(self, logits_BC, rng):
     return jax.random.categorical(rng, self.restrict(logits_BC), axis=-1).astype(jnp.int32)
@@ -78,15 +151,19 @@ def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_to
   """Continue each prompt: tokens [B, max_new_tokens] int32 (pad_id after a stop token).
 
   Args:
-    model: a decodable linen module (see the module docstring); params its variables.
+    model: a decodable linen module (params: its variables) or NNX module (params: None); see
+      the module docstring.
     context: tuple of `init_cache`'s positional arguments (the prompts for an LM, the source
       for the Transformer).
-    prompts: [B, L] int, right-padded; prompt_lengths [B] (default: all L).
+    prompts: [B, L] int, right-padded; prompt_lengths [B] (default: all L). Ids outside the
+      vocabulary raise a ValueError when concrete (not inside `jit`).
     max_new_tokens: static; sampler: `Greedy()` or `Sampling(temperature, top_k, top_p)`.
     stop_tokens: ids that end a row (emitted, then pad_id); rng: a key, for sampling (the
       same key gives the same tokens).
   """
+  model, params = decodable(model, params)
   prompts, prompt_lengths = _check(prompts, prompt_lengths, max_new_tokens)
+  _check_ids(model, params, context, prompts, prompt_lengths)
   if isinstance(sampler, Sampling) and rng is None:
     raise ValueError("sampling needs rng (a jax.random.key): the same key gives the same tokens")
   rng = jax.random.key(0) if rng is None else rng
@@ -117,10 +194,10 @@ def _prefill(model, params, context, prompts, lengths, max_new_tokens):
   length = prompts.shape[1]
   # The last new token is never fed back: the cache needs room for L + N - 1 tokens.
   cache = model.apply(params, *context, max_length=length + max_new_tokens - 1,
-                      method=type(model).init_cache)
+                      method="init_cache")
   ar = jnp.arange(length, dtype=jnp.int32)
   positions = jnp.where(ar < lengths[:, None], ar, -1)
-  logits, cache = model.apply(params, prompts, cache, positions, method=type(model).logits)
+  logits, cache = model.apply(params, prompts, cache, positions, method="logits")
   return cache, jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 
@@ -130,7 +207,7 @@ def _step(model, params, tokens_B, cache, logits, more):
   `cache`) unless `more` tokens are to come."""
   def run():
     new_logits, new_cache = model.apply(params, tokens_B[:, None], cache,
-                                        method=type(model).logits)
+                                        method="logits")
     return new_logits[:, 0].astype(logits.dtype), new_cache
   return jax.lax.cond(more, run, lambda: (logits, cache))
 
@@ -159,8 +236,11 @@ def _generate(model, params, context, prompts, lengths, rng, max_new_tokens, sam
 def stream(model, params, context, prompt, *, max_new_tokens: int, sampler=Greedy(),
            stop_tokens=(), rng=None):
   """`generate` for one prompt (prompt [1, L]), yielding each new token id as it is produced
-  (a jitted prefill, then one jitted step per token: for a terminal, not for throughput)."""
+  (a jitted prefill, then one jitted step per token: for a terminal, not for throughput).
+  Arguments as `generate`'s; the ids are checked before the first token."""
+  model, params = decodable(model, params)
   prompt, lengths = _check(prompt, None, max_new_tokens)
+  _check_ids(model, params, context, prompt, lengths)
   rng = jax.random.key(0) if rng is None else rng
   cache, logits = _jitted_prefill(model, params, tuple(context), prompt, lengths, max_new_tokens)
   for n in range(max_new_tokens):
@@ -177,7 +257,7 @@ _jitted_prefill = jax.jit(_prefill, static_argnums=(0, 5))
 @functools.partial(jax.jit, static_argnums=(0,))
 @cache_lib.caller_makes_room  # stream stops at the _prefill's max_new_tokens
 def _jitted_step(model, params, tokens_B, cache):
-  logits, cache = model.apply(params, tokens_B[:, None], cache, method=type(model).logits)
+  logits, cache = model.apply(params, tokens_B[:, None], cache, method="logits")
   return logits[:, 0], cache
 
 
@@ -193,7 +273,9 @@ def generate_beam(model, params, context, prompts, prompt_lengths=None, *,
 
   Same arguments as `generate`; a beam ends at a stop token (emitted) and then scores only pad.
   `beam_size=1` is greedy decoding."""
+  model, params = decodable(model, params)
   prompts, prompt_lengths = _check(prompts, prompt_lengths, max_new_tokens)
+  _check_ids(model, params, context, prompts, prompt_lengths)
   checks.check_int("beam_size", beam_size)
   return _beam(model, params, tuple(context), prompts, prompt_lengths, max_new_tokens,
                beam_size, float(alpha), tuple(stop_tokens), pad_id)[0]

@@ -112,8 +112,10 @@ class Block(nn.Module):
 class DecoderLM(nn.Module):
   """`__call__(tokens [B, L], segment_ids [B, L], positions [B, L]) -> logits [B, L, C]`.
 
-  segment_ids: int, 0 for padding; tokens attend causally within their own segment.
-  positions: int, each token's position within its segment (rotary angles).
+  segment_ids: int, 0 for padding; tokens attend causally within their own segment. Default
+    (None): every row one document, all ones.
+  positions: int, each token's position within its segment (rotary angles). Default (None):
+    0..L-1 in every row.
 
   Generation (`flax_mha.models.decoding`): `init_cache(tokens, max_length)` makes one KV cache
   per layer (rolling, of the window's size, for local layers) and `logits(tokens, cache,
@@ -129,10 +131,12 @@ class DecoderLM(nn.Module):
   config: LMConfig
 
   @nn.compact
-  def __call__(self, tokens, segment_ids, positions, *, train: bool = False, cache=None):
+  def __call__(self, tokens, segment_ids=None, positions=None, *, train: bool = False,
+               cache=None):
     cfg = self.config
     checks.check_tokens("tokens", tokens)
     if cache is None:
+      segment_ids, positions = one_document(tokens, segment_ids, positions)
       checks.check_tokens("segment_ids", segment_ids)
       checks.check_tokens("positions", positions)
       if not tokens.shape == segment_ids.shape == positions.shape:
@@ -166,29 +170,47 @@ class DecoderLM(nn.Module):
   def init_cache(self, tokens, max_length: int, dtype=None):
     """Empty caches, one per layer, for a batch like `tokens` [B, ...] and sequences of up to
     `max_length` tokens (a local layer's cache keeps only its window and sink tokens)."""
-    cfg = self.config
-    checks.check_int("max_length", max_length)
-    k = cfg.d_model // cfg.num_heads
-    return tuple(
-        cache_lib.KVCache.create(
-            tokens.shape[0], max_length, cfg.num_kv_heads, k, k, dtype or cfg.dtype,
-            window=cfg.local_window if cfg.is_local(i) else None,
-            sink_tokens=cfg.sink_tokens if cfg.is_local(i) else 0)
-        for i in range(cfg.num_layers))
+    return kv_caches(self.config, tokens.shape[0], max_length, dtype)
 
   def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int,
                        pages_per_row: int, dtype=None):
     """Caches for serving (`flax_mha.models.serving`): the global layers' keys and values in a
     pool of `num_pages` pages of `page_size` tokens (each row owning up to `pages_per_row`,
     assigned by the host), the local layers' in rolling caches of their window."""
-    cfg = self.config
-    k = cfg.d_model // cfg.num_heads
-    table = jnp.zeros((batch_size, pages_per_row), jnp.int32)
-    return tuple(
-        cache_lib.KVCache.create(batch_size, pages_per_row * page_size, cfg.num_kv_heads, k, k,
-                                 dtype or cfg.dtype, window=cfg.local_window,
-                                 sink_tokens=cfg.sink_tokens)
-        if cfg.is_local(i) else
-        cache_lib.PagedKVCache.create(num_pages, page_size, table, cfg.num_kv_heads, k, k,
-                                      dtype or cfg.dtype)
-        for i in range(cfg.num_layers))
+    return paged_caches(self.config, batch_size, num_pages, page_size, pages_per_row, dtype)
+
+
+def one_document(tokens, segment_ids=None, positions=None):
+  """(segment_ids, positions), each defaulting to one document a row at positions 0..L-1."""
+  if segment_ids is None:
+    segment_ids = jnp.ones(tokens.shape, jnp.int32)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  return segment_ids, positions
+
+
+def kv_caches(cfg: LMConfig, batch_size: int, max_length: int, dtype=None) -> tuple:
+  """`DecoderLM.init_cache`'s caches (shared by the NNX twin, `flax_mha.models.lm_nnx`)."""
+  checks.check_int("max_length", max_length)
+  k = cfg.d_model // cfg.num_heads
+  return tuple(
+      cache_lib.KVCache.create(
+          batch_size, max_length, cfg.num_kv_heads, k, k, dtype or cfg.dtype,
+          window=cfg.local_window if cfg.is_local(i) else None,
+          sink_tokens=cfg.sink_tokens if cfg.is_local(i) else 0)
+      for i in range(cfg.num_layers))
+
+
+def paged_caches(cfg: LMConfig, batch_size: int, num_pages: int, page_size: int,
+                 pages_per_row: int, dtype=None) -> tuple:
+  """`DecoderLM.init_paged_cache`'s caches (shared by the NNX twin)."""
+  k = cfg.d_model // cfg.num_heads
+  table = jnp.zeros((batch_size, pages_per_row), jnp.int32)
+  return tuple(
+      cache_lib.KVCache.create(batch_size, pages_per_row * page_size, cfg.num_kv_heads, k, k,
+                               dtype or cfg.dtype, window=cfg.local_window,
+                               sink_tokens=cfg.sink_tokens)
+      if cfg.is_local(i) else
+      cache_lib.PagedKVCache.create(num_pages, page_size, table, cfg.num_kv_heads, k, k,
+                                    dtype or cfg.dtype)
+      for i in range(cfg.num_layers))

@@ -11,7 +11,10 @@ pages; the local layers keep rolling caches of their window. The host does the b
 `serve_static`, the baseline: groups of `batch_size` prompts padded to the group's longest,
 each group running until its longest request is done (`flax_mha.models.decoding.generate`).
 
-The model must provide `init_paged_cache` and `logits` (as `flax_mha.models.DecoderLM` does).
+The model must provide `init_paged_cache` and `logits` (as `flax_mha.models.DecoderLM` and its
+NNX twin `flax_mha.models.lm_nnx.DecoderLM` do): a linen module with its variables as `params`,
+or an NNX module with `params` None (see `flax_mha.models.decoding.decodable`). Both functions
+refuse an empty prompt and ids outside the vocabulary [0, C), C the size of the logits.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def _prefill(model, params, cache, table, tokens_1L, length, row, sampler, rng, 
   ar = jnp.arange(tokens_1L.shape[1], dtype=jnp.int32)
   positions = jnp.where(ar < length, ar, -1)[None]
   logits, row_cache = model.apply(params, tokens_1L, _take_row(cache, row), positions,
-                                  method=type(model).logits)
+                                  method="logits")
   token = sampler(logits[:, length - 1], jax.random.fold_in(rng, 2 * request))[0]
   return token, _put_row(cache, row, row_cache)
 
@@ -108,7 +111,7 @@ def _step(model, params, cache, table, tokens_B, active_B, sampler, rng, step):
   cache = _with_table(cache, table)
   positions = jnp.where(active_B, cache_lib.next_positions(cache[0], 1)[:, 0], -1)[:, None]
   logits, cache = model.apply(params, tokens_B[:, None], cache, positions,
-                              method=type(model).logits)
+                              method="logits")
   return sampler(logits[:, 0], jax.random.fold_in(rng, 2 * step + 1)), cache
 
 
@@ -124,9 +127,11 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
   prompts: sequences of token ids; max_new_tokens: an int or one per prompt. The pool must
   hold the live rows: num_pages >= batch_size · pages of the longest request.
   """
+  model, params = decoding.decodable(model, params)
   checks.check_int("batch_size", batch_size)
   checks.check_int("page_size", page_size)
-  prompts = [np.asarray(p, np.int32) for p in prompts]
+  prompts = _prompts(prompts, decoding.vocabulary(model, params, "init_paged_cache",
+                                                  static=(1, 1, 1, 1)))
   limits = _limits(max_new_tokens, len(prompts))
   pages_per_row = max(math.ceil((len(p) + n) / page_size) for p, n in zip(prompts, limits))
   if num_pages < batch_size * pages_per_row:
@@ -134,7 +139,7 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
                      f"{pages_per_row} pages: pass at least {batch_size * pages_per_row}")
   rng = jax.random.key(0) if rng is None else rng
   cache = model.apply(params, batch_size, num_pages, page_size, pages_per_row,
-                      method=type(model).init_paged_cache)
+                      method="init_paged_cache")
   table = np.zeros((batch_size, pages_per_row), np.int32)
   free = collections.deque(range(num_pages))
   queue = collections.deque(range(len(prompts)))
@@ -193,7 +198,9 @@ def serve_static(model, params, prompts, max_new_tokens, *, batch_size: int, sto
   """The baseline: groups of `batch_size` prompts, right-padded to the group's longest, each
   generating until the group's largest limit; (new tokens per prompt, ServeStats without
   pages)."""
-  prompts = [np.asarray(p, np.int32) for p in prompts]
+  model, params = decoding.decodable(model, params)
+  prompts = _prompts(prompts, decoding.vocabulary(model, params, "init_cache",
+                                                  (np.zeros((1, 1), np.int32),), (1,)))
   limits = _limits(max_new_tokens, len(prompts))
   outputs, start = [], time.perf_counter()
   for first in range(0, len(prompts), batch_size):
@@ -213,6 +220,20 @@ def serve_static(model, params, prompts, max_new_tokens, *, batch_size: int, sto
     outputs += [done[i] for i in sorted(done)]
   seconds = time.perf_counter() - start
   return outputs, ServeStats(sum(map(len, outputs)), seconds, 0, 0)
+
+
+def _prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+  """Each prompt as int32 ids [L], refused when empty, not 1-D integers or outside
+  [0, vocab_size)."""
+  out = []
+  for i, prompt in enumerate(prompts):
+    prompt = np.asarray(prompt)
+    if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+      raise ValueError(f"prompts[{i}] must be a non-empty sequence of integer token ids, got "
+                       f"shape {prompt.shape} and dtype {prompt.dtype}")
+    checks.check_token_ids(f"prompts[{i}]", prompt, vocab_size)
+    out.append(prompt.astype(np.int32))
+  return out
 
 
 def _limits(max_new_tokens, n: int) -> list[int]:

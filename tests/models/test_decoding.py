@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_mha.models.decoding import beam_search, greedy_decode, length_penalty
+from flax_mha.models.decoding import beam_search, generate, greedy_decode, length_penalty
 from flax_mha.models.transformer import Transformer, TransformerConfig
 
 B, S = 3, 6
@@ -172,3 +172,13 @@ def test_decoding_under_x64():
     np.testing.assert_array_equal(tokens, naive_greedy(cfg, params, src, 6))
     np.testing.assert_array_equal(beam_search(cfg, params, src, max_len=6, beam_size=1), tokens)
   assert not jax.config.jax_enable_x64
+
+
+def test_generate_refuses_source_ids_outside_the_vocabulary():
+  """The source enters generation as the Transformer's context: its ids are checked as well."""
+  cfg, params, src = make()
+  bad = src.at[2, 1].set(cfg.vocab_size)
+  bos = jnp.full((B, 1), cfg.bos_id, jnp.int32)
+  with pytest.raises(ValueError, match=rf"^context\[0\] holds token id {cfg.vocab_size} at "
+                                       rf"position \(2, 1\), outside the vocabulary"):
+    generate(Transformer(cfg), {"params": params}, (bad,), bos, max_new_tokens=3)

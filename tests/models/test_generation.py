@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_mha.models import decoding, serving
+from flax import nnx
+
+from flax_mha.models import decoding, lm_nnx, serving
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 VOCAB = 13
@@ -58,6 +60,28 @@ def test_lm_cached_greedy_equals_recompute_for_prompts_of_different_lengths(kwar
   model, params = _lm(**kwargs)
   got = decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=7)
   assert np.asarray(got).tolist() == _recompute_greedy(model, params, PROMPTS, LENGTHS, 7)
+
+
+def test_an_nnx_lm_decodes_as_recompute_and_as_its_linen_twin():
+  """The NNX DecoderLM, given the linen one's parameters, through every entry point: greedy
+  tokens equal recomputing its whole forward each step, and beam search the linen model's."""
+  model, params = _lm(learned_sinks=True, sink_tokens=1)
+  nnx_lm = lm_nnx.load_linen_params(lm_nnx.DecoderLM(model.config, rngs=nnx.Rngs(1)), params)
+  want = _recompute_greedy(*decoding.decodable(nnx_lm), PROMPTS, LENGTHS, 5)
+  got = decoding.generate(nnx_lm, None, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=5)
+  assert np.asarray(got).tolist() == want
+  np.testing.assert_array_equal(
+      got, decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=5))
+  first = PROMPTS[:1, :LENGTHS[0]]
+  assert list(decoding.stream(nnx_lm, None, (first,), first, max_new_tokens=5)) == want[0]
+  rows = [PROMPTS[i, :n] for i, n in enumerate(LENGTHS)]
+  served, _ = serving.serve(nnx_lm, None, rows, 5, batch_size=2, page_size=4, num_pages=8)
+  assert served == want
+  beam = lambda m, p: np.asarray(decoding.generate_beam(m, p, (PROMPTS,), PROMPTS, LENGTHS,
+                                                        max_new_tokens=4, beam_size=3))
+  np.testing.assert_array_equal(beam(nnx_lm, None), beam(model, params))
+  with pytest.raises(ValueError, match="an NNX model holds its parameters: params must be None"):
+    decoding.generate(nnx_lm, params, (PROMPTS,), PROMPTS, max_new_tokens=2)
 
 
 def test_lm_beam_search_equals_exhaustive_search():
@@ -157,3 +181,66 @@ def test_decoding_loops_trace_no_host_callback():
   user_step = jax.make_jaxpr(lambda c: model.apply(params, PROMPTS[:, :1], c,
                                                    method=DecoderLM.logits))(cache)
   assert "callback" in str(user_step)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(top_p=1.5), ValueError, "top_p must be a finite number in (0, 1], got 1.5"),
+    (dict(top_p=0.0), ValueError, "top_p must be a finite number in (0, 1], got 0.0"),
+    (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0, got 0.0"),
+    (dict(top_k=0), ValueError, "top_k must be a positive int, got 0"),
+    (dict(top_k=2.0), TypeError, "top_k must be a positive int, got float 2.0"),
+])
+def test_bad_sampling_fields_are_named_with_their_range(kwargs, error, message):
+  with pytest.raises(error) as info:
+    decoding.Sampling(**kwargs)
+  assert str(info.value) == message
+  decoding.Sampling(top_p=1.0)  # the bound is inclusive
+
+
+def _decoders(model, params, prompts):
+  """Every decoding entry point, each called on `prompts` [B, L] (a list of rows for serving)."""
+  rows = [list(row) for row in np.asarray(prompts)]
+  return {
+      "generate": lambda: decoding.generate(model, params, (prompts,), prompts, max_new_tokens=3),
+      "stream": lambda: list(decoding.stream(model, params, (prompts,), prompts,
+                                             max_new_tokens=3)),
+      "generate_beam": lambda: decoding.generate_beam(model, params, (prompts,), prompts,
+                                                      max_new_tokens=3, beam_size=2),
+      "serve": lambda: serving.serve(model, params, rows, 3, batch_size=1, page_size=4,
+                                     num_pages=4),
+      "serve_static": lambda: serving.serve_static(model, params, rows, 3, batch_size=1),
+  }
+
+
+@pytest.mark.parametrize("bad", [VOCAB, -1])
+@pytest.mark.parametrize("entry", ["generate", "stream", "generate_beam", "serve",
+                                   "serve_static"])
+def test_ids_outside_the_vocabulary_are_refused_by_every_entry_point(entry, bad):
+  model, params = _lm()
+  prompts = np.array([[3, bad]])
+  name = r"prompts\[0\]" if entry.startswith("serve") else "prompts"
+  where = r"\(1,\)" if entry.startswith("serve") else r"\(0, 1\)"
+  with pytest.raises(ValueError, match=rf"^{name} holds token id {bad} at position {where}, "
+                                       rf"outside the vocabulary \[0, {VOCAB}\)$"):
+    _decoders(model, params, prompts)[entry]()
+
+
+def test_padding_past_a_prompts_length_is_not_checked():
+  model, params = _lm()
+  padded = PROMPTS.copy()
+  padded[1, LENGTHS[1]:] = -1
+  np.testing.assert_array_equal(
+      decoding.generate(model, params, (PROMPTS,), padded, LENGTHS, max_new_tokens=3),
+      decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=3))
+
+
+@pytest.mark.parametrize("entry", ["serve", "serve_static"])
+def test_serving_refuses_an_empty_prompt_by_name(entry):
+  model, params = _lm()
+  call = dict(serve=lambda: serving.serve(model, params, [[3, 4], []], 3, batch_size=1,
+                                          page_size=4, num_pages=4),
+              serve_static=lambda: serving.serve_static(model, params, [[3, 4], []], 3,
+                                                        batch_size=1))[entry]
+  with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty sequence of integer "
+                                       r"token ids, got shape \(0,\)"):
+    call()
