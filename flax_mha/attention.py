@@ -8,9 +8,10 @@ broadcast to [..., H, T, S]. Everything here is a pure function (no flax import)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -18,48 +19,28 @@ from jax import lax
 
 from flax_mha import checks
 from flax_mha import dispatch
+from flax_mha import kernels  # importing the package registers every implementation
 from flax_mha.kernels import _shared
 from flax_mha import _options
-from flax_mha.kernels import chunked
-from flax_mha.kernels import cudnn
-from flax_mha.kernels import decode
 from flax_mha.kernels import reference
-from flax_mha.kernels import rows
+from flax_mha.kernels import registry
 from flax_mha.kernels import xla
 
-# name -> fn(query [B,T,H,K], key [B,S,G,K], value [B,S,G,V], bias, mask, *, is_causal, scale,
-#            dropout_rate, dropout_rng) -> [B,T,H,V]; bias and mask None or rank 4.
-IMPLEMENTATIONS: dict[str, Callable] = {
-    "reference": reference.attention,  # the oracle: the formula on the page, untuned
-    "xla": xla.attention,              # the same graph tuned for XLA: fastest for small T·S
-    "chunked": chunked.attention,      # online softmax, linear memory, its own backward
-    "rows": rows.attention,            # query-row blocks, exact softmax: no dropout or mods
-    "cudnn": cudnn.attention,          # cuDNN flash attention (GPU, 16-bit inputs)
-    "decode": decode.attention,        # a few queries over a long cache: keys split, merged
-}
+# name -> the registered implementation's function: a live read-only view of
+# `flax_mha.kernels.registry` (a kernel registered later is listed at once).
+IMPLEMENTATIONS: Mapping[str, Callable] = registry.FUNCTIONS
+del kernels
+
 
 def default_implementation(query, key, value, bias, mask, *, is_causal: bool,
                            dropout_rate: float, mods=None, platform: str | None = None) -> str:
-  """What `implementation=None` runs on `platform` (None: the default backend's), decided at
-  trace time from static shapes (`flax_mha.explain` says why). The rule, in full in
-  `flax_mha.dispatch`:
-
-  1. On 'cuda', "cudnn" where its constraints hold (16-bit, no dropout, K == V <= 128).
-  2. On other accelerators (and 'cuda' otherwise), the plain "xla" graph while its logits fit
-     in memory, "chunked" beyond: the CPU-tuned kernels are not picked there.
-  3. On CPU, a few queries over many keys (generation): "decode".
-  4. On CPU without dropout and mask/score terms (a bias, a mask and is_causal are fine):
-     "xla" for small T·S, "rows" beyond (query-row blocks, exact softmax), "chunked" for very
-     long keys.
-  5. On CPU otherwise: "xla" for small T·S, "chunked" beyond; earlier when causal with
-     K <= 64, when causal or windowed with K <= 32, or when static masks (windows, causality,
-     index-only mask_mods) hide most of chunked's tiles. Data-dependent masks (segment ids,
-     lengths) are unknown at trace time and move nothing.
-  Every choice computes the same function (see `flax_mha.kernels.reference`).
-  """
-  return dispatch.choose(query, key, value, bias, mask, is_causal=is_causal,
-                         dropout_rate=dropout_rate, mods=mods,
-                         platform=dispatch.check_platform(platform)).name
+  """What `implementation=None` runs for flattened inputs (query [B, T, H, K], key [B, S, G, K],
+  value [B, S, G, V]; arrays or shapes) on `platform` (None: the default backend's), decided at
+  trace time from static facts by the rule in `flax_mha.dispatch` (`flax_mha.explain` says
+  which and why). Every choice computes the same function (`flax_mha.kernels.reference`)."""
+  return dispatch.choose(registry.Call.of(
+      query, key, value, bias, mask, is_causal=is_causal, dropout_rate=dropout_rate, mods=mods,
+      platform=dispatch.check_platform(platform))).name
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
@@ -132,14 +113,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
       partial results merge by `out = Σ exp(lse_i - logaddexp(lse...)) · out_i` with no
       special case. The lse carries no gradient (as jax.nn's).
     implementation: None (the best available for the platform the program is lowered for,
-      chosen at trace time by `default_implementation`; `flax_mha.explain` says which and
-      why), a name in `IMPLEMENTATIONS`, or a callable with their signature (e.g.
-      `flax_mha.sequence_parallel_implementation(...)` or `flax_mha.ring_implementation`:
-      sequence parallelism over a mesh). Every implementation
-      computes the same function ("rows" and "cudnn" refuse, by name, the options they lack);
-      forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) works with "reference" and
-      "xla", not with "rows", "chunked", "cudnn" or ring attention (custom VJPs): None picks
-      "rows" or "chunked" for large T·S, so ask for "xla" explicitly for forward mode there.
+      chosen at trace time by the rule in `flax_mha.dispatch`; `flax_mha.explain` says which
+      and why), a name in `IMPLEMENTATIONS` (the registered kernels,
+      `flax_mha.kernels.registry`; "ring" runs over the context mesh's 'seq' axis), or a
+      callable with their signature (e.g. `flax_mha.sequence_parallel_implementation(...)`:
+      other sequence-parallel strategies and layouts). Every implementation computes the same
+      function; one that cannot take a call refuses it by name (`explain` lists the reasons).
+      Forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) works with "reference" and "xla" only
+      (the others have custom VJPs): ask for "xla" explicitly for forward mode.
 
   Returns:
     [..., T, H, V] in the input dtype. Products and softmax run in float32 for 16-bit inputs, in
@@ -199,9 +180,9 @@ def explain(query, key, value, bias=None, mask=None, *, is_causal: bool = False,
     q, k, v, bias4, mask4, _, mods, causal = _prepare(
         *(args.pop(name) for name in ("query", "key", "value", "bias", "mask")), is_causal,
         scale, dropout_rate, dropout_rng, args)
-    found.append(dispatch.explanation(q, k, v, bias4, mask4, is_causal=causal,
-                                      dropout_rate=float(dropout_rate), mods=mods,
-                                      platform=platform))
+    found.append(dispatch.explanation(registry.Call.of(
+        q, k, v, bias4, mask4, is_causal=causal, dropout_rate=float(dropout_rate), mods=mods,
+        platform=platform)))
 
   jax.eval_shape(decide, arrays)
   return found[0]
@@ -265,9 +246,9 @@ def _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate, mods)
     return implementation
   if implementation is not None:
     return IMPLEMENTATIONS[implementation]
-  picks = {platform: dispatch.choose(q, k, v, bias, mask, is_causal=is_causal,
-                                     dropout_rate=dropout_rate, mods=mods,
-                                     platform=platform).name
+  call = registry.Call.of(q, k, v, bias, mask, is_causal=is_causal, dropout_rate=dropout_rate,
+                          mods=mods, platform="cpu")
+  picks = {platform: dispatch.choose(dataclasses.replace(call, platform=platform)).name
            for platform in dispatch.PLATFORMS}
   if len(set(picks.values())) == 1:
     return IMPLEMENTATIONS[picks["cpu"]]
@@ -291,15 +272,15 @@ def _per_platform(picks: dict, query, key, value, bias, mask, *, dropout_rng, mo
 
 
 def check_implementation(implementation) -> None:
-  """None, a callable, or a name in IMPLEMENTATIONS; the error says how to ask for ring."""
+  """None, a callable, or a name in IMPLEMENTATIONS; the error says how to ask for the other
+  sequence-parallel strategies."""
   if implementation is None or callable(implementation):
     return
   if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be None, a callable or one of {sorted(IMPLEMENTATIONS)}, got "
-        f"{implementation!r} (ring attention, sequence-parallel over a device mesh, is the "
-        "callable flax_mha.ring_implementation; other strategies "
-        "flax_mha.sequence_parallel_implementation(strategy, layout))")
+        f"{implementation!r} (sequence-parallel strategies other than 'ring', over a device "
+        "mesh: the callable flax_mha.sequence_parallel_implementation(strategy, layout))")
 
 
 def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options):
@@ -308,7 +289,9 @@ def _prepare(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
   bias4, mask4, scale, mods, is_causal = _checked(
       query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
   batch = query.shape[:-3]
-  flat = lambda x: x.reshape(math.prod(batch), *x.shape[len(batch):])
+  # jnp arrays: a NumPy input would stay NumPy through the reshape, and a kernel's custom VJP
+  # (eager grad) would index it with traced block numbers.
+  flat = lambda x: jnp.asarray(x).reshape(math.prod(batch), *x.shape[len(batch):])
   return flat(query), flat(key), flat(value), bias4, mask4, scale, mods, is_causal
 
 

@@ -1,7 +1,8 @@
-"""What `implementation=None` runs, and why: the one decision behind `dot_product_attention`'s
-dispatch and `flax_mha.explain`.
+"""What `implementation=None` runs, and why: the one rule behind `dot_product_attention`'s
+dispatch and `flax_mha.explain`, written here and nowhere else (docstrings and the design page
+point here; `flax_mha.explain(...)` prints the choice and every alternative for a call).
 
-The choice reads static facts only (shapes, dtype, `is_causal`, the dropout rate, which mask and
+The choice reads one `flax_mha.kernels.registry.Call` record: static facts only (shapes, dtype, `is_causal`, the dropout rate, which mask and
 score terms a call has, the tiles its static masks hide) and the platform the program is
 lowered for: `dot_product_attention` asks for every platform in PLATFORMS and, where the answers
 differ, stages them with `lax.platform_dependent`, so a program exported for 'cuda' from a CPU
@@ -42,17 +43,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-import jax
 
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import _shared
 from flax_mha.kernels import chunked
-from flax_mha.kernels import cudnn
-from flax_mha.kernels import seq_parallel
+from flax_mha.kernels import registry
 from flax_mha.kernels import rows
+from flax_mha.kernels import seq_parallel
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what lax.platform_dependent calls them
-NAMES = ("reference", "xla", "chunked", "rows", "cudnn", "decode", "ring")
 
 # CPU crossovers, forward+backward, float32:
 #   `python -m experiments.bench.attention` (plain calls),
@@ -133,16 +132,14 @@ def check_platform(platform) -> str:
   return platform
 
 
-def choose(query, key, value, bias, mask, *, is_causal: bool, dropout_rate: float,
-           mods=None, platform: str) -> Choice:
-  """What `implementation=None` runs for flattened inputs (query [B, T, H, K], key [B, S, G, K],
-  value [B, S, G, V]; arrays or shapes) lowered for `platform` (see the module docstring)."""
-  del bias, mask  # every implementation takes them
-  if cudnn.unsupported_reason(query, key, value, dropout_rate, mods, platform) is None:
+def choose(call: registry.Call) -> Choice:
+  """What `implementation=None` runs for `call` (see the module docstring)."""
+  if registry.get("cudnn").refuses(call) is None:
     return Choice("cudnn", "cuDNN flash attention applies (16-bit, no dropout, K == V <= 128, "
                            "no mask/score terms)")
-  b, t, h, k = query.shape
-  s = key.shape[1]
+  b, t, h, k, s = (call.dims[d] for d in "BTHKS")
+  platform, mods, is_causal, dropout_rate = (call.platform, call.mods, call.is_causal,
+                                             call.dropout_rate)
   if platform != "cpu":
     logits, why = b * h * t * s, ""
     if platform == "cuda" and cudnn.gpu_reason(query, key, value, dropout_rate, mods) is None:
@@ -159,7 +156,7 @@ def choose(query, key, value, bias, mask, *, is_causal: bool, dropout_rate: floa
   if decode is not None:
     return decode
   logits = t * s
-  refused = rows.unsupported_reason(dropout_rate, mods)
+  refused = registry.get("rows").refuses(call)
   window = rows.window_of(mods)
   if refused is None and window is not None:
     band = rows.band_keys(window, is_causal)
@@ -224,30 +221,11 @@ def _decode_choice(t: int, s: int, mods) -> Choice | None:
   return None
 
 
-def refusals(query, key, value, bias, mask, *, dropout_rate: float, mods=None,
-             platform: str) -> dict[str, str | None]:
-  """name -> why that implementation cannot run this call on `platform` (None: it runs)."""
-  del mask
-  out = dict.fromkeys(NAMES)
-  out["rows"] = rows.unsupported_reason(dropout_rate, mods)
-  out["cudnn"] = cudnn.unsupported_reason(query, key, value, dropout_rate, mods, platform)
-  out["ring"] = seq_parallel.unsupported_reason(bias, dropout_rate, mods)
-  seq = seq_parallel.SEQ_AXIS
-  if out["ring"] is None and seq not in jax.sharding.get_abstract_mesh().axis_names:
-    out["ring"] = (f"it needs a mesh with a {seq!r} axis in context (`with "
-                   "jax.set_mesh(flax_mha.sharding.make_mesh(seq=n))`), and there is none")
-  return out
-
-
-def explanation(query, key, value, bias, mask, *, is_causal: bool, dropout_rate: float,
-                mods=None, platform: str) -> Explanation:
-  """`choose` and `refusals` together, for `flax_mha.explain`."""
-  picked = choose(query, key, value, bias, mask, is_causal=is_causal,
-                  dropout_rate=dropout_rate, mods=mods, platform=platform)
-  refused = refusals(query, key, value, bias, mask, dropout_rate=dropout_rate, mods=mods,
-                     platform=platform)
+def explanation(call: registry.Call) -> Explanation:
+  """`choose` and every registered kernel's `refuses`, for `flax_mha.explain`."""
+  picked = choose(call)
   alternatives = {name: "runs" if why is None else f"refuses: {why}"
-                  for name, why in refused.items() if name != picked.name}
-  auto = None if dropout_rate else seq_parallel.explain_auto(query, key, value, bias,
-                                                            is_causal=is_causal, mods=mods)
-  return Explanation(picked.name, picked.reason, platform, alternatives, auto)
+                  for name, why in registry.refusals(call).items() if name != picked.name}
+  auto = None if call.dropout_rate else seq_parallel.explain_auto(
+      call.query, call.key, call.value, call.bias, is_causal=call.is_causal, mods=call.mods)
+  return Explanation(picked.name, picked.reason, call.platform, alternatives, auto)

@@ -24,7 +24,6 @@ import numpy as np
 from flax_mha import _options
 from flax_mha import checks
 from flax_mha.attention import dot_product_attention
-from flax_mha.kernels import chunked
 from flax_mha.kernels import decode
 
 # Up to this many queries per row, the decode kernel walks the pages in place; beyond (a long
@@ -85,8 +84,7 @@ def attend_pages(query, k_pages, v_pages, page_indices, q_positions, kv_lengths,
                              kv_positions=kv_positions, **options)
     checks.check_scale(scale)
     scale = 1.0 / math.sqrt(k_dim) if scale is None else float(scale)
-    cfg = chunked._Config(scale, 0.0, t, page)  # pylint: disable=protected-access
-    cfg_bwd = chunked._Config(scale, 0.0, *chunked.default_blocks(t, s, k_dim, False))  # pylint: disable=protected-access
+    cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, block_k=page)
     out, lse_BHT = decode.paged(query, k_pages, v_pages, page_indices, kv_lengths, mods, cfg,
                                 cfg_bwd, decode.SPLITS)
     lse_BTH = jax.lax.stop_gradient(lse_BHT.transpose(0, 2, 1))

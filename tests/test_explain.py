@@ -16,6 +16,7 @@ from jax.sharding import AbstractMesh
 
 import flax_mha
 from flax_mha import dispatch
+from flax_mha.kernels import registry
 from flax_mha.kernels import chunked
 from flax_mha import mods as mods_lib
 
@@ -66,7 +67,7 @@ def test_explains_the_cpu_choice(t, s, k, options, picked, says):
   assert (got.implementation, got.platform) == (picked, "cpu")
   assert says in got.reason, got.reason
   assert picked not in got.alternatives
-  assert set(got.alternatives) == set(dispatch.NAMES) - {picked}
+  assert set(got.alternatives) == set(registry.names()) - {picked}
   assert str(got).startswith(f"implementation=None runs {picked!r} on 'cpu': ")
   assert all(f"  {name}: " in str(got) for name in got.alternatives)
 

@@ -1,20 +1,37 @@
 """The implementations behind `dot_product_attention(..., implementation=...)`.
 
-Each takes (query [B, T, H, K], key [B, S, G, K], value [B, S, G, V], bias, mask, *, is_causal,
-scale, dropout_rate, dropout_rng, mods=None) -> [B, T, H, V], already checked and flattened by
-`flax_mha.attention`, and computes the same function as the oracle:
+Each is one module that registers one `registry.Kernel` (its name, its function, what it
+refuses): importing this package registers them all, in the order below, which is the order of
+`registry.names()` and `flax_mha.IMPLEMENTATIONS`. Every one computes the same function as the
+oracle:
 
   reference  the formula on the page, untuned: what every other one is tested against
   xla        the same graph shaped for XLA: the fastest for small T·S
-  rows       blocks of query rows with an exact softmax and its own backward: the fast CPU
-             path for bias, mask and causality
   chunked    online softmax in tiles with its own backward: memory linear in the sequence,
-             every option, tiles the masks hide skipped
+             every option, tiles the masks hide skipped; its tile pieces (`Config`,
+             `tile_context`, `forward_tile`, `initial_stats`) are the online softmax that
+             `decode` and `flax_mha.paged` run too
+  rows       blocks of query rows with an exact softmax and its own backward: the fast CPU
+             path for bias, mask, causality and windows
   cudnn      cuDNN flash attention on NVIDIA GPUs (16-bit)
-  seq_parallel  sequence-parallel over a device mesh (`flax_mha.sequence_parallel_implementation`,
-             `flax_mha.ring_implementation`), by one of `ring`, `gather` (all-gather, Ulysses)
+  decode     a few queries over a long cache: keys split, merged by log-sum-exp
+  ring       (seq_parallel) sequence-parallel over the context mesh's 'seq' axis; other
+             strategies (all-gather, Ulysses) through `flax_mha.sequence_parallel_implementation`
+
+What `implementation=None` picks among them is the rule in `flax_mha.dispatch`.
 
 Private helpers: `_shared` (softmax dtype, row statistics), `_tiling` (chunked's tiles),
 `_dropout` (the hashed keep-mask every implementation shares), `_layouts` and `_seqmods`
 (sequence parallelism's token layouts and mask terms at true positions).
 """
+
+from flax_mha.kernels import registry
+from flax_mha.kernels import reference
+from flax_mha.kernels import xla
+from flax_mha.kernels import chunked
+from flax_mha.kernels import rows
+from flax_mha.kernels import cudnn
+from flax_mha.kernels import decode
+from flax_mha.kernels import seq_parallel
+
+__all__ = ["registry", "reference", "xla", "chunked", "rows", "cudnn", "decode", "seq_parallel"]

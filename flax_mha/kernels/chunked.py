@@ -40,6 +40,7 @@ from flax_mha.kernels import _shared
 from flax_mha.kernels import _dropout
 from flax_mha.kernels import _tiling
 from flax_mha import mods as mods_lib
+from flax_mha.kernels import registry
 
 # Block sizes of chunked_forward/backward (ring attention's per-device shards): large shards.
 DEFAULT_BLOCK_Q = 512
@@ -47,7 +48,7 @@ DEFAULT_BLOCK_K = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class Config:
   """Static facts of one call (hashable: the custom_vjp's non-differentiable argument)."""
   scale: float
   dropout_rate: float
@@ -55,9 +56,9 @@ class _Config:
   block_k: int
 
 
-class _TileCtx(NamedTuple):
+class TileContext(NamedTuple):
   """What every tile needs besides q/k: config, sizes, mask, bias, rng, mods, offsets, visits."""
-  cfg: _Config
+  cfg: Config
   tl: _tiling.Tiling
   batch: int  # B
   groups: int  # G
@@ -72,7 +73,7 @@ class _TileCtx(NamedTuple):
   cols: _tiling.Visits  # per key block: query blocks to visit (backward)
 
 
-def _context(q, k, bias, mask, rng, mods, cfg: _Config, q_offset, kv_offset) -> _TileCtx:
+def tile_context(q, k, bias, mask, rng, mods, cfg: Config, q_offset, kv_offset) -> TileContext:
   tl = _tiling.tiling(q.shape[1], k.shape[1], cfg.block_q, cfg.block_k)
   mask = _tiling.pad_tiles(mask, tl, True, False)  # padded query rows: don't care
   tiles = mods_lib.make_tiles(tl.t, tl.s, tl.bq, tl.bk, q_offset, kv_offset)
@@ -81,12 +82,12 @@ def _context(q, k, bias, mask, rng, mods, cfg: _Config, q_offset, kv_offset) -> 
   if mask is not None:
     mask_maybe, mask_full = _tiling.dense_mask_map(mask, tl)
     maybe, full = maybe & mask_maybe, full & mask_full
-  return _TileCtx(cfg, tl, q.shape[0], k.shape[2], q.shape[2], mask,
+  return TileContext(cfg, tl, q.shape[0], k.shape[2], q.shape[2], mask,
                   _tiling.pad_tiles(bias, tl, 0.0, 0.0), rng, mods, q_offset, kv_offset,
                   _tiling.visits(maybe, full), _tiling.visits(maybe.T, full.T))
 
 
-def _indices(i, j, ctx: _TileCtx, transposed: bool):
+def _indices(i, j, ctx: TileContext, transposed: bool):
   """(b, h, q, kv) int32 indices of tile (i, j), broadcastable to its layout: [B, G, R, Q, P], or
   [B, G, P, R, Q] when transposed; q and kv absolute positions."""
   tl, g, r = ctx.tl, ctx.groups, ctx.heads // ctx.groups
@@ -99,7 +100,7 @@ def _indices(i, j, ctx: _TileCtx, transposed: bool):
   return b, ar(ctx.heads).reshape(1, g, r, 1, 1), q[:, None], kv
 
 
-def _visible(i, j, ctx: _TileCtx, idx, transposed: bool):
+def _visible(i, j, ctx: TileContext, idx, transposed: bool):
   """Boolean visibility of a partially visible tile (i, j) in its layout."""
   visible = ctx.mods.visible(*idx)
   dense = _tiling.tile(ctx.mask, i, j, ctx.tl, ctx.groups, transposed)
@@ -111,7 +112,7 @@ def _visible(i, j, ctx: _TileCtx, idx, transposed: bool):
   return visible
 
 
-def _pre_scores(raw, i, j, ctx: _TileCtx, transposed: bool):
+def _pre_scores(raw, i, j, ctx: TileContext, transposed: bool):
   """scale·raw + bias (in raw's dtype and the tile's layout)."""
   s = raw * ctx.cfg.scale
   bias = _tiling.tile(ctx.bias, i, j, ctx.tl, ctx.groups, transposed)
@@ -126,7 +127,7 @@ def _mask(s, i, j, ctx, idx, transposed: bool, masked: bool):
   return s if visible is None else jnp.where(visible, s, -jnp.inf)
 
 
-def _apply_dropout(p, ctx: _TileCtx, idx):
+def _apply_dropout(p, ctx: TileContext, idx):
   """p · keep / (1 - rate) with the shared hash mask over (b·H + h, t, s), or p unchanged."""
   rate = ctx.cfg.dropout_rate
   if rate == 0.0:
@@ -137,7 +138,7 @@ def _apply_dropout(p, ctx: _TileCtx, idx):
   return _dropout.apply(p, rate, keep)
 
 
-def forward_tile(carry, i, j, raw, v_j, ctx: _TileCtx, masked: bool):
+def forward_tile(carry, i, j, raw, v_j, ctx: TileContext, masked: bool):
   """One step of the online softmax: the running (max, sum, output) [B, G, R, Q(, V)] of query
   block i after key block j, from the tile's raw products Q·Kᵀ (raw [B, G, R, Q, P]) and its
   values (v_j [B, G, P, V]); `masked` for tiles not entirely visible."""
@@ -164,9 +165,9 @@ def initial_stats(stats_shape, groups: int, sinks, dtype):
   return m0, jnp.ones(stats_shape, dtype)
 
 
-def _forward(q, k, v, bias, mask, rng, mods, cfg: _Config, q_offset=0, kv_offset=0):
+def _forward(q, k, v, bias, mask, rng, mods, cfg: Config, q_offset=0, kv_offset=0):
   """out [B, T, H, V] and lse [B, H, T] in the softmax dtype (lse finfo.min: no key visible)."""
-  ctx = _context(q, k, bias, mask, rng, mods, cfg, q_offset, kv_offset)
+  ctx = tile_context(q, k, bias, mask, rng, mods, cfg, q_offset, kv_offset)
   tl, g, acc = ctx.tl, ctx.groups, _shared.softmax_dtype(q.dtype)
   q_blocks = _tiling.blocks(q, tl.n_q, tl.bq, g)  # [n_q, B, G, R, Q, K]
   kt_blocks = _tiling.blocks(k, tl.n_k, tl.bk, g, transpose=True)[:, :, :, :, 0]  # [n_k,B,G,K,P]
@@ -210,7 +211,7 @@ def _score_grad(mods: mods_lib.Mods):
   return apply, floats
 
 
-def _backward(q, k, v, out, lse, dout, bias, mask, rng, mods, cfg: _Config, q_offset=0,
+def _backward(q, k, v, out, lse, dout, bias, mask, rng, mods, cfg: Config, q_offset=0,
               kv_offset=0):
   """(dq, dk, dv, dbias, dscore_consts) of one (query, key) pair in the softmax dtype, given the
   global out/lse (dbias: None without a bias; dscore_consts: the float leaves of the score terms).
@@ -219,7 +220,7 @@ def _backward(q, k, v, out, lse, dout, bias, mask, rng, mods, cfg: _Config, q_of
   row-major products (no transposed operand): sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dV += Pᵀ·dO,
   dK += dSᵀ·Q and dQᵀ += Kᵀ·dSᵀ.
   """
-  ctx = _context(q, k, bias, mask, rng, mods, cfg, q_offset, kv_offset)
+  ctx = tile_context(q, k, bias, mask, rng, mods, cfg, q_offset, kv_offset)
   tl, g, acc = ctx.tl, ctx.groups, _shared.softmax_dtype(q.dtype)
   delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)  # [B, T, H]
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no visible key: every p is 0 anyway
@@ -277,7 +278,7 @@ def _backward(q, k, v, out, lse, dout, bias, mask, rng, mods, cfg: _Config, q_of
           dfloats)
 
 
-def _add_tile(dbias, dst, i, j, ctx: _TileCtx):
+def _add_tile(dbias, dst, i, j, ctx: TileContext):
   """dbias[tile (i, j)] += dS (transposed tile [B, G, P, R, Q]), summed where bias broadcasts."""
   b, g, bk, r, bq = dst.shape
   ds_BHQP = dst.transpose(0, 1, 3, 4, 2).reshape(b, g * r, bq, bk)
@@ -306,7 +307,7 @@ def chunked_forward(query, key, value, *, scale, is_causal, q_offset=0, kv_offse
     (float32 for 16- and 32-bit inputs, float64 for float64), lse being the
     log-sum-exp of the visible logits: -inf for a row with no visible key (its out is 0).
   """
-  cfg = _Config(float(scale), float(dropout_rate), block_q, block_k)
+  cfg = Config(float(scale), float(dropout_rate), block_q, block_k)
   mods = mods_lib.with_causal(mods, is_causal)
   return _forward(query, key, value, bias, mask, dropout_rng, mods, cfg, q_offset, kv_offset)
 
@@ -322,7 +323,7 @@ def chunked_backward(query, key, value, out, lse, dout, *, scale, is_causal, q_o
   dvalue [B,S,G,V]). Bias and score-term gradients are available through `attention` (the
   custom_vjp), not here.
   """
-  cfg = _Config(float(scale), float(dropout_rate), block_q, block_k)
+  cfg = Config(float(scale), float(dropout_rate), block_q, block_k)
   mods = mods_lib.with_causal(mods, is_causal)
   dq, dk, dv, _, _ = _backward(query, key, value, out, lse, dout, None, mask, dropout_rng, mods,
                                cfg, q_offset, kv_offset)
@@ -330,7 +331,7 @@ def chunked_backward(query, key, value, out, lse, dout, *, scale, is_causal, q_o
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention(query, key, value, bias, mask, dropout_rng, mods, cfg: _Config):
+def _attention(query, key, value, bias, mask, dropout_rng, mods, cfg: Config):
   """(out [B, T, H, V], lse [B, H, T]); the lse carries no gradient (its cotangent is ignored:
   callers stop it)."""
   out, lse = _forward(query, key, value, bias, mask, dropout_rng, mods, cfg)
@@ -423,7 +424,7 @@ def make_attention(block_q: int | None = None, block_k: int | None = None):
     `return_residual` the lse [B, T, H]), as `reference.attention`."""
     auto_q, auto_k = default_blocks(query.shape[1], key.shape[1], query.shape[-1], is_causal,
                                     mods_lib.narrowest_window(mods))
-    cfg = _Config(float(scale), float(dropout_rate), block_q or auto_q, block_k or auto_k)
+    cfg = Config(float(scale), float(dropout_rate), block_q or auto_q, block_k or auto_k)
     mods = mods_lib.with_causal(mods, is_causal)
     out, lse_BHT = _shared.without_forward_mode("chunked", _attention, query, key, value, bias,
                                                 mask, dropout_rng, mods, cfg)
@@ -433,3 +434,8 @@ def make_attention(block_q: int | None = None, block_k: int | None = None):
 
 
 attention = make_attention()
+
+
+KERNEL = registry.register(registry.Kernel(
+    "chunked", attention, summary="online softmax in tiles with its own backward: memory linear "
+    "in S, every option, the tiles its masks hide skipped"))

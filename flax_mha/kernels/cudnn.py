@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from flax_mha import masks
 from flax_mha.kernels import _shared
+from flax_mha.kernels import registry
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 128
@@ -87,3 +88,13 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
     if lse is not None:
       lse = jnp.where(any_visible_BTH, lse.astype(jnp.float32), jnp.finfo(jnp.float32).min)
   return (out, lse.astype(jnp.float32)) if return_residual else out
+
+
+def refuses(call: registry.Call) -> str | None:
+  """The registry's question: why cuDNN cannot run `call` on its platform."""
+  return unsupported_reason(call.query, call.key, call.value, call.dropout_rate, call.mods,
+                            call.platform)
+
+
+KERNEL = registry.register(registry.Kernel(
+    "cudnn", attention, refuses, "cuDNN flash attention on NVIDIA GPUs (16-bit)"))

@@ -27,6 +27,7 @@ from flax_mha import mods as mods_lib
 from flax_mha.kernels import _shared
 from flax_mha.kernels import _tiling
 from flax_mha.kernels import chunked
+from flax_mha.kernels import registry
 
 # Keys per block and partitions of the cache walked in parallel: the fastest of a sweep on a
 # 2-core CPU in float32 (`python -m experiments.bench.decode --part sweep` re-runs it).
@@ -48,7 +49,7 @@ def _visit_order(ctx):
   return order.astype(jnp.int32), (n_full + n_partial).astype(jnp.int32)
 
 
-def forward(q, k, v, bias, mask, rng, mods, cfg: chunked._Config, splits: int,  # pylint: disable=protected-access
+def forward(q, k, v, bias, mask, rng, mods, cfg: chunked.Config, splits: int,
             page_indices=None, lengths=None):
   """out [B, T, H, V] and lse [B, H, T] in the softmax dtype, as chunked's forward.
 
@@ -62,7 +63,7 @@ def forward(q, k, v, bias, mask, rng, mods, cfg: chunked._Config, splits: int,  
     (b, n_pages), (page, g) = page_indices.shape, k.shape[1:3]
     s = n_pages * page
   shape_BSGK = jax.ShapeDtypeStruct((b, s, g, k.shape[-1]), k.dtype)
-  ctx = chunked._context(q, shape_BSGK, bias, mask, rng, mods, cfg, 0, 0)  # pylint: disable=protected-access
+  ctx = chunked.tile_context(q, shape_BSGK, bias, mask, rng, mods, cfg, 0, 0)
   tl, acc = ctx.tl, _shared.softmax_dtype(q.dtype)
   q_0 = _tiling.blocks(q, 1, tl.bq, g)[0]  # [B, G, R, Q, K]: all T queries are one tile
   if page_indices is None:
@@ -144,6 +145,16 @@ def _attention_bwd(cfg, cfg_bwd, splits, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def configs(scale, dropout_rate, t: int, s: int, k: int, block_k: int, is_causal: bool = False,
+            window: int | None = None) -> tuple[chunked.Config, chunked.Config]:
+  """(forward, backward) tile configs of a decode call: the forward visits key blocks of
+  `block_k` (at most S) with every query in one block; the backward is chunked's."""
+  forward = chunked.Config(float(scale), float(dropout_rate), t, min(block_k, s))
+  backward = chunked.Config(float(scale), float(dropout_rate),
+                            *chunked.default_blocks(t, s, k, is_causal, window))
+  return forward, backward
+
+
 def make_attention(block_k: int | None = None, splits: int | None = None):
   """Decode attention with static key blocks and partitions (None: BLOCK_K, SPLITS), with
   `reference.attention`'s signature. Meant for T up to a few dozen queries; any T works."""
@@ -154,10 +165,8 @@ def make_attention(block_k: int | None = None, splits: int | None = None):
                 mods=None, return_residual=False):
     """Split-key attention: [B, T, H, V] (and with `return_residual` the lse [B, T, H]), as
     `reference.attention`."""
-    t, s, k = query.shape[1], key.shape[1], query.shape[-1]
-    cfg = chunked._Config(float(scale), float(dropout_rate), t, min(block_k, s))  # pylint: disable=protected-access
-    cfg_bwd = chunked._Config(float(scale), float(dropout_rate), *chunked.default_blocks(  # pylint: disable=protected-access
-        t, s, k, is_causal, mods_lib.narrowest_window(mods)))
+    cfg, cfg_bwd = configs(scale, dropout_rate, query.shape[1], key.shape[1], query.shape[-1],
+                           block_k, is_causal, mods_lib.narrowest_window(mods))
     mods = mods_lib.with_causal(mods, is_causal)
     out, lse_BHT = _shared.without_forward_mode(
         "decode", _attention, query, key, value, bias, mask, dropout_rng, mods, cfg, cfg_bwd,
@@ -206,3 +215,8 @@ def _paged_bwd(cfg, cfg_bwd, splits, residuals, cotangents):
 
 
 paged.defvjp(_paged_fwd, _paged_bwd)
+
+
+KERNEL = registry.register(registry.Kernel(
+    "decode", attention, summary="a few queries over a long cache: keys split into partitions "
+    "merged by log-sum-exp"))

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax_mha.kernels import _shared
 from flax_mha.kernels import _dropout
 from flax_mha import mods as mods_lib
+from flax_mha.kernels import registry
 
 
 def attention_logits(query_BTHK, key_BSGK, bias, scale):
@@ -95,3 +96,7 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
   out_BTGRV = jnp.einsum("BGRTS,BSGV->BTGRV", weights_BGRTS, value.astype(weights_BHTS.dtype))
   out_BTHV = out_BTGRV.reshape(b, t, h, v).astype(value.dtype)
   return (out_BTHV, lse_BHT.transpose(0, 2, 1)) if return_residual else out_BTHV
+
+
+KERNEL = registry.register(registry.Kernel(
+    "reference", attention, summary="the oracle: the formula on the page, untuned"))

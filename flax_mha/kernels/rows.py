@@ -39,6 +39,7 @@ from jax import lax
 from flax_mha import checks
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import _shared
+from flax_mha.kernels import registry
 
 # Logits per tile (units · rows · keys), forward and backward: the fastest of a sweep on a 2-core
 # CPU in float32 (`python -m experiments.bench.blocks --rows` re-runs the sweep).
@@ -435,3 +436,13 @@ def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BA
 
 
 attention = make_attention()
+
+
+def refuses(call: registry.Call) -> str | None:
+  """The registry's question: why "rows" cannot run `call` (`unsupported_reason`)."""
+  return unsupported_reason(call.dropout_rate, call.mods)
+
+
+KERNEL = registry.register(registry.Kernel(
+    "rows", attention, refuses, "query-row blocks with an exact softmax and their own backward: "
+    "the fast CPU path for bias, mask, causality, a window and sinks"))

@@ -37,6 +37,7 @@ from flax_mha.kernels import chunked
 from flax_mha.kernels import gather
 from flax_mha.kernels import ring
 from flax_mha.sharding import DATA_AXIS, MODEL_AXIS, SEQ_AXIS
+from flax_mha.kernels import registry
 
 
 def _ring(q, k, v, bias, mask, leaves, plan):
@@ -441,3 +442,18 @@ def length_multiple(layout: str, n: int) -> int:
 
 # What `flax_mha.ring_implementation` is: the ring over contiguous shards.
 attention = SequenceParallel("ring", "contiguous")
+
+
+def refuses(call: registry.Call) -> str | None:
+  """The registry's question for "ring" (`attention` on the context mesh): why it cannot run
+  `call`, the context mesh included."""
+  reason = unsupported_reason(call.bias, call.dropout_rate, call.mods)
+  if reason is None and SEQ_AXIS not in jax.sharding.get_abstract_mesh().axis_names:
+    reason = (f"it needs a mesh with a {SEQ_AXIS!r} axis in context (`with "
+              "jax.set_mesh(flax_mha.sharding.make_mesh(seq=n))`), and there is none")
+  return reason
+
+
+KERNEL = registry.register(registry.Kernel(
+    "ring", attention, refuses, "ring attention over the 'seq' axis of the context mesh "
+    "(other strategies: flax_mha.sequence_parallel_implementation)"))

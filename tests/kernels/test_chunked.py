@@ -112,8 +112,8 @@ def test_chunked_forward_mode_is_a_named_error():
 
 def _visits(t, s, bq, bk, mods, mask=None):
   q = jnp.zeros((B, t, H, K))
-  cfg = chunked._Config(1.0, 0.0, bq, bk)  # pylint: disable=protected-access
-  ctx = chunked._context(q, q[:, :s], None, mask, None, mods, cfg, 0, 0)  # pylint: disable=protected-access
+  cfg = chunked.Config(1.0, 0.0, bq, bk)  # pylint: disable=protected-access
+  ctx = chunked.tile_context(q, q[:, :s], None, mask, None, mods, cfg, 0, 0)  # pylint: disable=protected-access
   return np.asarray(ctx.rows.full_count), np.asarray(ctx.rows.partial_count), ctx.rows
 
 

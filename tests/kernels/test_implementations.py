@@ -20,18 +20,36 @@ import pytest
 from jax.test_util import check_grads
 
 import flax_mha
+from flax_mha.kernels import _shared
 from flax_mha.kernels import chunked
 from flax_mha.kernels import reference
+from flax_mha.kernels import registry
 from flax_mha.kernels import rows
 from conftest import (DIMS, call_kernel, kernel_inputs, np_attention, output_and_grads, qkv, randn,
                       random_mask)
 
-# Block sizes (3, 4) divide none of the prime lengths: the padding is covered too.
-TUNED = {"xla": flax_mha.IMPLEMENTATIONS["xla"], "chunked": chunked.attention,
-         "chunked_small_blocks": chunked.make_attention(block_q=3, block_k=4),
-         "rows": rows.attention, "rows_one_unit": rows.make_attention(2**5, 2**5)}
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
 _inputs = functools.partial(kernel_inputs, t=T, s=S, h=H, g=G, k=K, v=V)
+# Besides every registered kernel, variants whose tiles divide none of the prime lengths (block
+# sizes 3, 4): the padding is covered too. A variant is refused where its kernel is.
+VARIANTS = {"chunked_small_blocks": ("chunked", chunked.make_attention(block_q=3, block_k=4)),
+            "rows_one_unit": ("rows", rows.make_attention(2**5, 2**5))}
+
+
+def runs_here(name: str, dropout_rate: float = 0.0, h: int = H, g: int = G) -> bool:
+  """Whether the registered kernel `name` takes a call of this file's shapes in this process
+  (cuDNN needs a GPU, ring a mesh: their own files test them)."""
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  call = registry.Call.of(spec(B, T, h, K), spec(B, S, g, K), spec(B, S, g, V),
+                          dropout_rate=dropout_rate, platform=_shared.backend_platform())
+  return registry.get(name).refuses(call) is None
+
+
+# Every registered kernel that runs here besides the oracle, read from the registry.
+TUNED = {name: fn for name, fn in flax_mha.IMPLEMENTATIONS.items()
+         if name != "reference" and runs_here(name)}
+TUNED.update({name: fn for name, (base, fn) in VARIANTS.items() if base in TUNED})
+SINGLE_DEVICE = [name for name in flax_mha.IMPLEMENTATIONS if runs_here(name)]
 
 
 # ---- the oracle against independent references ----
@@ -77,10 +95,11 @@ def _oracle_cases():
   of the four options still meets each implementation (rows, with three options: every pair
   meets rows_one_unit); the other half is marked slow. Each compile is ~1-3 s (chunked's most)."""
   cases = []
-  for name in ("xla", "chunked_small_blocks", "rows", "rows_one_unit"):
+  for name in TUNED:
+    base = VARIANTS.get(name, (name,))[0]
     for case in CASES:
-      use_bias, use_mask, is_causal, dropout_rate, _ = case
-      if name.startswith("rows") and dropout_rate:
+      use_bias, use_mask, is_causal, dropout_rate, heads = case
+      if not runs_here(base, dropout_rate, *heads):
         continue
       even = (use_bias + use_mask + is_causal + (dropout_rate > 0)) % 2 == 0
       marks = () if even or name == "rows" else (pytest.mark.slow,)
@@ -101,7 +120,7 @@ def test_values_and_grads_match_oracle(name, use_bias, use_mask, is_causal, drop
   chex.assert_trees_all_close(grads, want_grads, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", [None, "reference", "xla", "chunked", "rows"])
+@pytest.mark.parametrize("implementation", [None, *SINGLE_DEVICE])
 @pytest.mark.parametrize("n", [8, 600])  # None runs "xla" at 8 x 8 and "rows" at 600 x 600
 def test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation, n):
   rng = np.random.default_rng(n)
@@ -119,7 +138,7 @@ def test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation
   np.testing.assert_array_equal(grads[0][0, 3], 0.0)
 
 
-@pytest.mark.parametrize("implementation", ["reference", "xla", "chunked", "rows"])
+@pytest.mark.parametrize("implementation", SINGLE_DEVICE)
 def test_finite_lowest_logits_are_a_uniform_row_not_a_hidden_one(implementation):
   """A bias row of finfo.min is finite: all logits equal, so the output is the mean of V."""
   q, k, v, _, _ = _inputs(1)
@@ -129,7 +148,7 @@ def test_finite_lowest_logits_are_a_uniform_row_not_a_hidden_one(implementation)
   np.testing.assert_allclose(out[:, 2], mean_v, atol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", ["reference", "xla", "chunked", "rows"])
+@pytest.mark.parametrize("implementation", SINGLE_DEVICE)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_float64_in_float64_accuracy_out(implementation, is_causal):
   with jax.enable_x64(True):
@@ -157,7 +176,7 @@ def test_forward_mode_equals_reverse_mode(implementation):
   np.testing.assert_allclose(fwd, rev, atol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", [None, "reference", "xla", "chunked", "rows"])
+@pytest.mark.parametrize("implementation", [None, *SINGLE_DEVICE])
 @pytest.mark.parametrize("t,s,k,v", [(0, 7, 5, 3), (4, 0, 5, 3), (4, 7, 0, 3), (4, 7, 5, 0)])
 def test_empty_dims(implementation, t, s, k, v):
   """T = 0 or V = 0: an empty result; S = 0: no key to see, output 0; K = 0: logits 0,

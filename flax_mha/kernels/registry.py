@@ -1,0 +1,134 @@
+"""The implementations of `dot_product_attention`: one registered `Kernel` each, and the one
+`Call` record of a call that they judge.
+
+A kernel is a name, its function and `refuses(call)`: the reason it cannot run a call, or None.
+Everything that lists implementations reads this registry: the names `implementation=` takes
+(`flax_mha.IMPLEMENTATIONS`), `flax_mha.explain`'s alternatives, the parity and export tests.
+What `implementation=None` prefers among the kernels that take a call is not here: it is the one
+rule in `flax_mha.dispatch`, which asks the kernels' `refuses` rather than repeat their limits.
+
+Adding an implementation is one module of `flax_mha/kernels/` that ends with
+
+    KERNEL = registry.register(registry.Kernel("name", attention, refuses, "what it is"))
+
+and its line in `flax_mha/kernels/__init__.py`'s import list (the registration order is the
+order of `names()`), plus its place in `flax_mha.dispatch`'s rule if None should pick it.
+
+The kernels' function signature: (query [B, T, H, K], key [B, S, G, K], value [B, S, G, V],
+bias, mask (None or rank 4 over the flattened batch), *, is_causal, scale, dropout_rate,
+dropout_rng, mods=None, return_residual=False) -> [B, T, H, V] (and the lse [B, T, H] with
+`return_residual`), already checked by `flax_mha.attention`.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+
+def _spec(x):
+  return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Call:
+  """One attention call as the kernels judge it: static facts only (shapes and dtypes, never
+  values), built once per call. `mods` is the call's `flax_mha.mods.Mods` (None: no mask or
+  score terms); `platform` the one the program is lowered for ('cpu', 'cuda', 'rocm', 'tpu')."""
+  query: jax.ShapeDtypeStruct  # [B, T, H, K]
+  key: jax.ShapeDtypeStruct  # [B, S, G, K]
+  value: jax.ShapeDtypeStruct  # [B, S, G, V]
+  bias: jax.ShapeDtypeStruct | None
+  mask: jax.ShapeDtypeStruct | None
+  is_causal: bool
+  dropout_rate: float
+  mods: Any
+  platform: str
+
+  @classmethod
+  def of(cls, query, key, value, bias=None, mask=None, *, is_causal: bool = False,
+         dropout_rate: float = 0.0, mods=None, platform: str) -> "Call":
+    """The record of flattened arguments (arrays or anything with .shape and .dtype)."""
+    return cls(_spec(query), _spec(key), _spec(value), _spec(bias), _spec(mask),
+               bool(is_causal), float(dropout_rate), mods, platform)
+
+  @property
+  def dims(self) -> dict[str, int]:
+    """B, T, H, K, S, G, V by name."""
+    (b, t, h, k), (s, g, v) = self.query.shape, self.value.shape[1:]
+    return dict(B=b, T=t, H=h, K=k, S=s, G=g, V=v)
+
+
+def _takes_everything(call: Call) -> None:
+  del call
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One implementation: its `name` (what `implementation=` takes), its `attention` function
+  (the signature in this module's docstring), `refuses(call)` -> why it cannot run the call
+  (None: it can), and a one-line `summary`."""
+  name: str
+  attention: Callable
+  refuses: Callable[[Call], str | None] = _takes_everything
+  summary: str = ""
+
+
+_KERNELS: dict[str, Kernel] = {}
+
+
+def register(kernel: Kernel) -> Kernel:
+  """Add `kernel` under its name (a name is registered once); returns it."""
+  if not isinstance(kernel, Kernel):
+    raise TypeError(f"kernel must be a registry.Kernel, got {type(kernel).__name__}")
+  if kernel.name in _KERNELS:
+    raise ValueError(f"an implementation named {kernel.name!r} is already registered")
+  _KERNELS[kernel.name] = kernel
+  return kernel
+
+
+def unregister(name: str) -> Kernel:
+  """Remove and return the kernel registered as `name` (a plug-in's own, say)."""
+  kernel = get(name)
+  del _KERNELS[name]
+  return kernel
+
+
+def names() -> tuple[str, ...]:
+  """Every registered name, in registration order."""
+  return tuple(_KERNELS)
+
+
+def get(name: str) -> Kernel:
+  """The kernel registered as `name` (a KeyError naming the registered ones otherwise)."""
+  try:
+    return _KERNELS[name]
+  except KeyError:
+    raise KeyError(f"no implementation named {name!r}; registered: {names()}") from None
+
+
+def refusals(call: Call) -> dict[str, str | None]:
+  """name -> why that kernel cannot run `call` (None: it runs), for every kernel."""
+  return {name: kernel.refuses(call) for name, kernel in _KERNELS.items()}
+
+
+class _Functions(collections.abc.Mapping):
+  """name -> the registered kernel's function: a live, read-only view of the registry."""
+
+  def __getitem__(self, name):
+    return get(name).attention
+
+  def __iter__(self):
+    return iter(_KERNELS)
+
+  def __len__(self):
+    return len(_KERNELS)
+
+  def __repr__(self):
+    return f"IMPLEMENTATIONS{names()}"
+
+
+FUNCTIONS = _Functions()
