@@ -2,9 +2,9 @@
 dispatch and `flax_mha.explain`, written here and nowhere else (docstrings and the design page
 point here; `flax_mha.explain(...)` prints the choice and every alternative for a call).
 
-The choice reads one `flax_mha.kernels.registry.Call` record: static facts only (shapes, dtype, `is_causal`, the dropout rate, which mask and
-score terms a call has, the tiles its static masks hide) and the platform the program is
-lowered for: `dot_product_attention` asks for every platform in PLATFORMS and, where the answers
+The choice reads one `flax_mha.kernels.registry.Call` record: static facts only (shapes,
+dtype, `is_causal`, the dropout rate, which mask and score terms a call has, the tiles its
+static masks hide) and the platform the program is lowered for: `dot_product_attention` asks for every platform in PLATFORMS and, where the answers
 differ, stages them with `lax.platform_dependent`, so a program exported for 'cuda' from a CPU
 runs the GPU choice, and each lowering keeps only its own branch. One exception: cuDNN is
 traced by reading the installed cuDNN, so only a process with a CUDA GPU can lower it; from a
@@ -43,10 +43,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import _shared
 from flax_mha.kernels import chunked
+from flax_mha.kernels import cudnn
 from flax_mha.kernels import registry
 from flax_mha.kernels import rows
 from flax_mha.kernels import seq_parallel
@@ -142,7 +142,8 @@ def choose(call: registry.Call) -> Choice:
                                              call.dropout_rate)
   if platform != "cpu":
     logits, why = b * h * t * s, ""
-    if platform == "cuda" and cudnn.gpu_reason(query, key, value, dropout_rate, mods) is None:
+    if platform == "cuda" and cudnn.gpu_reason(call.query, call.key, call.value, dropout_rate,
+                                               mods) is None:
       why = ("cuDNN would run this call on a GPU, but this process has none to trace it with, "
              "so a program lowered here for 'cuda' runs the next choice: ")
     if logits <= ACCELERATOR_MAX_LOGITS:
