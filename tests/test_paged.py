@@ -102,10 +102,14 @@ def test_a_paged_cache_through_the_front_end_equals_a_contiguous_one():
 
 
 def test_writing_past_a_rows_pages_is_an_error():
+  """More tokens than the pages hold are refused from the static sizes; tokens that fit but
+  land past the row's pages (its positions are data) by the write's own check."""
   cache = cache_lib.PagedKVCache.create(4, 2, jnp.array([[0, 1]]), 1, 4)
-  k = jnp.zeros((1, 5, 1, 4))
+  with pytest.raises(ValueError, match="writing 5 tokens into a cache of capacity 4"):
+    cache_lib.next_positions(cache, 5)
+  k = jnp.zeros((1, 3, 1, 4))
   with pytest.raises(ValueError, match="KV cache overflow: writing position 4"):
-    cache_lib.update_pages(cache, k, k, cache_lib.next_positions(cache, 5))
+    cache_lib.update_pages(cache, k, k, jnp.array([[2, 3, 4]], jnp.int32))
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

@@ -115,7 +115,7 @@ def test_nnx_checks_the_soft_cap_at_construction(cap, error):
     flax_mha.nn.nnx.MultiHeadAttention(2, 8, logit_soft_cap=cap, rngs=nnx.Rngs(0))
 
 
-def test_unknown_implementation_error_says_how_to_ask_for_ring():
+def test_unknown_implementation_error_says_how_to_ask_for_other_strategies():
   x = jnp.zeros((1, 4, 2, 8))
-  with pytest.raises(ValueError, match=r"flax_mha.ring_implementation"):
-    flax_mha.dot_product_attention(x, x, x, implementation="ring")
+  with pytest.raises(ValueError, match=r"flax_mha.sequence_parallel_implementation"):
+    flax_mha.dot_product_attention(x, x, x, implementation="ulysses")
