@@ -166,3 +166,16 @@ def test_segment_ids_keep_a_nan_in_its_segment_under_transforms(transform):
 def test_confine_nonfinite_refuses_an_unknown_implementation():
   with pytest.raises(ValueError, match="implementation must be None"):
     flax_mha.confine_nonfinite("nope")
+
+
+def test_none_confined_stages_each_platforms_choice():
+  """confine_nonfinite() lowers None's per-platform choice as None does, each branch
+  confined (one program for CPU and GPU, picked at compile time)."""
+  spec = jax.ShapeDtypeStruct((2, 256, 4, 8), jnp.float32)
+  picks = {p: flax_mha.explain(spec, spec, spec, is_causal=True, platform=p).implementation
+           for p in ("cpu", "cuda")}
+  assert picks["cpu"] != picks["cuda"]
+  fn = jax.jit(lambda q, k, v: flax_mha.dot_product_attention(
+      q, k, v, is_causal=True, implementation=flax_mha.confine_nonfinite()))
+  text = jax.export.export(fn, platforms=("cpu", "cuda"))(spec, spec, spec).mlir_module()
+  assert "stablehlo.case" in text and "is_finite" in text
