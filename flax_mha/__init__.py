@@ -48,6 +48,7 @@ from flax_mha import remat
 from flax_mha import rotary
 from flax_mha import sharding
 from flax_mha.attention import IMPLEMENTATIONS
+from flax_mha.attention import confine_nonfinite
 from flax_mha.attention import dot_product_attention
 from flax_mha.attention import dot_product_attention_weights
 from flax_mha.attention import explain

@@ -20,6 +20,7 @@ from jax import lax
 from flax_mha import checks
 from flax_mha import dispatch
 from flax_mha import kernels  # importing the package registers every implementation
+from flax_mha.kernels import _confine
 from flax_mha.kernels import _shared
 from flax_mha import _options
 from flax_mha.kernels import reference
@@ -238,37 +239,75 @@ def merge_heads(x):
   return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
 
 
-def _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate, mods) -> Callable:
+def _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate, mods,
+             wrap=None) -> Callable:
   """The implementation function that `implementation` names (or is); for None, the choice for
-  each platform, staged by `lax.platform_dependent` where they differ."""
+  each platform, staged by `lax.platform_dependent` where they differ. `wrap(name, fn)`, when
+  given, is applied to each function that may run (name None for a callable)."""
   check_implementation(implementation)
+  wrap = wrap or _as_is
   if callable(implementation):
-    return implementation
+    return wrap(None, implementation)
   if implementation is not None:
-    return IMPLEMENTATIONS[implementation]
+    return wrap(implementation, IMPLEMENTATIONS[implementation])
   call = registry.Call.of(q, k, v, bias, mask, is_causal=is_causal, dropout_rate=dropout_rate,
                           mods=mods, platform="cpu")
   picks = {platform: dispatch.choose(dataclasses.replace(call, platform=platform)).name
            for platform in dispatch.PLATFORMS}
   if len(set(picks.values())) == 1:
-    return IMPLEMENTATIONS[picks["cpu"]]
-  return functools.partial(_per_platform, picks)
+    return wrap(picks["cpu"], IMPLEMENTATIONS[picks["cpu"]])
+  return functools.partial(_per_platform, picks, wrap)
 
 
-def _per_platform(picks: dict, query, key, value, bias, mask, *, dropout_rng, mods=None,
+def _as_is(name, fn):
+  del name
+  return fn
+
+
+def _per_platform(picks: dict, wrap, query, key, value, bias, mask, *, dropout_rng, mods=None,
                   **static):
-  """The implementation picks[platform] for the platform the program is lowered for (any other
-  platform: the 'tpu' pick, the generic accelerator's): one branch survives each lowering."""
+  """The implementation picks[platform] (through `wrap`) for the platform the program is
+  lowered for (any other platform: the 'tpu' pick, the generic accelerator's): one branch
+  survives each lowering."""
   def branch(name):
     def run(query, key, value, bias, mask, dropout_rng, mods):
       extra = {} if mods is None else dict(mods=mods)
-      return IMPLEMENTATIONS[name](query, key, value, bias, mask, dropout_rng=dropout_rng,
-                                   **static, **extra)
+      return wrap(name, IMPLEMENTATIONS[name])(query, key, value, bias, mask,
+                                               dropout_rng=dropout_rng, **static, **extra)
     return run
   branches = {name: branch(name) for name in set(picks.values())}
   return lax.platform_dependent(query, key, value, bias, mask, dropout_rng, mods,
                                 default=branches[picks["tpu"]],
                                 **{platform: branches[name] for platform, name in picks.items()})
+
+
+def confine_nonfinite(implementation: str | Callable | None = None) -> Callable:
+  """`implementation` (None, a name in IMPLEMENTATIONS, or a callable) as an implementation
+  callable for `dot_product_attention(implementation=...)` and the modules, that keeps a
+  non-finite query, key or value in the rows that read it.
+
+  By default a NaN or inf in one key's key or value vector reaches rows that give that key no
+  weight (a hidden key's 0 · NaN = NaN, forward and backward), so one bad entry of one packed
+  document makes every document of its row NaN. Through this callable a row's output (and lse)
+  is NaN exactly when its own query holds a non-finite entry or it gives a bad key weight > 0
+  (with cuDNN: when its mask, bias and causality leave a bad key visible); every other row, and
+  every gradient a loss on those rows takes, is the one computed as if the bad entries were 0.
+  None resolves per platform at trace time exactly as in `dot_product_attention`. A callable
+  receives one more value column (V + 1: each key's badness). The cost (two isfinite passes,
+  one more value column, the marking) is measured by `python -m experiments.bench.confine`
+  (docs/benchmark_cpu_confine.md). Works under jit, grad, vmap, scan and checkpoint.
+  """
+  check_implementation(implementation)
+
+  def attention(q, k, v, bias, mask, *, is_causal, dropout_rate, mods=None, **options):
+    fn = _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate, mods,
+                  wrap=_confine.for_kernel)
+    extra = {} if mods is None else dict(mods=mods)
+    return fn(q, k, v, bias, mask, is_causal=is_causal, dropout_rate=dropout_rate, **extra,
+              **options)
+
+  attention.__name__ = f"confine_nonfinite_{getattr(implementation, '__name__', implementation)}"
+  return attention
 
 
 def check_implementation(implementation) -> None:

@@ -204,6 +204,13 @@ def check_token_ids(name: str, tokens, vocab_size: int) -> None:
                      f"the vocabulary [0, {vocab_size})")
 
 
+def check_concrete_token_ids(name: str, tokens, vocab_size: int) -> None:
+  """`check_token_ids` where `tokens` is concrete (eager calls); traced ids (inside `jit`) are
+  the caller's to check on the host."""
+  if not isinstance(tokens, jax.core.Tracer):
+    check_token_ids(name, tokens, vocab_size)
+
+
 def check_tokens(name: str, tokens, rank: int = 2) -> None:
   """Integer token ids of the given rank ([B, L] by default)."""
   if not hasattr(tokens, "dtype") or not hasattr(tokens, "ndim"):

@@ -122,11 +122,15 @@ class DecoderLM(nn.Module):
   positions)` runs T new tokens of one document per row at their positions (default: each
   row's next ones; -1 marks padding) and returns (logits [B, T, C], cache).
 
-  Token ids must lie in [0, vocab_size); they are not checked inside `jit` (values are traced).
-  An id >= vocab_size embeds as NaN (flax's `nn.Embed`), and attention's weights-times-values
-  product (0 · NaN = NaN) then spreads it to every logit of its row, other documents included;
-  a negative id silently reads row vocab_size + id. Check ids on the host with
-  `flax_mha.checks.check_token_ids` (the experiment runner and generation do).
+  Token ids must lie in [0, vocab_size): an eager call with concrete ids refuses an id outside
+  by name (ValueError); inside `jit` ids are traced and not checked: an id >= vocab_size embeds
+  as NaN (flax's `nn.Embed`) and a negative id silently reads row vocab_size + id. Check ids on
+  the host with `flax_mha.checks.check_token_ids` (the experiment runner, generation and
+  serving do). A NaN in the activations (a bad id's, or one born in the network) spreads by
+  default through attention's weights-times-values product (a hidden key's 0 · NaN = NaN) to
+  every logit of its row, other documents included; with
+  `attention_implementation=flax_mha.confine_nonfinite()` it stays in the rows that read it,
+  at the cost `python -m experiments.bench.confine` measures (docs/benchmark_cpu_confine.md).
   """
   config: LMConfig
 
@@ -135,6 +139,7 @@ class DecoderLM(nn.Module):
                cache=None):
     cfg = self.config
     checks.check_tokens("tokens", tokens)
+    checks.check_concrete_token_ids("tokens", tokens, cfg.vocab_size)
     if cache is None:
       segment_ids, positions = one_document(tokens, segment_ids, positions)
       checks.check_tokens("segment_ids", segment_ids)

@@ -66,6 +66,7 @@ class DecoderLM(nnx.Module):
   def __call__(self, tokens, segment_ids=None, positions=None, *, cache=None):
     cfg = self.config
     checks.check_tokens("tokens", tokens)
+    checks.check_concrete_token_ids("tokens", tokens, cfg.vocab_size)
     if cache is None:
       segment_ids, positions = lm.one_document(tokens, segment_ids, positions)
     scale = jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))

@@ -243,10 +243,13 @@ class Stack(nn.Module):
 class Transformer(nn.Module):
   """Encoder-decoder Transformer: `__call__(src [B, S], tgt_in [B, T]) -> logits [B, T, C]`.
 
-  Token ids must lie in [0, vocab_size); inside `jit` they are not checked: an id >= vocab_size
-  embeds as NaN (flax's `nn.Embed`) and poisons every position that attends to it, a negative
-  id reads row vocab_size + id. `flax_mha.models.decoding` and the experiment runner check ids on the
-  host (`flax_mha.checks.check_token_ids`).
+  Token ids must lie in [0, vocab_size): an eager call with concrete ids refuses an id outside
+  by name (ValueError); inside `jit` they are not checked: an id >= vocab_size embeds as NaN
+  (flax's `nn.Embed`), a negative id reads row vocab_size + id. `flax_mha.models.decoding` and
+  the experiment runner check ids on the host (`flax_mha.checks.check_token_ids`). A NaN in
+  the activations reaches, by default, every position of its row through attention (a masked
+  key's 0 · NaN = NaN); `attention_implementation=flax_mha.confine_nonfinite()` keeps it
+  in the positions that attend to it (see `flax_mha.confine_nonfinite` for the cost).
   """
   config: TransformerConfig
 
@@ -269,6 +272,7 @@ class Transformer(nn.Module):
   def encode(self, src, *, train: bool = False, sow_weights: bool = False):
     """src [B, S] int -> (memory [B, S, D], src_valid [B, S] bool)."""
     checks.check_tokens("src", src)
+    checks.check_concrete_token_ids("src", src, self.config.vocab_size)
     src_valid = src != self.config.pad_id
     mask = masks_lib.make_attention_mask(src_valid, src_valid)
     return self.encoder(src, mask, train=train, sow_weights=sow_weights), src_valid
@@ -276,6 +280,7 @@ class Transformer(nn.Module):
   def decode(self, tgt_in, memory, src_valid, *, train: bool = False, sow_weights: bool = False):
     """tgt_in [B, T] int (shifted right), memory [B, S, D] -> logits [B, T, C] float32."""
     checks.check_tokens("tgt_in", tgt_in)
+    checks.check_concrete_token_ids("tgt_in", tgt_in, self.config.vocab_size)
     cfg = self.config
     # Padding sits at the end of targets, so the causal mask already hides it from real queries;
     # the key-padding mask is for the (unused) rows of pad queries.
@@ -300,6 +305,7 @@ class Transformer(nn.Module):
     """(logits [B, T, C], cache) of T new target tokens per row at `positions` (default: each
     row's next ones), attending to the cached ones and the encoded source."""
     checks.check_tokens("tokens", tokens)
+    checks.check_concrete_token_ids("tokens", tokens, self.config.vocab_size)
     if positions is None:
       positions = cache_lib.next_positions(cache["layers"][0], tokens.shape[1])
     x_BTD, layers = self.decoder(tokens, cache["memory"], None,

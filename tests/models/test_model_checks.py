@@ -1,7 +1,8 @@
 """Token ids, runner accounting and argument checks of the models and the runner (issue 17).
 
 An out-of-vocabulary id inside `jit` is a NaN embedding that spreads to other documents: the
-runner and generation check ids on the host and name the bad one. The LM's tokens/s counts real
+models (called eagerly), the runner, the generate command and generation check ids on the host
+and name the bad one. The LM's tokens/s counts real
 tokens once; its MLP kernels have a sharding rule; a sequence mesh that does not divide the
 packed rows is refused before anything runs; the NNX constructor checks the soft cap; the implementation error says how to ask for ring.
 """
@@ -26,6 +27,7 @@ from experiments.tasks import PAD, get_task
 from flax_mha import sharding
 from flax_mha.models.decoding import beam_search, greedy_decode
 from flax_mha.models import lm as lm_model
+from flax_mha.models import lm_nnx
 from flax_mha.models.lm import DecoderLM, LMConfig
 from flax_mha.models.transformer import Transformer, TransformerConfig
 
@@ -46,34 +48,73 @@ def test_out_of_vocabulary_token_poisons_other_documents_inside_jit():
                       batch["positions"])
   tokens = batch["tokens"].copy()
   tokens[0, 9] = TASK.vocab.size  # in the second document
-  logits = model.apply(params, tokens, batch["segment_ids"], batch["positions"])
+  logits = jax.jit(model.apply)(params, tokens, batch["segment_ids"], batch["positions"])
   assert bool(jnp.isnan(logits[0, 0]).all())  # the first document is poisoned too
 
 
-@pytest.mark.parametrize("past_end", [True, False])
-def test_runner_refuses_out_of_vocabulary_ids_naming_them(monkeypatch, past_end):
-  config = dates_config.get_config("tiny")
-  runner = train.make_runner(config)
+def _transformer(vocab_size=11):
+  cfg = TransformerConfig(vocab_size=vocab_size, d_model=16, num_heads=2, num_encoder_layers=1,
+                          num_decoder_layers=1, d_ff=16, max_len=12)
+  good = jnp.array([[3, 4, 5, 0]])
+  return cfg, Transformer(cfg).init(jax.random.key(0), good, good)["params"]
+
+
+def test_an_eager_model_call_refuses_an_out_of_vocabulary_id_by_name():
+  """Concrete ids are checked by the models themselves (inside jit they cannot be)."""
+  lm_cfg = LMConfig(vocab_size=TASK.vocab.size, d_model=16, num_heads=2, num_kv_heads=1,
+                    num_layers=1, d_ff=16)
+  tokens = _packed()["tokens"].copy()
+  params = DecoderLM(lm_cfg).init(jax.random.key(0), tokens)
+  tokens[0, 9] = TASK.vocab.size
+  message = (f"tokens holds token id {TASK.vocab.size} at position (0, 9), outside the "
+             f"vocabulary [0, {TASK.vocab.size})")
+  with pytest.raises(ValueError, match=re.escape(message)):
+    DecoderLM(lm_cfg).apply(params, tokens)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    lm_nnx.DecoderLM(lm_cfg, rngs=nnx.Rngs(0))(tokens)
+  cfg, params = _transformer()
+  good, bad = jnp.array([[3, 4, 5, 0]]), jnp.array([[3, -1, 5, 0]])
+  for src, tgt, name in ((bad, good, "src"), (good, bad, "tgt_in")):
+    with pytest.raises(ValueError, match=re.escape(
+        f"{name} holds token id -1 at position (0, 1), outside the vocabulary [0, 11)")):
+      Transformer(cfg).apply({"params": params}, src, tgt)
+
+
+@pytest.mark.parametrize("kind,past_end", [("seq2seq", True), ("seq2seq", False), ("lm", True)])
+def test_runner_refuses_out_of_vocabulary_ids_naming_them(monkeypatch, kind, past_end):
+  """The host check of each training batch, before its step (numpy, no device sync)."""
+  config_module, data_module, name = {"seq2seq": (dates_config, data, "src"),
+                                      "lm": (lm_config, lm_data, "tokens")}[kind]
+  runner = train.make_runner(config_module.get_config("tiny"))
   bad = runner.task.vocab.size if past_end else -1
-  real = data.train_batch
+  real = data_module.train_batch
 
   def poisoned(*args, **kwargs):
     batch = real(*args, **kwargs)
-    batch["src"][1, 2] = bad
+    batch[name][1, 2] = bad
     return batch
 
-  monkeypatch.setattr(data, "train_batch", poisoned)
+  monkeypatch.setattr(data_module, "train_batch", poisoned)
   with pytest.raises(ValueError, match=re.escape(
-      f"batch 3 src holds token id {bad} at position (1, 2), outside the vocabulary "
+      f"batch 3 {name} holds token id {bad} at position (1, 2), outside the vocabulary "
       f"[0, {runner.task.vocab.size})")):
     runner.train_batch(3)
 
 
+@pytest.mark.parametrize("config_module", [dates_config, lm_config])
+def test_the_generate_command_refuses_a_prompt_outside_the_vocabulary(config_module):
+  """`python -m experiments.generate` builds its prompts with the runner's
+  `generation_inputs`, through the task's encoder, which refuses a character it lacks by name
+  (and decoding checks the ids it is given: test_generation_refuses_out_of_vocabulary_prompts)."""
+  runner = train.make_runner(config_module.get_config("tiny"))
+  with pytest.raises(ValueError, match=re.escape("character '\\x00' of 'ab\\x00' is not in the "
+                                                 "vocabulary")):
+    runner.generation_inputs("ab\x00")
+
+
 def test_generation_refuses_out_of_vocabulary_prompts():
-  cfg = TransformerConfig(vocab_size=11, d_model=16, num_heads=2, num_encoder_layers=1,
-                          num_decoder_layers=1, d_ff=16, max_len=12)
+  cfg, params = _transformer()
   src = jnp.array([[3, 4, 11, 0]])
-  params = Transformer(cfg).init(jax.random.key(0), src, src)["params"]
   for search in (greedy_decode, beam_search):
     with pytest.raises(ValueError, match=re.escape(
         "src holds token id 11 at position (0, 2), outside the vocabulary [0, 11)")):
