@@ -21,7 +21,6 @@ from ml_collections import config_flags
 from configs import algorithmic, dates, dates_long, num2words_de
 from experiments import checkpoints, data, metrics, run_config, seq2seq, tasks, train
 from experiments.tasks import BOS, PAD
-from tests.multidevice.run import run_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY_KEYS = {"task", "steps", "train_seconds", "steps_per_second", "eval_loss",
@@ -483,62 +482,3 @@ def test_copy_is_learned(tmp_path):
   summary = train.train_and_evaluate(config, str(tmp_path))
   assert summary["eval_exact_match"] > 0.9
   np.testing.assert_array_less(0.95, summary["eval_token_accuracy"])
-
-
-@pytest.mark.multidevice
-def test_sharded_run_matches_single_device():
-  """--config.mesh.{data,model,seq}=2 on 8 emulated devices logs the 1-device losses."""
-  lines = run_check("check_train.py")
-  assert any(line.startswith("OK runner layout") for line in lines), lines
-  assert any(line.startswith("OK runner data_x_model_x_seq") for line in lines), lines
-  assert any(line.startswith("OK lm data_x_seq") for line in lines), lines
-
-
-@pytest.mark.multidevice
-def test_fsdp_with_remat_matches_single_device():
-  """--config.mesh.data=2 --config.mesh.fsdp=4 --config.train.remat=layer on 8 emulated devices:
-  the 1-device losses of the tiny dates and LM configs, 1/fsdp of the state on each device."""
-  lines = run_check("check_fsdp.py")
-  for name in ("dates", "lm"):
-    assert any(line.startswith(f"OK {name} data=2 x fsdp=4 remat=layer") for line in lines), lines
-    for layout in ("data=2 bytes fsdp=4", "bytes fsdp=8"):
-      assert any(line.startswith(f"OK {name} {layout}") for line in lines), lines
-
-
-@pytest.mark.multidevice
-def test_ulysses_trains_the_lm_as_one_device():
-  """--config.mesh.seq_strategy=ulysses on data=2 x seq=4 with heads that 4 divides (H = G = 4):
-  the 1-device losses of the tiny LM."""
-  assert run_check("check_seq_train.py", "ulysses")[0].startswith("OK lm ulysses ulysses")
-
-
-@pytest.mark.multidevice
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
-def test_fsdp_with_a_sequence_mesh_trains_the_lm_as_one_device(strategy):
-  """--config.mesh.fsdp=2 --config.mesh.seq=4 --config.train.remat=layer: the 1-device losses
-  of the tiny LM."""
-  lines = run_check("check_seq_train.py", "fsdp_seq", strategy)
-  assert lines[0].startswith(f"OK lm fsdp_seq {strategy}"), lines
-
-
-def test_mesh_must_divide_batch(tmp_path):
-  config = tiny_config()
-  config.mesh.data = 3
-  with pytest.raises(ValueError, match="multiple of mesh.data=3"):
-    train.train_and_evaluate(config, str(tmp_path))
-  config.mesh.update(data=1, seq=3)
-  with pytest.raises(ValueError, match=r"multiples of 6 \(mesh.seq=3, mesh.seq_layout='zigzag'\)"):
-    train.train_and_evaluate(config, str(tmp_path))
-  config.mesh.update(data=2, fsdp=3, seq=1)
-  with pytest.raises(ValueError, match="multiple of mesh.data=2 x mesh.fsdp=3"):
-    train.train_and_evaluate(config, str(tmp_path))
-
-
-@pytest.mark.parametrize("key, value, match", [
-    ("seq_strategy", "tree", "strategy must be one of"),
-    ("seq_layout", "zig-zag", "layout must be one of")])
-def test_sequence_parallel_keys_are_checked(tmp_path, key, value, match):
-  config = tiny_config()
-  config.mesh[key] = value
-  with pytest.raises(ValueError, match=f"config.mesh.seq_strategy / seq_layout: {match}"):
-    train.train_and_evaluate(config, str(tmp_path))
