@@ -95,6 +95,7 @@ def test_rolling_cache_bytes_do_not_grow_with_the_generated_length():
   assert len(set(sizes.values())) == 1, sizes
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_rows_of_different_lengths_need_no_left_padding():
   """Two prompts of 9 and 4 tokens right-padded in one batch (positions -1 on the padding),
   then steps at each row's own position: each row equals its own computation alone."""

@@ -56,6 +56,7 @@ def test_batches_are_a_pure_function_of_seed_and_step():
   assert (first["segment_ids"] > 1).any()  # rows hold several documents
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 @pytest.mark.parametrize("implementation", ["xla", "chunked"])
 def test_a_document_sees_only_itself_wherever_it_is_packed(implementation):
   """Logits of a document are the same alone at the start of a row and packed after another
@@ -75,6 +76,7 @@ def test_a_document_sees_only_itself_wherever_it_is_packed(implementation):
                              atol=2e-5)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_recompute_generation_equals_the_cached_one():
   """The benchmark's baseline (the whole prefix recomputed each step) and the KV-cache
   decoding give the same greedy tokens."""

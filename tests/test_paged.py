@@ -79,6 +79,7 @@ def test_pages_a_row_does_not_own_are_never_read():
   np.testing.assert_allclose(flax_mha.paged_attention(q, *poisoned, lengths, table), out)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_a_paged_cache_through_the_front_end_equals_a_contiguous_one():
   module = flax_mha.SelfAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K,
                                   rotary_max_wavelength=100.0, logit_soft_cap=3.0)

@@ -164,6 +164,7 @@ def test_bad_arguments():
     greedy_decode({"vocab_size": 3}, params, src, max_len=4)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_decoding_under_x64():
   """Regression: with jax_enable_x64 the KV-cache update mixed int64 and int32 start indices."""
   with jax.enable_x64(True):

@@ -62,6 +62,7 @@ def test_lm_cached_greedy_equals_recompute_for_prompts_of_different_lengths(kwar
   assert np.asarray(got).tolist() == _recompute_greedy(model, params, PROMPTS, LENGTHS, 7)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_an_nnx_lm_decodes_as_recompute_and_as_its_linen_twin():
   """The NNX DecoderLM, given the linen one's parameters, through every entry point: greedy
   tokens equal recomputing its whole forward each step, and beam search the linen model's."""
@@ -99,6 +100,7 @@ def test_lm_beam_search_equals_exhaustive_search():
   assert np.asarray(got[0]).tolist() == best.tolist()
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_sampling_is_reproducible_and_stays_in_its_set():
   model, params = _lm()
   sample = lambda key, **kw: np.asarray(decoding.generate(
@@ -142,6 +144,7 @@ def test_stop_tokens_end_a_row_and_pad_follows():
   np.testing.assert_array_equal(got[0, first + 1:], 0)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_continuous_batching_over_pages_equals_static_batching():
   model, params = _lm(learned_sinks=True)
   rng = np.random.default_rng(0)

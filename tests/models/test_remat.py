@@ -59,6 +59,7 @@ def loss_and_grads(model_name, policy):
   return str(jax.make_jaxpr(loss)(params)), *jax.jit(jax.value_and_grad(loss))(params)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 @pytest.mark.parametrize("model_name", sorted(CASES))
 @pytest.mark.parametrize("policy", ["layer", "attention"])
 def test_remat_gives_the_values_and_gradients_of_none(model_name, policy):

@@ -140,6 +140,7 @@ def test_decoder_is_causal():
 
 @pytest.mark.parametrize("overrides", [{}, {"pre_layer_norm": True, "learned_positions": True},
                                        {"num_kv_heads": 1}])
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_cached_decoding_equals_full_recompute(overrides):
   cfg, variables = make(**overrides)
   src, tgt = batch()
@@ -216,6 +217,7 @@ def test_matches_a_flax_linen_attention_model():
   np.testing.assert_allclose(ours, theirs, atol=1e-5)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_overfits_copy_task():
   cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, num_heads=2, d_ff=64, dropout_rate=0.0,
                           num_encoder_layers=1, num_decoder_layers=1, max_len=16)

@@ -235,6 +235,7 @@ def test_flax_float_masks_mean_attend(rng):
   np.testing.assert_allclose(got, np_mha(params, xq, xk, xv, mask=float_pad != 0), **TOL)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_decode_under_x64(rng):
   """Regression: under jax_enable_x64 the cache update mixed int64 zeros with the int32 index."""
   with jax.enable_x64(True):
