@@ -45,6 +45,10 @@ def restore_params(workdir: str):
   return runner, state.params
 
 
+class PromptError(ValueError):
+  """A prompt the run's vocabulary cannot encode (a character it never saw)."""
+
+
 def generate(workdir: str, prompts, *, samples: int = 1, max_new_tokens: int | None = None,
              temperature: float = 0.0, top_k=None, top_p=None, seed: int = 0, out=sys.stdout):
   """Print each prompt's continuation(s) to `out` as produced; return them as strings.
@@ -54,7 +58,10 @@ def generate(workdir: str, prompts, *, samples: int = 1, max_new_tokens: int | N
   sampler = sampler_from(temperature, top_k, top_p)
   vocab, texts = runner.task.vocab, []
   for i, text in enumerate(prompts):
-    context, prompt = runner.generation_inputs(text)
+    try:
+      context, prompt = runner.generation_inputs(text)
+    except ValueError as e:
+      raise PromptError(f"--prompt {text!r}: {e}") from None
     for n in range(samples):
       out.write(f"{text} -> ")
       tokens = []
@@ -78,7 +85,7 @@ def main(argv):
   try:
     generate(f.workdir, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens,
              temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed)
-  except run_config.ConfigMismatch as e:
+  except (run_config.ConfigMismatch, PromptError) as e:
     sys.exit(f"error: {e}")  # the reason alone: no traceback to read it in
 
 

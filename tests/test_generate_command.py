@@ -44,6 +44,8 @@ def test_a_trained_workdir_answers_prompts(kind, tmp_path):
                                           temperature=1.5, seed=seed, out=io.StringIO())
   assert sample(4) == sample(4)
   assert len(sample(4)) == 3
+  with pytest.raises(generate.PromptError, match=r"--prompt '3 ☃ 2098': character '☃'"):
+    generate.generate(str(workdir), ["3 ☃ 2098"], out=io.StringIO())
   if kind == "lm":  # the command line is the same code for both models: one process
     _assert_the_command_line_answers(workdir)
   _assert_another_model_is_refused(workdir)
@@ -58,6 +60,11 @@ def _assert_the_command_line_answers(workdir):
   assert result.returncode == 0, result.stderr[-2000:]
   lines = result.stdout.splitlines()
   assert len(lines) == 2 and all(line.startswith("3 août 2098 -> ") for line in lines)
+  result = subprocess.run(  # a prompt the vocabulary cannot encode: one line, no traceback
+      [sys.executable, "-m", "experiments.generate", "--workdir", str(workdir), "--prompt",
+       "3 ☃ 2098"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1].startswith("error: --prompt '3 ☃ 2098'")
 
 
 def _assert_another_model_is_refused(workdir):
