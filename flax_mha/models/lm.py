@@ -80,9 +80,8 @@ class Block(nn.Module):
 
   def attention(self):
     cfg = self.config
-    implementation = cfg.attention_implementation
-    if cfg.remat == "attention":
-      implementation = remat_lib.remat_implementation(implementation)
+    implementation = remat_lib.attention_implementation(cfg.remat,
+                                                        cfg.attention_implementation)
     return SelfAttention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype,
         use_bias=False, normalize_qk=cfg.normalize_qk, logit_soft_cap=cfg.logit_soft_cap,
@@ -147,8 +146,7 @@ class DecoderLM(nn.Module):
     x = embed(tokens).astype(cfg.dtype) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
     caches = []
     # `train` is Block's 4th argument (`self` is 0): static under nn.remat.
-    remat = cfg.remat == "layer" and cache is None
-    block_cls = nn.remat(Block, static_argnums=(4,)) if remat else Block
+    block_cls = remat_lib.layer_class(cfg.remat if cache is None else "none", Block, (4,))
     for i in range(cfg.num_layers):
       block = block_cls(cfg, local=cfg.is_local(i), name=f"block_{i}")
       if cache is None:
