@@ -78,6 +78,7 @@ _LAZY = {
     "linen": ("flax_mha.nn.linen", None),
     "MultiHeadAttention": ("flax_mha.nn.linen", "MultiHeadAttention"),
     "SelfAttention": ("flax_mha.nn.linen", "SelfAttention"),
+    "AttentionOptions": ("flax_mha.nn.options", "AttentionOptions"),
     "Transformer": ("flax_mha.models.transformer", "Transformer"),
     "TransformerConfig": ("flax_mha.models.transformer", "TransformerConfig"),
     "DecoderLM": ("flax_mha.models.lm", "DecoderLM"),

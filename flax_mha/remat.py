@@ -8,6 +8,9 @@
   remat_implementation(implementation)
                an implementation callable for `dot_product_attention(implementation=...)` that
                runs `implementation` under `jax.checkpoint`; the pure API's remat.
+  attention_implementation(policy, implementation), layer_class(policy, cls, static_argnums)
+               a policy applied, the one reading of `remat` that every model uses: the
+               implementation its attention layers take, and the class of its blocks.
 
 Every policy computes the same values and gradients (tests/models/test_remat.py); they trade
 memory for one more forward of what they recompute.
@@ -57,3 +60,21 @@ def remat_implementation(implementation: str | Callable | None = None) -> Callab
 
   attention.__name__ = f"remat_{getattr(implementation, '__name__', implementation)}"
   return attention
+
+
+def attention_implementation(policy: str, implementation: str | Callable | None = None):
+  """The implementation a model's attention layers take under `policy`: `implementation`
+  under `jax.checkpoint` (`remat_implementation`) for "attention", else as it is."""
+  if policy == "attention":
+    return remat_implementation(implementation)
+  return implementation
+
+
+def layer_class(policy: str, cls, static_argnums: tuple):
+  """A model's block class under `policy`: `flax.linen.remat(cls, static_argnums=...)` for
+  "layer" (only the block's input is kept for the backward), else `cls` itself. Decoding with a
+  cache runs no backward: models then pass policy "none"."""
+  if policy != "layer":
+    return cls
+  import flax.linen as nn  # here, not at the top: `import flax_mha` loads no flax
+  return nn.remat(cls, static_argnums=static_argnums)

@@ -19,6 +19,7 @@ from flax_mha import checks
 from flax_mha import remat as remat_lib
 from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
 from flax_mha.nn.linen import SelfAttention
+from flax_mha.nn.options import AttentionOptions
 
 
 # Logical axes of every parameter (see `flax_mha.sharding`): the attention projections', the
@@ -68,6 +69,13 @@ class LMConfig:
     checks.check_rate("LMConfig.dropout_rate", self.dropout_rate)
     remat_lib.check_policy("LMConfig.remat", self.remat)
 
+  def attention_options(self, local: bool) -> AttentionOptions:
+    """The options of a local (window and sink tokens) or global layer's attention."""
+    return AttentionOptions(
+        logit_soft_cap=self.logit_soft_cap, rotary_max_wavelength=self.rotary_max_wavelength,
+        local_window_size=(self.local_window, 0) if local else None,
+        sink_tokens=self.sink_tokens if local else 0, learned_sinks=self.learned_sinks)
+
   def is_local(self, layer: int) -> bool:
     """Layers global_every - 1, 2·global_every - 1, ... are global; the rest local."""
     return self.local_window is not None and (layer + 1) % self.global_every != 0
@@ -80,16 +88,13 @@ class Block(nn.Module):
 
   def attention(self):
     cfg = self.config
-    implementation = cfg.attention_implementation
-    if cfg.remat == "attention":
-      implementation = remat_lib.remat_implementation(implementation)
+    implementation = remat_lib.attention_implementation(cfg.remat,
+                                                        cfg.attention_implementation)
     return SelfAttention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype,
-        use_bias=False, normalize_qk=cfg.normalize_qk, logit_soft_cap=cfg.logit_soft_cap,
-        rotary_max_wavelength=cfg.rotary_max_wavelength,
-        local_window_size=(cfg.local_window, 0) if self.local else None,
-        sink_tokens=cfg.sink_tokens if self.local else 0, learned_sinks=cfg.learned_sinks,
-        implementation=implementation, name="attention")
+        use_bias=False, normalize_qk=cfg.normalize_qk,
+        attention_options=cfg.attention_options(self.local), implementation=implementation,
+        name="attention")
 
   @nn.compact
   def __call__(self, x, segment_ids, positions, train: bool, *, cache=None):
@@ -152,8 +157,7 @@ class DecoderLM(nn.Module):
     x = embed(tokens).astype(cfg.dtype) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
     caches = []
     # `train` is Block's 4th argument (`self` is 0): static under nn.remat.
-    remat = cfg.remat == "layer" and cache is None
-    block_cls = nn.remat(Block, static_argnums=(4,)) if remat else Block
+    block_cls = remat_lib.layer_class(cfg.remat if cache is None else "none", Block, (4,))
     for i in range(cfg.num_layers):
       block = block_cls(cfg, local=cfg.is_local(i), name=f"block_{i}")
       if cache is None:

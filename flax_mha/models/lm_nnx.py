@@ -28,10 +28,7 @@ class Block(nnx.Module):
     self.attention_norm = nnx.LayerNorm(d, dtype=cfg.dtype, rngs=rngs)
     self.attention = SelfAttention(
         cfg.num_heads, d, num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype, use_bias=False,
-        normalize_qk=cfg.normalize_qk, logit_soft_cap=cfg.logit_soft_cap,
-        rotary_max_wavelength=cfg.rotary_max_wavelength,
-        local_window_size=(cfg.local_window, 0) if local else None,
-        sink_tokens=cfg.sink_tokens if local else 0, learned_sinks=cfg.learned_sinks,
+        normalize_qk=cfg.normalize_qk, attention_options=cfg.attention_options(local),
         implementation=cfg.attention_implementation, rngs=rngs)
     self.mlp_norm = nnx.LayerNorm(d, dtype=cfg.dtype, rngs=rngs)
     self.mlp_in = nnx.Linear(d, cfg.d_ff, dtype=cfg.dtype, rngs=rngs)

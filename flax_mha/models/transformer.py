@@ -155,9 +155,7 @@ class Residual(nn.Module):
 
 
 def _attention(cfg: TransformerConfig, name: str):
-  implementation = cfg.attention_implementation
-  if cfg.remat == "attention":
-    implementation = remat_lib.remat_implementation(implementation)
+  implementation = remat_lib.attention_implementation(cfg.remat, cfg.attention_implementation)
   return cfg.attention_cls(
       num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
       dropout_rate=cfg.attention_dropout_rate, dtype=cfg.dtype,
@@ -222,11 +220,9 @@ class Stack(nn.Module):
     x = AddPositions(cfg, name="positions")(x, positions)
     x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
     new_caches = []
-    layer_cls = self.layer
-    if cfg.remat == "layer" and caches is None:
-      # train and sow_weights follow the layer_args; counted from `self`, which is 0.
-      static = (len(layer_args) + 2, len(layer_args) + 3)
-      layer_cls = nn.remat(self.layer, static_argnums=static)
+    # train and sow_weights follow the layer_args; counted from `self`, which is 0.
+    layer_cls = remat_lib.layer_class(cfg.remat if caches is None else "none", self.layer,
+                                      (len(layer_args) + 2, len(layer_args) + 3))
     for i in range(self.num_layers):
       layer = layer_cls(cfg, name=f"layer_{i}")
       if caches is None:

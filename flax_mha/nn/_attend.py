@@ -1,8 +1,9 @@
-"""What the linen and NNX front ends share: argument checks, rotary positions, the cache mask.
+"""What the linen and NNX front ends share: the forward (`forward`: checks, projections, rotary
+positions, the caches, the attention call) and its steps.
 
 Plain functions of arrays and Python values, no flax: each front end keeps only its parameters
-and state (`flax_mha.nn.linen` the linen variables, `flax_mha.nn.nnx` the `nnx.Variable`s) and calls
-these, so both attend the same way by construction.
+and state (`flax_mha.nn.linen` the linen variables, `flax_mha.nn.nnx` the `nnx.Variable`s) and
+hands itself to `forward`, so both attend the same way by construction.
 """
 
 from __future__ import annotations
@@ -243,3 +244,60 @@ def attend(query_THK, key_SGK, value_SGV, bias, mask, *, implementation, sow: bo
   if sow:
     weights = dot_product_attention_weights(query_THK, key_SGK, bias, mask, **options)
   return out_THV, weights
+
+
+def forward(front, inputs_q, inputs_k, inputs_v, *, mask, bias, is_causal: bool, q_segment_ids,
+            kv_segment_ids, q_positions, kv_positions, sow_weights: bool, cache, decode: bool,
+            dropout_rng):
+  """Both front ends' call: output [..., T, out_features], or (output, updated cache) with
+  `cache`. Check, project, rotate, then attend (through `cache`, flax's decode cache, or
+  plainly) and project out.
+
+  `front` is the module, which holds the parameters and state; it gives `attention_options`'s
+  record as `options` (an `AttentionOptions`), `implementation`, `dropout_rate`, and the steps
+  that touch its variables: `_check(inputs_q, inputs_k, inputs_v)`, `_project(...)` -> (query
+  [..., T, H, K], key [..., S, G, K], value [..., S, G, V]), `_sinks()` -> [H] or None,
+  `_decode_start()` (the cache index), `_decode_step(query, key, value, mask, **options)` ->
+  output, or None when it only made the cache (linen's init call, which then attends causally),
+  `_sow(weights)` and `_out(out_THV, D_q)` (D_q: inputs_q's width, linen's default
+  out_features).
+  """
+  inputs_k, inputs_v, keys_from_q = resolve_inputs(inputs_q, inputs_k, inputs_v)
+  front._check(inputs_q, inputs_k, inputs_v)
+  opts = front.options
+  window, sink_tokens = opts.local_window_size, opts.sink_tokens
+  rotary = opts.rotary_max_wavelength
+  check_call(decode=decode, rotary=rotary is not None or cache is not None,
+             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+             q_positions=q_positions, kv_positions=kv_positions)
+  if cache is not None:
+    check_cache_call(cache, keys_from_q=keys_from_q, inputs_q=inputs_q,
+                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                     kv_positions=kv_positions, bias=bias, mask=mask, window=window,
+                     sink_tokens=sink_tokens)
+    if q_positions is None:
+      q_positions = cache_lib.next_positions(cache, inputs_q.shape[-2])
+  query_THK, key_SGK, value_SGV = front._project(inputs_q, inputs_k, inputs_v)
+  if rotary is not None:
+    query_THK, key_SGK = rotate(
+        query_THK, key_SGK, q_positions, kv_positions, keys_from_q=keys_from_q,
+        start=front._decode_start() if decode and cache is None else 0, max_wavelength=rotary)
+  mask = as_bool_mask(mask)
+  options = dict(implementation=front.implementation, dropout_rate=front.dropout_rate,
+                 dropout_rng=dropout_rng, sinks=front._sinks(), **opts.keywords())
+  if cache is not None:
+    out_THV, cache = attend_cached(query_THK, key_SGK, value_SGV, cache, q_positions, mask,
+                                   window=window, sink_tokens=sink_tokens, **options)
+    return front._out(out_THV, inputs_q.shape[-1]), cache
+  out_THV = None
+  if decode:
+    out_THV = front._decode_step(query_THK, key_SGK, value_SGV, mask, window=window,
+                                 sink_tokens=sink_tokens, **options)
+  if out_THV is None:  # not decoding, or flax's init call, which attends like a decoder
+    out_THV, weights = attend(
+        query_THK, key_SGK, value_SGV, bias, mask, sow=sow_weights, is_causal=is_causal or decode,
+        local_window_size=window, sink_tokens=sink_tokens, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, **options)
+    if weights is not None:
+      front._sow(weights)
+  return front._out(out_THV, inputs_q.shape[-1])

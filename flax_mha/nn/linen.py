@@ -13,9 +13,9 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
-from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.nn import _attend
+from flax_mha.nn.options import ALIASES, AttentionOptions
 
 Initializer = Callable[..., Any]
 
@@ -46,17 +46,11 @@ class MultiHeadAttention(nn.Module):
     normalize_qk: flax.linen's `normalize_qk` (ViT-22B, arXiv:2302.05442): LayerNorm over the
       head dim K of the projected queries and keys (scale [K], no bias, epsilon 1e-6), params
       `query_ln` and `key_ln`; applied before rotary and the cache.
-    logit_soft_cap: static cap > 0: logits become cap·tanh(logits / cap) (Gemma 2).
-    local_window_size: static int w or (left, right) pair of ints >= 0: query at position i sees
-      keys at positions i - left .. i + right (an int means (w, w)). Without `decode` it needs
-      T == S; with `decode` the positions are absolute cache positions (query t at index + t).
-    rotary_max_wavelength: None for no rotary embedding, else the RoPE base (e.g. 10_000.0):
-      projected queries and keys are rotated by `flax_mha.apply_rotary` at their positions
-      (see `__call__`) before the cache write, so the cache holds rotated keys. Needs an even K.
-    sink_tokens: static int >= 0, with a window: the first `sink_tokens` positions stay visible
-      to every query (StreamingLLM), and a rolling cache keeps them.
-    learned_sinks: a learned sink logit per query head (param 'sinks' [H], zeros at init) that
-      joins every row's softmax without a value (gpt-oss).
+    attention_options: a `flax_mha.AttentionOptions`, this layer's own options (soft cap, window,
+      sink tokens, rotary, learned sinks): see there.
+    logit_soft_cap, local_window_size, sink_tokens, rotary_max_wavelength, learned_sinks: the
+      older spelling, aliases of the `AttentionOptions` fields of the same names (not together
+      with attention_options).
   """
   num_heads: int
   qkv_features: int | None = None
@@ -74,11 +68,13 @@ class MultiHeadAttention(nn.Module):
   implementation: str | Callable | None = None
   decode: bool = False
   normalize_qk: bool = False
+  # Aliases of attention_options' fields (flax_mha.nn.options.ALIASES), for existing code.
   logit_soft_cap: float | None = None
   local_window_size: int | tuple[int, int] | None = None
   rotary_max_wavelength: float | None = None
   sink_tokens: int = 0
   learned_sinks: bool = False
+  attention_options: AttentionOptions | None = None
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
@@ -115,51 +111,17 @@ class MultiHeadAttention(nn.Module):
     Returns [..., T, out_features] (and the updated cache with `cache=`). With `sow_weights`,
     the weights [..., H, T, S] are sown into 'intermediates' under 'attention_weights'.
     """
-    # checks the inputs first: _head_dims reads inputs_q.shape
-    inputs_k, inputs_v, keys_from_q = _attend.resolve_inputs(inputs_q, inputs_k, inputs_v)
-    h, g, k_dim, v_dim = self._head_dims(inputs_q)
-    _attend.check_call(decode=self.decode,
-                       rotary=self.rotary_max_wavelength is not None or cache is not None,
-                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                      q_positions=q_positions, kv_positions=kv_positions)
-    window = checks.check_window("local_window_size", self.local_window_size)
-    if cache is not None:
-      _attend.check_cache_call(cache, keys_from_q=keys_from_q, inputs_q=inputs_q,
-                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                               kv_positions=kv_positions, bias=bias, mask=mask, window=window,
-                               sink_tokens=self.sink_tokens)
-      if q_positions is None:
-        q_positions = cache_lib.next_positions(cache, inputs_q.shape[-2])
-    query_THK, key_SGK, value_SGV = self._project(inputs_q, inputs_k, inputs_v, h, g, k_dim, v_dim)
-    if self.rotary_max_wavelength is not None:
-      query_THK, key_SGK = self._rotate(query_THK, key_SGK, q_positions, kv_positions,
-                                        keys_from_q)
-    mask = _attend.as_bool_mask(mask)
-    options = dict(implementation=self.implementation, dropout_rate=self.dropout_rate,
-                   dropout_rng=self._dropout_rng(deterministic, dropout_rng),
-                   logit_soft_cap=self.logit_soft_cap, sinks=self._sinks(h))
-    if cache is not None:
-      out_THV, cache = _attend.attend_cached(query_THK, key_SGK, value_SGV, cache, q_positions,
-                                             mask, window=window,
-                                             sink_tokens=self.sink_tokens, **options)
-    elif self.decode and self.has_variable("cache", "cached_key"):
-      out_THV = self._decode_step(query_THK, key_SGK, value_SGV, mask, window, options)
-    else:
-      if self.decode:  # flax's init call sizes the cache and attends like a decoder: causally
-        self._decode_step(query_THK, key_SGK, value_SGV, mask, window, options)
-        is_causal = True
-      out_THV, weights = _attend.attend(
-          query_THK, key_SGK, value_SGV, bias, mask, sow=sow_weights, is_causal=is_causal,
-          local_window_size=window, sink_tokens=self.sink_tokens, q_segment_ids=q_segment_ids,
-          kv_segment_ids=kv_segment_ids, **options)
-      if weights is not None:
-        self.sow("intermediates", "attention_weights", weights)
-    out_features = self.out_features or inputs_q.shape[-1]
-    out = nn.DenseGeneral(
-        features=out_features, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=self.out_kernel_init or self.kernel_init, bias_init=self.bias_init,
-        use_bias=self.use_bias, precision=self.precision, name="out")(out_THV)
-    return out if cache is None else (out, cache)
+    return _attend.forward(
+        self, inputs_q, inputs_k, inputs_v, mask=mask, bias=bias, is_causal=is_causal,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+        kv_positions=kv_positions, sow_weights=sow_weights, cache=cache, decode=self.decode,
+        dropout_rng=self._dropout_rng(deterministic, dropout_rng))
+
+  @property
+  def options(self) -> AttentionOptions:
+    """The record this layer runs with: `attention_options`, or built from the aliases."""
+    return AttentionOptions.resolve(self.attention_options,
+                                    **{name: getattr(self, name) for name in ALIASES})
 
   def new_cache(self, batch_size: int, capacity: int, *, in_features: int | None = None,
                 dtype=jnp.float32):
@@ -175,8 +137,8 @@ class MultiHeadAttention(nn.Module):
     g = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
     return _attend.new_cache(
         batch_size, capacity, num_heads=self.num_heads, num_kv_heads=g, qkv_features=qkv,
-        v_features=v, sink_tokens=self.sink_tokens, dtype=dtype,
-        window=checks.check_window("local_window_size", self.local_window_size))
+        v_features=v, sink_tokens=self.options.sink_tokens, dtype=dtype,
+        window=self.options.local_window_size)
 
   def _cache_features(self, in_features):
     """(H·K, H·V) for `new_cache`: from the attributes, `in_features`, or the bound params."""
@@ -192,22 +154,28 @@ class MultiHeadAttention(nn.Module):
     return h * params["query"]["kernel"].shape[-1], h * params["value"]["kernel"].shape[-1]
 
   def _head_dims(self, inputs_q):
-    """(H, G, K, V) from the attributes, checked."""
+    """(H, G, K, V) from the attributes."""
     h = self.num_heads
     g = h if self.num_kv_heads is None else self.num_kv_heads
-    checks.check_heads(h, g)
     qkv = self.qkv_features or inputs_q.shape[-1]
-    v_features = self.v_features or qkv
-    for name, width in (("qkv_features", qkv), ("v_features", v_features)):
+    return h, g, qkv // h, (self.v_features or qkv) // h
+
+  # The steps of `_attend.forward` that touch this module's variables.
+
+  def _check(self, inputs_q, inputs_k, inputs_v):
+    """The attributes, checked against the input width (linen reads it at the call)."""
+    h = self.num_heads
+    checks.check_heads(h, h if self.num_kv_heads is None else self.num_kv_heads)
+    qkv = self.qkv_features or inputs_q.shape[-1]
+    for name, width in (("qkv_features", qkv), ("v_features", self.v_features or qkv)):
       if width % h:
         raise ValueError(f"{name}={width} must be divisible by num_heads={h}")
     checks.check_rate("dropout_rate", self.dropout_rate)
-    checks.check_positive_real("logit_soft_cap", self.logit_soft_cap, optional=True)
-    _attend.check_rotary(self.rotary_max_wavelength, qkv, h)
-    return h, g, qkv // h, v_features // h
+    _attend.check_rotary(self.options.rotary_max_wavelength, qkv, h)
 
-  def _project(self, inputs_q, inputs_k, inputs_v, h, g, k_dim, v_dim):
+  def _project(self, inputs_q, inputs_k, inputs_v):
     """query [..., T, H, K], key [..., S, G, K], value [..., S, G, V] (query/key normalised)."""
+    h, g, k_dim, v_dim = self._head_dims(inputs_q)
     dense = functools.partial(
         nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
@@ -223,22 +191,31 @@ class MultiHeadAttention(nn.Module):
       key_SGK = norm(name="key_ln")(key_SGK)
     return query_THK, key_SGK, value_SGV
 
-  def _rotate(self, query_THK, key_SGK, q_positions, kv_positions, keys_from_q: bool):
-    """Queries and keys rotated at their positions (defaults in `__call__`'s docstring)."""
-    start = 0  # not decoding, or the init call that sizes the cache
-    if self.decode and self.has_variable("cache", "cached_key"):
-      start = self.get_variable("cache", "cache_index")
-    return _attend.rotate(query_THK, key_SGK, q_positions, kv_positions,
-                         keys_from_q=keys_from_q, start=start,
-                         max_wavelength=self.rotary_max_wavelength)
+  def _out(self, out_THV, in_features: int):
+    """The output projection [..., T, H, V] -> [..., T, out_features] (default in_features,
+    inputs_q's width D_q)."""
+    return nn.DenseGeneral(
+        features=self.out_features or in_features, axis=(-2, -1),
+        dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.out_kernel_init or self.kernel_init, bias_init=self.bias_init,
+        use_bias=self.use_bias, precision=self.precision, name="out")(out_THV)
 
-  def _sinks(self, num_heads: int):
+  def _sinks(self):
     """The learned sink logits [H] (None without `learned_sinks`)."""
-    if not self.learned_sinks:
+    if not self.options.learned_sinks:
       return None
-    return self.param("sinks", nn.initializers.zeros_init(), (num_heads,), self.param_dtype)
+    return self.param("sinks", nn.initializers.zeros_init(), (self.num_heads,), self.param_dtype)
 
-  def _decode_step(self, query_THK, key_SGK, value_SGV, mask, window, options):
+  def _sow(self, weights):
+    self.sow("intermediates", "attention_weights", weights)
+
+  def _decode_start(self):
+    """The cache index once the cache exists, 0 at the init call that sizes it."""
+    if self.has_variable("cache", "cached_key"):
+      return self.get_variable("cache", "cache_index")
+    return 0
+
+  def _decode_step(self, query_THK, key_SGK, value_SGV, mask, **options):
     """flax's decode convention: the T new tokens appended to the 'cache' collection at its
     index, attending to what is cached (the output; at the init call, the cache is only made)."""
     initialised = self.has_variable("cache", "cached_key")
@@ -256,7 +233,7 @@ class MultiHeadAttention(nn.Module):
           f"as at init, got {tuple(key_SGK.shape)}")
     out_THV, cached_key.value, cached_value.value = _attend.flax_decode_step(
         query_THK, key_SGK, value_SGV, cached_key.value, cached_value.value, index.value, mask,
-        window=window, sink_tokens=self.sink_tokens, **options)
+        **options)
     index.value = index.value + new_len
     return out_THV
 

@@ -6,8 +6,8 @@ for the arguments both have, builds the same state tree: `query`/`key`/`value` L
 with kernel [D, H, K] (key/value [D_kv, G, K]) and bias [H, K], `out` with kernel [H, V, D_out]
 and bias [D_out]; so `nnx.update(ours, nnx.state(theirs, nnx.Param))` loads flax's weights. It
 adds what the linen module has and flax's lacks or does differently: K != V (`v_features`,
-`in_v_features`), `bias`, `implementation`, decode steps of any length T, `logit_soft_cap`,
-`local_window_size`, rotary embeddings, segment ids and positions. With `normalize_qk` it adds
+`in_v_features`), `bias`, `implementation`, decode steps of any length T, its own options
+(`attention_options`: soft cap, window, rotary embeddings, sinks), segment ids and positions. With `normalize_qk` it adds
 flax's `query_ln`/`key_ln` (`nnx.LayerNorm`, scale [K]), as `flax.nnx.MultiHeadAttention` does.
 The checks and the masks they share live in `flax_mha.nn._attend`. Dropout on the weights
 is flax_mha's (a hash of the position, never broadcast), so it matches the linen module's for the
@@ -35,9 +35,9 @@ import numpy as np
 from flax import nnx
 from flax import traverse_util
 
-from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.nn import _attend
+from flax_mha.nn.options import ALIASES, AttentionOptions
 from flax_mha import sharding
 from flax_mha.attention import check_implementation
 
@@ -82,12 +82,11 @@ class MultiHeadAttention(nnx.Module):
     decode: default of the call argument: KV-cache decoding after `init_cache`.
     normalize_qk: LayerNorm over K of the projected queries and keys (scale [K], no bias,
       epsilon 1e-6), `query_ln`/`key_ln` as in flax; applied before rotary and the cache.
-    logit_soft_cap: static cap > 0: logits become cap·tanh(logits / cap) (Gemma 2).
-    local_window_size: int w or (left, right) ints >= 0 (stored as the pair): query at position i
-      sees keys i - left .. i + right. Without decode it needs T == S; with decode the
-      positions are absolute cache positions (query t at index + t).
-    rotary_max_wavelength: None, or the RoPE base: projected queries and keys are rotated by
-      `flax_mha.apply_rotary` at their positions before the cache write. Needs an even K.
+    attention_options: a `flax_mha.AttentionOptions`, this layer's own options (soft cap, window,
+      sink tokens, rotary, learned sinks): see there.
+    logit_soft_cap, local_window_size, sink_tokens, rotary_max_wavelength, learned_sinks: the
+      older spelling, aliases of the `AttentionOptions` fields of the same names (not together
+      with attention_options).
     rngs: `nnx.Rngs` for the parameters; with dropout, its 'dropout' stream (or 'default', as
       in flax) is forked and kept as the call's default, if it has one.
   """
@@ -106,7 +105,10 @@ class MultiHeadAttention(nnx.Module):
                normalize_qk: bool = False, logit_soft_cap: float | None = None,
                local_window_size: int | tuple[int, int] | None = None,
                rotary_max_wavelength: float | None = None, sink_tokens: int = 0,
-               learned_sinks: bool = False, rngs: nnx.Rngs):
+               learned_sinks: bool = False, attention_options: AttentionOptions | None = None,
+               rngs: nnx.Rngs):
+    aliases = {name: value for name, value in locals().items() if name in ALIASES}
+    self.attention_options = AttentionOptions.resolve(attention_options, **aliases)
     self.num_heads = num_heads
     self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     checks.check_heads(self.num_heads, self.num_kv_heads)
@@ -124,18 +126,14 @@ class MultiHeadAttention(nnx.Module):
     self.head_dim = self.qkv_features // num_heads  # K, named as flax names it
     self.v_head_dim = self.v_features // num_heads  # V
     checks.check_rate("dropout_rate", dropout_rate)
-    _attend.check_rotary(rotary_max_wavelength, self.qkv_features, num_heads)
+    _attend.check_rotary(self.options.rotary_max_wavelength, self.qkv_features, num_heads)
     check_implementation(implementation)
-    checks.check_positive_real("logit_soft_cap", logit_soft_cap, optional=True)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
     self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
     self.dropout_rate, self.deterministic = dropout_rate, deterministic
     self.use_bias, self.implementation, self.decode = use_bias, implementation, decode
-    self.normalize_qk, self.logit_soft_cap = normalize_qk, logit_soft_cap
-    self.local_window_size = checks.check_window("local_window_size", local_window_size)
-    self.rotary_max_wavelength = rotary_max_wavelength
-    self.sink_tokens = checks.check_int("sink_tokens", sink_tokens, lowest=0)
+    self.normalize_qk = normalize_qk
 
     linear = functools.partial(
         _linear, dtype=dtype, param_dtype=param_dtype, precision=precision,
@@ -150,7 +148,7 @@ class MultiHeadAttention(nnx.Module):
     self.out = linear("out", (h, v), self.out_features, out_kernel_init or kernel_init,
                       out_bias_init or bias_init, axis=(-2, -1))
     self.sinks = _data(None)
-    if learned_sinks:  # zeros at init, as a linen module's 'sinks' param
+    if self.options.learned_sinks:  # zeros at init, as a linen module's 'sinks' param
       init = _partitioned(nnx.initializers.zeros_init(), "sinks", 1)
       self.sinks = nnx.Param(init(rngs.params(), (h,), param_dtype))
     self.rngs = _dropout_stream(rngs) if dropout_rate > 0 else None
@@ -181,46 +179,17 @@ class MultiHeadAttention(nnx.Module):
     `nnx.Intermediate` 'attention_weights', as flax does (collect them with
     `nnx.capture(module, nnx.Intermediate)`, or `nnx.pop` before flax 0.12.8).
     """
-    inputs_k, inputs_v, keys_from_q = _attend.resolve_inputs(inputs_q, inputs_k, inputs_v)
-    self._check_widths(inputs_q, inputs_k, inputs_v)
     decode = self.decode if decode is None else decode
-    _attend.check_call(decode=decode,
-                       rotary=self.rotary_max_wavelength is not None or cache is not None,
-                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                       q_positions=q_positions, kv_positions=kv_positions)
-    window = self.local_window_size
-    if cache is not None:
-      _attend.check_cache_call(cache, keys_from_q=keys_from_q, inputs_q=inputs_q,
-                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                               kv_positions=kv_positions, bias=bias, mask=mask, window=window,
-                               sink_tokens=self.sink_tokens)
-      if q_positions is None:
-        q_positions = cache_lib.next_positions(cache, inputs_q.shape[-2])
-    query_THK, key_SGK, value_SGV = self._project(inputs_q, inputs_k, inputs_v)
-    if self.rotary_max_wavelength is not None:
-      query_THK, key_SGK = _attend.rotate(
-          query_THK, key_SGK, q_positions, kv_positions, keys_from_q=keys_from_q,
-          start=self._cache_index(decode and cache is None),
-          max_wavelength=self.rotary_max_wavelength)
-    mask = _attend.as_bool_mask(mask)
-    options = dict(implementation=self.implementation, dropout_rate=self.dropout_rate,
-                   dropout_rng=self._dropout_rng(deterministic, rngs),
-                   logit_soft_cap=self.logit_soft_cap,
-                   sinks=None if self.sinks is None else self.sinks[...])
-    if cache is not None:
-      out_THV, cache = _attend.attend_cached(query_THK, key_SGK, value_SGV, cache, q_positions,
-                                             mask, window=window,
-                                             sink_tokens=self.sink_tokens, **options)
-      return self.out(out_THV), cache
-    if decode:
-      return self.out(self._decode_step(query_THK, key_SGK, value_SGV, mask, options))
-    out_THV, weights = _attend.attend(
-        query_THK, key_SGK, value_SGV, bias, mask, sow=sow_weights, is_causal=is_causal,
-        local_window_size=window, sink_tokens=self.sink_tokens, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, **options)
-    if weights is not None:
-      self.sow(nnx.Intermediate, "attention_weights", weights)
-    return self.out(out_THV)
+    return _attend.forward(
+        self, inputs_q, inputs_k, inputs_v, mask=mask, bias=bias, is_causal=is_causal,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+        kv_positions=kv_positions, sow_weights=sow_weights, cache=cache, decode=decode,
+        dropout_rng=self._dropout_rng(deterministic, rngs))
+
+  @property
+  def options(self) -> AttentionOptions:
+    """The record this layer runs with (`attention_options`, or built from the aliases)."""
+    return self.attention_options
 
   def new_cache(self, batch_size: int, capacity: int, dtype: Any = jnp.float32):
     """An empty `flax_mha.cache.KVCache` for `cache=`: full with `capacity` slots, or for a
@@ -228,7 +197,8 @@ class MultiHeadAttention(nnx.Module):
     return _attend.new_cache(
         batch_size, capacity, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
         qkv_features=self.qkv_features, v_features=self.v_features,
-        window=self.local_window_size, sink_tokens=self.sink_tokens, dtype=dtype)
+        window=self.options.local_window_size, sink_tokens=self.options.sink_tokens,
+        dtype=dtype)
 
   def init_cache(self, input_shape, dtype: Any = jnp.float32) -> None:
     """An empty KV cache for `decode`: input_shape [..., S_max, D] of the whole sequence.
@@ -252,7 +222,9 @@ class MultiHeadAttention(nnx.Module):
     if decode is not None:
       self.decode = decode
 
-  def _check_widths(self, inputs_q, inputs_k, inputs_v) -> None:
+  # The steps of `_attend.forward` that touch this module's variables.
+
+  def _check(self, inputs_q, inputs_k, inputs_v) -> None:
     for name, x, want in (("inputs_q", inputs_q, self.in_features),
                           ("inputs_k", inputs_k, self.in_kv_features),
                           ("inputs_v", inputs_v, self.in_v_features)):
@@ -267,18 +239,25 @@ class MultiHeadAttention(nnx.Module):
       query_THK, key_SGK = self.query_ln(query_THK), self.key_ln(key_SGK)
     return query_THK, key_SGK, self.value(inputs_v)
 
-  def _cache_index(self, decode: bool):
-    """The position of the next cached token when decoding (checked to exist), else 0."""
-    if not decode:
-      return 0
+  def _out(self, out_THV, in_features: int):
+    return self.out(out_THV)
+
+  def _sinks(self):
+    return None if self.sinks is None else self.sinks[...]
+
+  def _sow(self, weights):
+    self.sow(nnx.Intermediate, "attention_weights", weights)
+
+  def _decode_start(self):
+    """The position of the next cached token (checked to exist)."""
     if self.cached_key is None:
       raise ValueError("decode=True needs a KV cache: call init_cache(input_shape) first")
     return self.cache_index[...]
 
-  def _decode_step(self, query_THK, key_SGK, value_SGV, mask, options):
+  def _decode_step(self, query_THK, key_SGK, value_SGV, mask, **options):
     """flax's decode convention: the T new tokens appended to the `nnx.Cache` variables at
     the cache index, attending to what is cached."""
-    cur = self._cache_index(decode=True)
+    cur = self._decode_start()
     cache_SGK, cache_SGV = self.cached_key[...], self.cached_value[...]
     *batch, max_len, g, _ = cache_SGK.shape
     new_len = key_SGK.shape[-3]
@@ -291,8 +270,7 @@ class MultiHeadAttention(nnx.Module):
         raise TypeError(f"decode step: {name} are {new.dtype} but init_cache made a "
                         f"{cache.dtype} cache: pass init_cache(..., dtype={new.dtype})")
     out_THV, cache_SGK, cache_SGV = _attend.flax_decode_step(
-        query_THK, key_SGK, value_SGV, cache_SGK, cache_SGV, cur, mask,
-        window=self.local_window_size, sink_tokens=self.sink_tokens, **options)
+        query_THK, key_SGK, value_SGV, cache_SGK, cache_SGV, cur, mask, **options)
     _set(self.cached_key, cache_SGK)
     _set(self.cached_value, cache_SGV)
     _set(self.cache_index, cur + new_len)

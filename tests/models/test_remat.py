@@ -106,3 +106,13 @@ def test_remat_implementation_equals_the_plain_call(rng, implementation):
 def test_bad_remat_values_raise_naming_the_argument(make, value, error, message):
   with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
     make(value)
+
+
+def test_policy_helpers_apply_only_their_own_policy():
+  """The one reading of `remat` both models use (values: the test above)."""
+  assert remat.attention_implementation("none", "xla") == "xla"
+  assert remat.attention_implementation("layer", "xla") == "xla"
+  assert remat.attention_implementation("attention", "xla").__name__ == "remat_xla"
+  assert remat.layer_class("none", DecoderLM, (1,)) is DecoderLM
+  assert remat.layer_class("attention", DecoderLM, (1,)) is DecoderLM
+  assert remat.layer_class("layer", DecoderLM, (1,)) is not DecoderLM

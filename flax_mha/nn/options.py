@@ -1,0 +1,81 @@
+"""`AttentionOptions`: a layer's own attention options, one frozen record.
+
+The linen and NNX modules take it as one attribute, `attention_options=`, and hand it to the
+shared forward (`flax_mha.nn._attend.forward`), which passes its fields to
+`flax_mha.dot_product_attention` by name. A new option is a new field here: a field named as one of
+the pure function's keyword options (`flax_mha._options.OPTIONS`) reaches every call path, plain,
+`cache=` and `decode`, with no other change.
+
+The modules' older per-option attributes (`logit_soft_cap=...`) are kept as aliases of the
+first fields (ALIASES): `AttentionOptions.resolve` turns either spelling into the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax_mha import _options
+from flax_mha import checks
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+  """A layer's static attention options, checked at construction.
+
+  Attributes:
+    logit_soft_cap: None, or a cap > 0: logits become cap·tanh(logits / cap) (Gemma 2).
+    local_window_size: None, an int w or a (left, right) pair of ints >= 0 (stored as the
+      pair): query at position i sees keys at positions i - left .. i + right. Without a cache
+      it needs T == S; when decoding the positions are absolute cache positions.
+    sink_tokens: int >= 0, with a window: the first `sink_tokens` positions stay visible to every
+      query (StreamingLLM), and a rolling cache keeps them.
+    rotary_max_wavelength: None for no rotary embedding, else the RoPE base (e.g. 10_000.0):
+      projected queries and keys are rotated by `flax_mha.apply_rotary` at their positions before
+      the cache write. Needs an even qk head dim K.
+    learned_sinks: a learned sink logit per query head (param 'sinks' [H], zeros at init) that
+      joins every row's softmax without a value (gpt-oss).
+  """
+  logit_soft_cap: float | None = None
+  local_window_size: int | tuple[int, int] | None = None
+  sink_tokens: int = 0
+  rotary_max_wavelength: float | None = None
+  learned_sinks: bool = False
+
+  def __post_init__(self):
+    checks.check_positive_real("logit_soft_cap", self.logit_soft_cap, optional=True)
+    object.__setattr__(self, "local_window_size",
+                       checks.check_window("local_window_size", self.local_window_size))
+    checks.check_int("sink_tokens", self.sink_tokens, lowest=0)
+    checks.check_positive_real("rotary_max_wavelength", self.rotary_max_wavelength,
+                               optional=True)
+    if not isinstance(self.learned_sinks, bool):
+      raise TypeError(f"learned_sinks must be a bool, got {type(self.learned_sinks).__name__}")
+
+  def keywords(self) -> dict:
+    """The fields that are `dot_product_attention` keyword options, by name, except the window
+    and sink tokens (the cache paths place those themselves)."""
+    return {name: getattr(self, name) for name in _FIELDS
+            if name in _options.OPTIONS and name not in ("local_window_size", "sink_tokens")}
+
+  @classmethod
+  def resolve(cls, record: "AttentionOptions | None", **aliases) -> "AttentionOptions":
+    """The record a module runs with: `record`, or one built from the alias attributes (the
+    names in ALIASES). Giving both, with an alias off its default, is an error."""
+    if record is None:
+      return cls(**aliases)
+    if not isinstance(record, cls):
+      raise TypeError(f"attention_options must be a flax_mha.AttentionOptions, got "
+                      f"{type(record).__name__}")
+    changed = sorted(name for name, value in aliases.items() if value != _DEFAULTS[name])
+    if changed:
+      raise ValueError(f"{changed} given as attributes and attention_options given too: pass "
+                       "them in attention_options only")
+    return record
+
+
+_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionOptions))
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(AttentionOptions)}
+# The modules' older per-option attributes: aliases of these fields, kept for existing code.
+# New options are fields only, reached through `attention_options=`.
+ALIASES = ("logit_soft_cap", "local_window_size", "sink_tokens", "rotary_max_wavelength",
+           "learned_sinks")
