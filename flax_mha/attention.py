@@ -267,7 +267,7 @@ def _as_is(name, fn):
 def _per_platform(picks: dict, wrap, query, key, value, bias, mask, *, dropout_rng, mods=None,
                   **static):
   """The implementation picks[platform] (through `wrap`) for the platform the program is
-  lowered for (any other platform: the 'tpu' pick, the generic accelerator's): one branch
+  lowered for (any other platform: the 'rocm' pick, the generic accelerator's): one branch
   survives each lowering."""
   def branch(name):
     def run(query, key, value, bias, mask, dropout_rng, mods):
@@ -277,7 +277,7 @@ def _per_platform(picks: dict, wrap, query, key, value, bias, mask, *, dropout_r
     return run
   branches = {name: branch(name) for name in set(picks.values())}
   return lax.platform_dependent(query, key, value, bias, mask, dropout_rng, mods,
-                                default=branches[picks["tpu"]],
+                                default=branches[picks["rocm"]],
                                 **{platform: branches[name] for platform, name in picks.items()})
 
 

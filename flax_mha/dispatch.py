@@ -31,8 +31,10 @@ On CPU (each threshold a crossover measured on a 2-core CPU, float32, forward+ba
      only indices) leave chunked at most SPARSE_VISITED of its tiles. Segment ids, lengths
      and positions are data: how much they hide is unknown at trace time, so they move
      nothing.
-On GPU and TPU (none measured here): "cudnn" on 'cuda' where it applies; otherwise, like
-jax.nn's own default, the plain XLA graph while the B·H·T·S logits fit
+On GPU and TPU (none measured here): "cudnn" on 'cuda' where it applies, "splash" (JAX's
+Pallas splash attention) on 'tpu' wherever it takes the call (no bias, dense mask, dropout,
+score_mod, positions or mask_mod over the batch or arrays; float32 or bfloat16); otherwise,
+like jax.nn's own default, the plain XLA graph while the B·H·T·S logits fit
 ACCELERATOR_MAX_LOGITS, and "chunked" beyond (memory linear in S). "rows" sizes its tiles for a
 CPU cache and "decode" its loop for CPU cores: neither is picked there.
 Every choice computes the same function (`flax_mha.kernels.reference`).
@@ -137,6 +139,11 @@ def choose(call: registry.Call) -> Choice:
   if registry.get("cudnn").refuses(call) is None:
     return Choice("cudnn", "cuDNN flash attention applies (16-bit, no dropout, K == V <= 128, "
                            "no mask/score terms)")
+  if registry.get("splash").refuses(call) is None:
+    return Choice("splash", "on 'tpu' JAX's splash attention (Pallas) takes every call it "
+                            "can: its static masks (causality, windows, index-only mask_mods) "
+                            "skip the blocks they hide, segment ids and lengths mask in the "
+                            "kernel, memory linear in S")
   b, t, h, k, s = (call.dims[d] for d in "BTHKS")
   platform, mods, is_causal, dropout_rate = (call.platform, call.mods, call.is_causal,
                                              call.dropout_rate)

@@ -106,8 +106,14 @@ def test_platforms():
   q, k, v = shapes(640, dtype=jnp.bfloat16)
   assert flax_mha.explain(q, k, v, platform="cpu").implementation == "rows"
   tpu = flax_mha.explain(q, k, v, platform="tpu")
-  assert tpu.implementation == "xla" and "ACCELERATOR_MAX_LOGITS" in tpu.reason
+  assert tpu.implementation == "splash" and "splash attention" in tpu.reason
   assert "not 'tpu'" in tpu.alternatives["cudnn"]
+  assert "not 'cpu'" in flax_mha.explain(q, k, v, platform="cpu").alternatives["splash"]
+  # What splash refuses on 'tpu' (a bias) goes to the plain graph, and explain says why.
+  bias = jax.ShapeDtypeStruct((1, 1, 640, 640), jnp.bfloat16)
+  tpu_bias = flax_mha.explain(q, k, v, bias, platform="tpu")
+  assert tpu_bias.implementation == "xla" and "ACCELERATOR_MAX_LOGITS" in tpu_bias.reason
+  assert tpu_bias.alternatives["splash"] == "refuses: splash takes no bias"
   cuda = flax_mha.explain(q, k, v, platform="cuda")
   if ON_GPU:
     assert cuda.implementation == "cudnn"
@@ -119,7 +125,8 @@ def test_platforms():
     f32 = shapes(640)
     assert "cuDNN would" not in flax_mha.explain(*f32, platform="cuda").reason
   big = shapes(8192, b=8, h=8, g=8)
-  assert flax_mha.explain(*big, is_causal=True, platform="tpu").implementation == "chunked"
+  assert flax_mha.explain(*big, is_causal=True, platform="rocm").implementation == "chunked"
+  assert flax_mha.explain(*big, is_causal=True, platform="tpu").implementation == "splash"
   # Decode shapes: the CPU's split-key loop there, the plain graph on an accelerator.
   cache = shapes(1, 8192)
   assert flax_mha.explain(*cache, platform="cpu").implementation == "decode"

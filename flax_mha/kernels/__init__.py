@@ -14,6 +14,9 @@ oracle:
   rows       blocks of query rows with an exact softmax and its own backward: the fast CPU
              path for bias, mask, causality and windows
   cudnn      cuDNN flash attention on NVIDIA GPUs (16-bit)
+  splash     JAX's splash attention on TPUs (Pallas): static masks as block sparsity,
+             segment ids, lengths, soft cap, sinks; `make_attention(interpret=True)` runs it
+             on any platform (the tests' CPU check)
   decode     a few queries over a long cache: keys split, merged by log-sum-exp
   ring       (seq_parallel) sequence-parallel over the context mesh's 'seq' axis; other
              strategies (all-gather, Ulysses) through `flax_mha.sequence_parallel_implementation`
@@ -31,7 +34,8 @@ from flax_mha.kernels import xla
 from flax_mha.kernels import chunked
 from flax_mha.kernels import rows
 from flax_mha.kernels import cudnn
+from flax_mha.kernels import splash
 from flax_mha.kernels import decode
 from flax_mha.kernels import seq_parallel
 
-__all__ = ["registry", "reference", "xla", "chunked", "rows", "cudnn", "decode", "seq_parallel"]
+__all__ = ["registry", "reference", "xla", "chunked", "rows", "cudnn", "splash", "decode", "seq_parallel"]

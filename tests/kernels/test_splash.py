@@ -1,0 +1,174 @@
+"""Splash attention (`flax_mha.kernels.splash`) without a TPU: every option it maps, forward and
+gradient, in Pallas interpret mode against the oracle; what it refuses, by name; and the Pallas
+kernel in what `implementation=None` exports for 'tpu' from this CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_mha
+from flax_mha.kernels import splash
+from conftest import output_and_grads
+
+B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
+# Interpret mode takes query blocks of 8 (splash's key blocks stay 128): the smallest shapes.
+INTERPRETED = splash.make_attention(interpret=True, block_q=8)
+SEG_Q = jnp.asarray([[0, 0, 1, 1, 1, 2, 2], [3, 3, 3, 3, 5, 5, 5]])
+SEG_KV = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1, 9, 9, 9], [3, 3, 3, 3, 3, 3, 3, 4, 4, 4, 4]])
+SINKS = jnp.asarray([0.5, -1.0, 2.0, 0.0, 1.0, -3.0])
+# name -> (S, options): T == S where a window needs it. Lengths of 0 and the mask_mod's row 4
+# leave rows that see nothing.
+OPTIONS = {
+    "plain": (S, {}),
+    "causal": (S, dict(is_causal=True)),
+    "window": (T, dict(local_window_size=(2, 1))),
+    "window_sink_tokens_causal": (T, dict(local_window_size=(1, 0), sink_tokens=2,
+                                          is_causal=True)),
+    "segment_ids": (S, dict(q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV)),
+    "lengths": (S, dict(query_seq_lengths=jnp.asarray([5, 7]),
+                        key_value_seq_lengths=jnp.asarray([3, 0]))),
+    "soft_cap": (S, dict(logit_soft_cap=0.5, is_causal=True)),
+    "sinks": (S, dict(sinks=SINKS, query_seq_lengths=jnp.asarray([5, 7]))),
+    "mask_mod": (S, dict(mask_mod=lambda b, h, q, kv: ((q + kv + h) % 3 != 1) & (q != 4))),
+}
+
+
+def _inputs(s, dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  shapes = ((B, T, H, K), (B, s, G, K), (B, s, G, V))
+  return [jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes]
+
+
+def _attention(implementation, return_residual, options):
+  """(q, k, v[, sinks]) -> out (and lse), through dot_product_attention."""
+  def fn(q, k, v, sinks=None):
+    extra = {} if sinks is None else dict(sinks=sinks)
+    return flax_mha.dot_product_attention(q, k, v, implementation=implementation,
+                                          return_residual=return_residual, **options, **extra)
+  return fn
+
+
+@pytest.mark.integration  # each case compiles splash's three Pallas kernels: 3-9 s
+@pytest.mark.parametrize("return_residual", [False, True])
+@pytest.mark.parametrize("name", OPTIONS)
+def test_interpreted_matches_oracle(name, return_residual):
+  """Values, the lse and the gradients of q, k, v (and sinks) against the oracle."""
+  s, options = OPTIONS[name]
+  options = dict(options)
+  args = _inputs(s)
+  if "sinks" in options:
+    args.append(options.pop("sinks"))
+  reduce = (lambda r: jnp.sin(r[0])) if return_residual else jnp.sin
+  got = output_and_grads(_attention(INTERPRETED, return_residual, options), *args,
+                         reduce=reduce)
+  want = output_and_grads(_attention("reference", return_residual, options), *args,
+                          reduce=reduce, jit=False)
+  chex.assert_trees_all_close(got, want, atol=5e-6, rtol=5e-6)
+
+
+@pytest.mark.integration
+def test_interpreted_bfloat16_matches_oracle():
+  """bfloat16 inputs, GQA, segment ids and causality: values and gradients to bf16 accuracy."""
+  options = dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV)
+  args = _inputs(S, jnp.bfloat16, seed=1)
+  got = output_and_grads(_attention(INTERPRETED, False, options), *args)
+  want = output_and_grads(_attention("reference", False, options), *args, jit=False)
+  chex.assert_trees_all_close(jax.tree.map(lambda x: x.astype(jnp.float32), got),
+                              jax.tree.map(lambda x: x.astype(jnp.float32), want),
+                              atol=3e-2, rtol=3e-2)
+
+
+def test_a_row_that_sees_nothing_is_zero_with_lowest_lse():
+  """Key lengths of 0 hide every key of the second example: output 0, lse finfo.min (splash
+  alone gives such rows the mean of V). One compile, forward only."""
+  q, k, v = _inputs(S)
+  out, lse = jax.jit(_attention(INTERPRETED, True, dict(
+      key_value_seq_lengths=jnp.asarray([S, 0]))))(q, k, v)
+  np.testing.assert_array_equal(out[1], 0.0)
+  np.testing.assert_array_equal(lse[1], jnp.finfo(jnp.float32).min)
+  assert np.all(np.abs(out[0]) > 0)
+
+
+def test_kernels_are_built_once_per_static_shape():
+  """The splash masks (block sparsity) are built once per static configuration: a second trace
+  of the same shapes, with the mask_mod traced anew, builds nothing."""
+  q, k, v = _inputs(S)
+  options = dict(mask_mod=lambda b, h, q, kv: (q + kv) % 2 == 0)
+  jax.eval_shape(_attention(INTERPRETED, False, options), q, k, v)
+  built = len(splash._KERNELS)  # pylint: disable=protected-access
+  options = dict(mask_mod=lambda b, h, q, kv: (q + kv) % 2 == 0)
+  jax.eval_shape(_attention(INTERPRETED, False, options), q, k, v)
+  assert len(splash._KERNELS) == built  # pylint: disable=protected-access
+
+
+def _shapes(dtype=jnp.float32, s=T):
+  return (jax.ShapeDtypeStruct((B, T, H, K), dtype), jax.ShapeDtypeStruct((B, s, G, K), dtype),
+          jax.ShapeDtypeStruct((B, s, G, V), dtype))
+
+
+TABLE = jnp.asarray(np.arange(T) % 3)  # closed over by a mask_mod: an array, not an index
+REFUSED = {
+    "a bias": (dict(bias=jax.ShapeDtypeStruct((1, H, T, T), jnp.float32)), "no bias"),
+    "a mask": (dict(mask=jax.ShapeDtypeStruct((1, 1, T, T), jnp.bool_)), "no dense mask"),
+    "dropout": (dict(dropout_rate=0.1), "no dropout"),
+    "score_mod": (dict(score_mod=lambda s, b, h, q, kv: s * 2), "no score_mod"),
+    "positions": (dict(q_positions=jnp.zeros((B, T), jnp.int32),
+                       kv_positions=jnp.zeros((B, T), jnp.int32)), "no positions"),
+    "mask_mod over b": (dict(mask_mod=lambda b, h, q, kv: b == q), "not the batch index"),
+    "mask_mod over an array": (dict(mask_mod=lambda b, h, q, kv: TABLE[q] > kv),
+                               "not one over arrays"),
+}
+
+
+@pytest.mark.parametrize("what", REFUSED)
+def test_refuses_by_name_and_explain_says_so(what):
+  options, reason = REFUSED[what]
+  said = flax_mha.explain(*_shapes(), platform="tpu", **options)
+  assert said.implementation != "splash" and reason in said.alternatives["splash"]
+  arrays = [jnp.zeros(x.shape, x.dtype) for x in _shapes()]
+  options = {name: (jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x)
+             for name, x in options.items()}
+  if "dropout_rate" in options:
+    options["dropout_rng"] = jax.random.key(0)
+  with pytest.raises(ValueError, match=f"implementation='splash' cannot run: .*{reason}"):
+    jax.eval_shape(functools.partial(flax_mha.dot_product_attention, implementation=INTERPRETED,
+                                     **options), *arrays)
+
+
+def test_refuses_other_platforms_and_dtypes():
+  assert "TPU kernel (platform 'tpu'), not 'cpu'" in flax_mha.explain(
+      *_shapes(), platform="cpu").alternatives["splash"]
+  said = flax_mha.explain(*_shapes(jnp.float16), platform="tpu")
+  assert "float32 or bfloat16, got float16" in said.alternatives["splash"]
+
+
+# Every option splash maps, exported through implementation=None for 'tpu' from this CPU.
+EXPORTED = {name: options for name, (s, options) in OPTIONS.items() if s == T}
+EXPORTED |= {"segment_ids": dict(q_segment_ids=SEG_Q), "soft_cap": OPTIONS["soft_cap"][1],
+             "lengths": dict(query_seq_lengths=jnp.asarray([5, 7]),
+                             key_value_seq_lengths=jnp.asarray([3, 0])),
+             "sinks": dict(sinks=SINKS, is_causal=True), "plain": {}, "causal": dict(is_causal=True),
+             "mask_mod": OPTIONS["mask_mod"][1], "bfloat16_causal": dict(is_causal=True)}
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_none_exports_the_pallas_kernel_for_tpu(name):
+  """Forward and backward through None lowered for 'tpu': splash's Pallas kernels (their TPU
+  custom calls), and explain names splash there."""
+  options = EXPORTED[name]
+  dtype = jnp.bfloat16 if name.startswith("bfloat16") else jnp.float32
+  assert flax_mha.explain(*_shapes(dtype), platform="tpu", **options).implementation == "splash"
+
+  def loss(q, k, v):
+    out = flax_mha.dot_product_attention(q, k, v, **options)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  module = jax.export.export(fn, platforms=("tpu",))(*_shapes(dtype)).mlir_module()
+  assert module.count("tpu_custom_call") >= 3  # forward, dq, dkv
