@@ -3,8 +3,9 @@
 The linen and NNX modules take it as one attribute, `attention_options=`, and hand it to the
 shared forward (`flax_mha.nn._attend.forward`), which passes its fields to
 `flax_mha.dot_product_attention` by name. A new option is a new field here: a field named as one of
-the pure function's keyword options (`flax_mha._options.OPTIONS`) reaches every call path, plain,
-`cache=` and `decode`, with no other change.
+the pure function's keyword options (`flax_mha._options.OPTIONS`) reaches the plain call with no
+other change (the `cache=` and `decode` paths pass the fields on too, but each option there is
+only as tested as its own cache tests).
 
 The modules' older per-option attributes (`logit_soft_cap=...`) are kept as aliases of the
 first fields (ALIASES): `AttentionOptions.resolve` turns either spelling into the record.
