@@ -127,11 +127,15 @@ def np_mha(params, xq, xk=None, xv=None, *, mask=None, bias=None, is_causal=Fals
   return (out, weights) if return_weights else out
 
 
-def grid(keep, *axes):
+def grid(keep, *axes, later=lambda *combination: False):
   """Every combination of the axes as pytest params, those `keep(*combination)` rejects marked
-  slow: the default run covers each value of each axis, `make test-slow` the full product."""
-  return [pytest.param(*combo, marks=[] if keep(*combo) else [pytest.mark.slow])
-          for combo in itertools.product(*axes)]
+  slow: the default run covers each value of each axis, `make test-slow` the full product. Kept
+  combinations that `later` accepts run in the integration part (CI) rather than the unit suite."""
+  def marks(combo):
+    if not keep(*combo):
+      return [pytest.mark.slow]
+    return [pytest.mark.integration] if later(*combo) else []
+  return [pytest.param(*combo, marks=marks(combo)) for combo in itertools.product(*axes)]
 
 
 def randn(rng: np.random.Generator, *shape, dtype=np.float32):

@@ -19,6 +19,8 @@ from absl import flags  # noqa: E402  (tokamax reads absl flags; pytest's argv i
 if not flags.FLAGS.is_parsed():
   flags.FLAGS(["pytest"])
 
+# A peer's parity, compiling both systems' programs: in the integration part.
+pytestmark = pytest.mark.integration
 B, T, H, G, K, V = 2, 24, 4, 2, 8, 8
 LENGTHS = dict(query_seq_lengths=jnp.array([24, 13]), key_value_seq_lengths=jnp.array([20, 9]))
 CASES = {

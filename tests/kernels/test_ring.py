@@ -38,6 +38,7 @@ def test_every_strategy_and_layout_matches_single_device_on_8_devices():
   assert len(pairs) == 9 and len(names) == 21, names
 
 
+@pytest.mark.integration  # sequence parallelism on a mesh: shard_map compiles
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_one_device_ring_is_plain_attention(rng, is_causal):
   q, k, v = qkv(rng)
@@ -45,6 +46,7 @@ def test_one_device_ring_is_plain_attention(rng, is_causal):
   np.testing.assert_allclose(out, np_attention(q, k, v, is_causal=is_causal), atol=1e-5)
 
 
+@pytest.mark.integration  # sequence parallelism on a mesh: shard_map compiles
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 def test_keyword_options_as_in_dot_product_attention(rng, strategy):
   """The strategies take dot_product_attention's keyword options (built into mods the same
@@ -76,6 +78,7 @@ def test_float64_in_float64_accuracy_out(rng):
     np.testing.assert_allclose(grad, want, atol=1e-12)
 
 
+@pytest.mark.integration  # sequence parallelism on a mesh: shard_map compiles
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_one_device_mesh_of_either_axis_type(rng, axis_type):
   """Regression: `jax.make_mesh` meshes are Explicit by default, and shard_map rejected them."""
@@ -127,6 +130,7 @@ def test_rejects_axes_that_do_not_divide(kwargs, match):
     ring_attention(q, k, k, mesh=mesh, **kwargs)
 
 
+@pytest.mark.integration  # sequence parallelism on a mesh: shard_map compiles
 def test_ring_implementation_on_a_one_device_mesh(rng):
   """Needs the core's `implementation=<callable>` (flax_mha.attention)."""
   q, k, v = qkv(rng)
@@ -147,6 +151,7 @@ def test_ring_implementation_says_what_it_needs():
                                      implementation=ring_implementation)
 
 
+@pytest.mark.integration  # sequence parallelism on a mesh: shard_map compiles
 def test_ring_callable_without_the_dispatcher(rng):
   """The callable itself, as the dispatcher calls it (rank-4 mask); runs before the core change."""
   q, k, v = qkv(rng)
@@ -163,6 +168,7 @@ def test_ring_callable_without_the_dispatcher(rng):
     dict(mask_mod=lambda b, h, q, kv: (q - kv) % 3 == 0),
     dict(score_mod=lambda s, b, h, q, kv: s - 0.1 * jnp.abs(q - kv))],
     ids=["window", "soft_cap", "mask_mod", "score_mod"])
+@pytest.mark.integration  # sequence parallelism on a mesh: shard_map compiles
 def test_ring_takes_index_only_mods(rng, kwargs):
   q, k, v = qkv(rng, t=8, s=8)
   attend = lambda impl: lambda q: flax_mha.dot_product_attention(q, k, v, implementation=impl,
@@ -174,6 +180,7 @@ def test_ring_takes_index_only_mods(rng, kwargs):
   np.testing.assert_allclose(got_grad, want_grad, atol=1e-5)
 
 
+@pytest.mark.integration  # sequence parallelism on a mesh: shard_map compiles
 def test_ring_takes_segment_ids_and_lengths(rng):
   """Terms holding arrays: the key side's travel with their shard."""
   q, k, v = qkv(rng, t=8, s=8)

@@ -75,6 +75,7 @@ def sequence_scores(cfg, params, src_row, seqs, alpha):
   return (lp * valid).sum(1) / length_penalty(lengths, alpha)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_equals_cache_free_greedy(seed):
   cfg, params, src = make(seed=seed)
@@ -103,6 +104,7 @@ def make_eos_prone(step=3, seed=1):
   return cfg, params, src
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_pad_after_eos(search):
   """Regression: the old test checked greedy only, and only rows that happened to emit eos
@@ -129,6 +131,7 @@ def test_beam_of_one_is_greedy():
                                 greedy_decode(Transformer(cfg), params, src, max_len=8))
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_wide_beam_finds_the_exhaustive_best():
   """With a beam as wide as the search space, beam search is exact."""
   vocab, max_len, alpha = 5, 3, 0.6  # 5**3 sequences: few enough to enumerate
@@ -142,6 +145,7 @@ def test_wide_beam_finds_the_exhaustive_best():
     np.testing.assert_allclose(got, best, rtol=1e-5)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_beam_beats_or_ties_greedy_on_score():
   cfg, params, src = make(seed=2)
   alpha = 0.6

@@ -56,6 +56,7 @@ LENGTHS = np.array([6, 2, 4])
 @pytest.mark.parametrize("kwargs", [dict(), dict(learned_sinks=True, sink_tokens=1),
                                     dict(local_window=None, normalize_qk=True)],
                          ids=["rotary_gqa_window_soft_cap", "sinks", "global_normalize_qk"])
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_lm_cached_greedy_equals_recompute_for_prompts_of_different_lengths(kwargs):
   model, params = _lm(**kwargs)
   got = decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=7)
@@ -85,6 +86,7 @@ def test_an_nnx_lm_decodes_as_recompute_and_as_its_linen_twin():
     decoding.generate(nnx_lm, params, (PROMPTS,), PROMPTS, max_new_tokens=2)
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_lm_beam_search_equals_exhaustive_search():
   model, params = _lm()
   prompt, n, alpha = PROMPTS[:1, :3], 3, 0.6
@@ -132,6 +134,7 @@ def test_sampled_frequencies_match_the_softmax():
   assert freq[3:].sum() == 0
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_stop_tokens_end_a_row_and_pad_follows():
   model, params = _lm()
   free = np.asarray(decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS,

@@ -241,6 +241,7 @@ def test_dropout_on_weights_per_rng(make_attention, rng):
       out1, np.einsum("bthv,hvd->btd", out_BTHV, p["out"]["kernel"]) + p["out"]["bias"], **TOL)
 
 
+@pytest.mark.integration  # decoding a sequence step by step: one compile per step shape
 @pytest.mark.parametrize("g", [G, 1])  # G = H: test_decode_equals_flax
 def test_decode_equals_recompute(make_attention, rng, g):
   attn, params = make_attention(**{**GQA_KW, "num_kv_heads": g})
@@ -323,6 +324,7 @@ def test_cross_segment_ids(make_attention, rng):
   np.testing.assert_allclose(weights, want_weights, **TOL)
 
 
+@pytest.mark.integration  # decoding a sequence step by step: one compile per step shape
 @pytest.mark.parametrize("g", [G, 1])
 def test_modern_decode_equals_recompute(make_attention, rng, g):
   """Rotary at cache_index + arange(T), the window at absolute cache positions, GQA."""
