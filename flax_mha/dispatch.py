@@ -33,7 +33,12 @@ On CPU (each threshold a crossover measured on a 2-core CPU, float32, forward+ba
      nothing.
 On GPU and TPU (none measured here): "cudnn" on 'cuda' where it applies, "splash" (JAX's
 Pallas splash attention) on 'tpu' wherever it takes the call (no bias, dense mask, dropout,
-score_mod, positions or mask_mod over the batch or arrays; float32 or bfloat16); otherwise,
+score_mod, positions or mask_mod over the batch or arrays; float32 or bfloat16) in a process
+that has a TPU: like cuDNN, which only a process with a GPU can trace, splash is not staged
+from a process without one, because `lax.platform_dependent` traces every platform's branch
+and splash builds its masks' block tables in NumPy while tracing (O(T·S) per static shape),
+which every CPU call would pay for a branch it never runs (`implementation="splash"` exports
+it for 'tpu' from anywhere); otherwise,
 like jax.nn's own default, the plain XLA graph while the B·H·T·S logits fit
 ACCELERATOR_MAX_LOGITS, and "chunked" beyond (memory linear in S). "rows" sizes its tiles for a
 CPU cache and "decode" its loop for CPU cores: neither is picked there.

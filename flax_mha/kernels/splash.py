@@ -42,6 +42,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 
 from flax_mha import mods as mods_lib
+from flax_mha.kernels import _shared
 from flax_mha.kernels import registry
 
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -86,10 +87,18 @@ def _terms_reason(mods) -> str | None:
 
 
 def refuses(call: registry.Call) -> str | None:
-  """The registry's question: why the TPU kernel cannot run `call` on its platform."""
+  """The registry's question: why the TPU kernel cannot run `call` on its platform. On 'tpu'
+  from a process without a TPU it refuses too (see the module docstring), so that None never
+  stages it there: `implementation="splash"` still exports it for 'tpu' from any process."""
   if call.platform != "tpu":
     return f"splash attention is a TPU kernel (platform 'tpu'), not {call.platform!r}"
-  return options_reason(call)
+  reason = options_reason(call)
+  if reason is None and not _shared.has_platform("tpu"):
+    reason = ("this process has no TPU: None stages splash only where one is, since its masks' "
+              "block tables are built in NumPy while tracing (O(T·S) work per static shape, "
+              "paid by every platform the call is staged for); name implementation='splash' "
+              "to export it for 'tpu' from here")
+  return reason
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -148,7 +148,8 @@ def test_refuses_other_platforms_and_dtypes():
   assert "float32 or bfloat16, got float16" in said.alternatives["splash"]
 
 
-# Every option splash maps, exported through implementation=None for 'tpu' from this CPU.
+# Every option splash maps, exported by name for 'tpu' from this CPU (None stages splash only in
+# a process with a TPU: test_none_does_not_stage_splash_without_a_tpu).
 EXPORTED = {name: options for name, (s, options) in OPTIONS.items() if s == T}
 EXPORTED |= {"segment_ids": dict(q_segment_ids=SEG_Q), "soft_cap": OPTIONS["soft_cap"][1],
              "lengths": dict(query_seq_lengths=jnp.asarray([5, 7]),
@@ -158,17 +159,30 @@ EXPORTED |= {"segment_ids": dict(q_segment_ids=SEG_Q), "soft_cap": OPTIONS["soft
 
 
 @pytest.mark.parametrize("name", EXPORTED)
-def test_none_exports_the_pallas_kernel_for_tpu(name):
-  """Forward and backward through None lowered for 'tpu': splash's Pallas kernels (their TPU
-  custom calls), and explain names splash there."""
+def test_named_splash_exports_the_pallas_kernel_for_tpu(name):
+  """Forward and backward of implementation='splash' lowered for 'tpu': splash's Pallas
+  kernels (their TPU custom calls); explain says it takes the options there, bar the TPU."""
   options = EXPORTED[name]
   dtype = jnp.bfloat16 if name.startswith("bfloat16") else jnp.float32
-  assert flax_mha.explain(*_shapes(dtype), platform="tpu", **options).implementation == "splash"
+  said = flax_mha.explain(*_shapes(dtype), platform="tpu", **options).alternatives["splash"]
+  assert said.startswith("refuses: this process has no TPU"), said
 
   def loss(q, k, v):
-    out = flax_mha.dot_product_attention(q, k, v, **options)
+    out = flax_mha.dot_product_attention(q, k, v, implementation="splash", **options)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   module = jax.export.export(fn, platforms=("tpu",))(*_shapes(dtype)).mlir_module()
   assert module.count("tpu_custom_call") >= 3  # forward, dq, dkv
+
+
+def test_none_does_not_stage_splash_without_a_tpu():
+  """A CPU process traces every platform's branch of None: splash, whose masks are processed
+  in NumPy while tracing, is left out of them (the 'tpu' branch is xla/chunked here)."""
+  options = EXPORTED["mask_mod"]
+
+  def loss(q, k, v):
+    return jnp.sum(flax_mha.dot_product_attention(q, k, v, **options) ** 2)
+
+  module = jax.export.export(jax.jit(loss), platforms=("tpu",))(*_shapes(jnp.float32))
+  assert "tpu_custom_call" not in module.mlir_module()
