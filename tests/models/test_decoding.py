@@ -125,6 +125,7 @@ def test_pad_after_eos(search):
       np.testing.assert_array_equal(row[i + 1:], cfg.pad_id, err_msg=str(row))
 
 
+@pytest.mark.integration  # a whole model end to end: seconds of compiles
 def test_beam_of_one_is_greedy():
   cfg, params, src = make()
   np.testing.assert_array_equal(beam_search(cfg, params, src, max_len=8, beam_size=1),
