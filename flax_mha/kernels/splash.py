@@ -56,6 +56,9 @@ def options_reason(call: registry.Call) -> str | None:
   """Why splash cannot take `call`'s options on any platform (None: it can)."""
   if call.query.dtype not in DTYPES:
     return f"splash takes float32 or bfloat16, got {call.query.dtype}"
+  if jax.config.jax_enable_x64:
+    return ("splash does not trace under jax_enable_x64 (its GQA index maps divide int32 block "
+            "indices by Python ints, which x64 makes int64)")
   if call.bias is not None:
     return "splash takes no bias"
   if call.mask is not None:

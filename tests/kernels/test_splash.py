@@ -186,3 +186,15 @@ def test_none_does_not_stage_splash_without_a_tpu():
 
   module = jax.export.export(jax.jit(loss), platforms=("tpu",))(*_shapes(jnp.float32))
   assert "tpu_custom_call" not in module.mlir_module()
+
+
+def test_refuses_x64_mode_by_name():
+  """Under jax_enable_x64 jax's splash kernel fails to trace (int64 Python ints in its index
+  maps): refused by name, float32 inputs and all."""
+  q, k, v = _shapes(jnp.float32)
+  with jax.enable_x64(True):
+    said = flax_mha.explain(q, k, v, platform="tpu").alternatives["splash"]
+    assert "jax_enable_x64" in said
+    with pytest.raises(ValueError, match="splash does not trace under jax_enable_x64"):
+      jax.eval_shape(lambda q, k, v: flax_mha.dot_product_attention(
+          q, k, v, implementation="splash"), q, k, v)
