@@ -114,7 +114,32 @@ class Block(nn.Module):
     return x + drop(h) if cache is None else (x + drop(h), cache)
 
 
-class DecoderLM(nn.Module):
+class Decodable:
+  """The decoding contract (`flax_mha.models.decoding`) that both DecoderLMs, linen's and
+  NNX's, keep with the same three methods: `self(tokens, segment_ids, positions, cache=...)`
+  and `self.config` are all they read. (Plain methods: linen leaves them unwrapped, and they
+  touch no variable but through the wrapped `__call__`.)"""
+
+  def logits(self, tokens, cache, positions=None):
+    """(logits [B, T, C], cache) of T new tokens per row, one document per row (see `DecoderLM`)."""
+    if positions is None:
+      positions = cache_lib.next_positions(cache[0], tokens.shape[1])
+    return self(tokens, None, positions, cache=cache)
+
+  def init_cache(self, tokens, max_length: int, dtype=None):
+    """Empty caches, one per layer, for a batch like `tokens` [B, ...] and sequences of up to
+    `max_length` tokens (a local layer's cache keeps only its window and sink tokens)."""
+    return kv_caches(self.config, tokens.shape[0], max_length, dtype)
+
+  def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int,
+                       pages_per_row: int, dtype=None):
+    """Caches for serving (`flax_mha.models.serving`): the global layers' keys and values in a
+    pool of `num_pages` pages of `page_size` tokens (each row owning up to `pages_per_row`,
+    assigned by the host), the local layers' in rolling caches of their window."""
+    return paged_caches(self.config, batch_size, num_pages, page_size, pages_per_row, dtype)
+
+
+class DecoderLM(Decodable, nn.Module):
   """`__call__(tokens [B, L], segment_ids [B, L], positions [B, L]) -> logits [B, L, C]`.
 
   segment_ids: int, 0 for padding; tokens attend causally within their own segment. Default
@@ -169,24 +194,6 @@ class DecoderLM(nn.Module):
     logits_BLC = (embed.attend(x) / jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))).astype(
         jnp.float32)
     return logits_BLC if cache is None else (logits_BLC, tuple(caches))
-
-  def logits(self, tokens, cache, positions=None):
-    """(logits [B, T, C], cache) of T new tokens per row, one document per row (see above)."""
-    if positions is None:
-      positions = cache_lib.next_positions(cache[0], tokens.shape[1])
-    return self(tokens, None, positions, cache=cache)
-
-  def init_cache(self, tokens, max_length: int, dtype=None):
-    """Empty caches, one per layer, for a batch like `tokens` [B, ...] and sequences of up to
-    `max_length` tokens (a local layer's cache keeps only its window and sink tokens)."""
-    return kv_caches(self.config, tokens.shape[0], max_length, dtype)
-
-  def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int,
-                       pages_per_row: int, dtype=None):
-    """Caches for serving (`flax_mha.models.serving`): the global layers' keys and values in a
-    pool of `num_pages` pages of `page_size` tokens (each row owning up to `pages_per_row`,
-    assigned by the host), the local layers' in rolling caches of their window."""
-    return paged_caches(self.config, batch_size, num_pages, page_size, pages_per_row, dtype)
 
 
 def one_document(tokens, segment_ids=None, positions=None):

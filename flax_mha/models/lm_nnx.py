@@ -13,7 +13,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.models import lm
 from flax_mha.models.lm import LMConfig
@@ -44,7 +43,7 @@ class Block(nnx.Module):
     return x + self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x)))), cache
 
 
-class DecoderLM(nnx.Module):
+class DecoderLM(lm.Decodable, nnx.Module):
   """`__call__(tokens [B, L], segment_ids=None, positions=None) -> logits [B, L, C]`, the
   arguments and methods of `flax_mha.models.DecoderLM` (see there), ids unchecked inside `jit`
   likewise."""
@@ -75,21 +74,6 @@ class DecoderLM(nnx.Module):
       caches.append(layer_cache)
     logits_BLC = (self.embed.attend(self.final_norm(x)) / scale).astype(jnp.float32)
     return logits_BLC if cache is None else (logits_BLC, tuple(caches))
-
-  def logits(self, tokens, cache, positions=None):
-    """(logits [B, T, C], cache) of T new tokens per row, one document per row."""
-    if positions is None:
-      positions = cache_lib.next_positions(cache[0], tokens.shape[1])
-    return self(tokens, None, positions, cache=cache)
-
-  def init_cache(self, tokens, max_length: int, dtype=None):
-    """Empty caches, one per layer, for a batch like `tokens` [B, ...] (see the linen model)."""
-    return lm.kv_caches(self.config, tokens.shape[0], max_length, dtype)
-
-  def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int,
-                       pages_per_row: int, dtype=None):
-    """Caches for serving, as the linen model's."""
-    return lm.paged_caches(self.config, batch_size, num_pages, page_size, pages_per_row, dtype)
 
 
 def load_linen_params(model: DecoderLM, variables) -> DecoderLM:
