@@ -54,6 +54,7 @@ from flax_mha.attention import dot_product_attention_weights
 from flax_mha.attention import explain
 from flax_mha.attention import merge_heads
 from flax_mha.attention import split_heads
+from flax_mha.dispatch import stage_accelerator_kernels
 from flax_mha.kernels.seq_parallel import attention as ring_implementation
 from flax_mha.kernels.seq_parallel import ring_attention
 from flax_mha.kernels.seq_parallel import sequence_parallel_attention

@@ -4,8 +4,8 @@ point here; `flax_mha.explain(...)` prints the choice and every alternative for 
 
 The choice reads one `flax_mha.kernels.registry.Call` record: static facts only (shapes,
 dtype, `is_causal`, the dropout rate, which mask and score terms a call has, the tiles its
-static masks hide) and the platform the program is lowered for: `dot_product_attention` asks for every platform in PLATFORMS and, where the answers
-differ, stages them with `lax.platform_dependent`, so a program exported for 'cuda' from a CPU
+static masks hide) and the platform the program is lowered for: `dot_product_attention` asks
+for every platform in PLATFORMS and, where the answers differ, stages them with `lax.platform_dependent`, so a program exported for 'cuda' from a CPU
 runs the GPU choice, and each lowering keeps only its own branch. One exception: cuDNN is
 traced by reading the installed cuDNN, so only a process with a CUDA GPU can lower it; from a
 CPU-only process a call that cuDNN would take on a GPU gets the next 'cuda' choice ("xla", or
@@ -33,15 +33,15 @@ On CPU (each threshold a crossover measured on a 2-core CPU, float32, forward+ba
      nothing.
 On GPU and TPU (none measured here): "cudnn" on 'cuda' where it applies, "splash" (JAX's
 Pallas splash attention) on 'tpu' wherever it takes the call (no bias, dense mask, dropout,
-score_mod, positions or mask_mod over the batch or arrays; float32 or bfloat16) in a process
-that has a TPU: like cuDNN, which only a process with a GPU can trace, splash is not staged
-from a process without one, because `lax.platform_dependent` traces every platform's branch
-and splash builds its masks' block tables in NumPy while tracing (O(T·S) per static shape),
-which every CPU call would pay for a branch it never runs (`implementation="splash"` exports
-it for 'tpu' from anywhere); otherwise,
-like jax.nn's own default, the plain XLA graph while the B·H·T·S logits fit
-ACCELERATOR_MAX_LOGITS, and "chunked" beyond (memory linear in S). "rows" sizes its tiles for a
-CPU cache and "decode" its loop for CPU cores: neither is picked there.
+score_mod, positions or mask_mod over the batch or arrays; float32 or bfloat16); otherwise, like
+jax.nn's own default, the plain XLA graph while the B·H·T·S logits fit ACCELERATOR_MAX_LOGITS,
+and "chunked" beyond (memory linear in S). "rows" sizes its tiles for a CPU cache and "decode"
+its loop for CPU cores: neither is picked there.
+Staging for hardware this process lacks: `lax.platform_dependent` traces every platform's branch
+on every call, and splash builds its masks' block tables in NumPy while tracing (O(T·S) per
+static shape), which every CPU call would pay for a branch it never runs. So None stages splash
+in a process with a TPU, or inside `stage_accelerator_kernels()` (an export for 'tpu' from a
+CPU); elsewhere the 'tpu' branch is the next choice and `explain` says why.
 Every choice computes the same function (`flax_mha.kernels.reference`).
 """
 
@@ -57,6 +57,7 @@ from flax_mha.kernels import cudnn
 from flax_mha.kernels import registry
 from flax_mha.kernels import rows
 from flax_mha.kernels import seq_parallel
+from flax_mha.kernels import splash
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what lax.platform_dependent calls them
 
@@ -128,6 +129,26 @@ class Explanation:
     return "\n".join(lines)
 
 
+def stage_accelerator_kernels(enabled: bool = True):
+  """A context manager: inside it, `implementation=None` stages the accelerator kernels that it
+  otherwise stages only in a process with that accelerator (splash for 'tpu'), so that a
+  program exported from a CPU runs them there:
+
+      with flax_mha.stage_accelerator_kernels():
+        exported = jax.export.export(jax.jit(step), platforms=("tpu",))(*shapes)
+
+  The setting is part of jit's trace cache key: a function traced outside it is traced anew
+  inside. It costs every call traced inside it the accelerator branch's tracing (for splash,
+  its masks' block tables per static shape). Also settable for a whole process with
+  FLAX_MHA_STAGE_ACCELERATOR_KERNELS=1 or
+  `jax.config.update("flax_mha_stage_accelerator_kernels", True)`. cuDNN is not affected: jax
+  traces it by reading the installed cuDNN, which a process without a CUDA GPU lacks.
+  """
+  if not isinstance(enabled, bool):
+    raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+  return _shared.STAGE_ACCELERATOR_KERNELS(enabled)
+
+
 def check_platform(platform) -> str:
   """`platform`, or the default backend's for None; a name in PLATFORMS."""
   if platform is None:
@@ -158,6 +179,9 @@ def choose(call: registry.Call) -> Choice:
                                                mods) is None:
       why = ("cuDNN would run this call on a GPU, but this process has none to trace it with, "
              "so a program lowered here for 'cuda' runs the next choice: ")
+    if platform == "tpu" and registry.get("splash").refuses(call) == splash.NO_TPU_HERE:
+      why = ("splash would run this call on a TPU, but this process has none and "
+             "flax_mha.stage_accelerator_kernels() is off, so None stages the next choice: ")
     if logits <= ACCELERATOR_MAX_LOGITS:
       return Choice("xla", f"{why}on {platform!r} the plain XLA graph, as jax.nn's default, "
                            f"while B·H·T·S = {logits} logits <= ACCELERATOR_MAX_LOGITS = "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+# jax's own config states are the one way to make a setting part of jit's trace cache key
+# (include_in_trace_context): a function traced before the setting changed is traced again.
+from jax._src import config as jax_config
 
 from flax_mha import masks as masks_lib
 
@@ -68,3 +71,20 @@ def has_platform(platform: str) -> bool:
     return bool(jax.devices(platform))
   except RuntimeError:
     return False
+
+
+# Whether `implementation=None` stages, for an accelerator this process does not have, the kernels
+# that are otherwise staged only where that hardware is (splash for 'tpu'): set by
+# `flax_mha.stage_accelerator_kernels()`, the FLAX_MHA_STAGE_ACCELERATOR_KERNELS environment
+# variable or `jax.config.update("flax_mha_stage_accelerator_kernels", True)`.
+STAGE_ACCELERATOR_KERNELS = jax_config.bool_state(
+    name="flax_mha_stage_accelerator_kernels", default=False,
+    help="flax_mha: implementation=None stages accelerator kernels (splash for 'tpu') in a "
+         "process without that accelerator, for jax.export",
+    include_in_trace_context=True)
+
+
+def stages_for(platform: str) -> bool:
+  """Whether None may stage a kernel that only traces cheaply beside `platform`'s hardware: this
+  process has devices of `platform`, or STAGE_ACCELERATOR_KERNELS is on."""
+  return STAGE_ACCELERATOR_KERNELS.value or has_platform(platform)

@@ -91,17 +91,21 @@ def _terms_reason(mods) -> str | None:
 
 def refuses(call: registry.Call) -> str | None:
   """The registry's question: why the TPU kernel cannot run `call` on its platform. On 'tpu'
-  from a process without a TPU it refuses too (see the module docstring), so that None never
-  stages it there: `implementation="splash"` still exports it for 'tpu' from any process."""
+  in a process without a TPU it refuses too unless `flax_mha.stage_accelerator_kernels()` is on
+  (see `flax_mha.dispatch`), so that None does not stage it for every CPU call;
+  `implementation="splash"` exports it for 'tpu' from any process."""
   if call.platform != "tpu":
     return f"splash attention is a TPU kernel (platform 'tpu'), not {call.platform!r}"
   reason = options_reason(call)
-  if reason is None and not _shared.has_platform("tpu"):
-    reason = ("this process has no TPU: None stages splash only where one is, since its masks' "
-              "block tables are built in NumPy while tracing (O(T·S) work per static shape, "
-              "paid by every platform the call is staged for); name implementation='splash' "
-              "to export it for 'tpu' from here")
+  if reason is None and not _shared.stages_for("tpu"):
+    reason = NO_TPU_HERE
   return reason
+
+
+NO_TPU_HERE = ("this process has no TPU: None stages splash here only inside "
+               "flax_mha.stage_accelerator_kernels() (for jax.export), since its masks' block "
+               "tables are built in NumPy while tracing (O(T·S) work per static shape) and every "
+               "CPU call traces the 'tpu' branch too")
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -148,8 +148,8 @@ def test_refuses_other_platforms_and_dtypes():
   assert "float32 or bfloat16, got float16" in said.alternatives["splash"]
 
 
-# Every option splash maps, exported by name for 'tpu' from this CPU (None stages splash only in
-# a process with a TPU: test_none_does_not_stage_splash_without_a_tpu).
+# Every option splash maps, exported for 'tpu' from this CPU, by name and through None (which
+# stages splash here inside stage_accelerator_kernels() only).
 EXPORTED = {name: options for name, (s, options) in OPTIONS.items() if s == T}
 EXPORTED |= {"segment_ids": dict(q_segment_ids=SEG_Q), "soft_cap": OPTIONS["soft_cap"][1],
              "lengths": dict(query_seq_lengths=jnp.asarray([5, 7]),
@@ -158,34 +158,58 @@ EXPORTED |= {"segment_ids": dict(q_segment_ids=SEG_Q), "soft_cap": OPTIONS["soft
              "mask_mod": OPTIONS["mask_mod"][1], "bfloat16_causal": dict(is_causal=True)}
 
 
-@pytest.mark.parametrize("name", EXPORTED)
-def test_named_splash_exports_the_pallas_kernel_for_tpu(name):
-  """Forward and backward of implementation='splash' lowered for 'tpu': splash's Pallas
-  kernels (their TPU custom calls); explain says it takes the options there, bar the TPU."""
-  options = EXPORTED[name]
-  dtype = jnp.bfloat16 if name.startswith("bfloat16") else jnp.float32
-  said = flax_mha.explain(*_shapes(dtype), platform="tpu", **options).alternatives["splash"]
-  assert said.startswith("refuses: this process has no TPU"), said
-
+def _exported_module(implementation, options, dtype, platforms=("tpu",)) -> str:
+  """The StableHLO of forward+backward through `implementation`, exported for `platforms`."""
   def loss(q, k, v):
-    out = flax_mha.dot_product_attention(q, k, v, implementation="splash", **options)
+    out = flax_mha.dot_product_attention(q, k, v, implementation=implementation, **options)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-  module = jax.export.export(fn, platforms=("tpu",))(*_shapes(dtype)).mlir_module()
+  return jax.export.export(fn, platforms=platforms)(*_shapes(dtype)).mlir_module()
+
+
+@pytest.mark.parametrize("implementation", ["splash", None])
+@pytest.mark.parametrize("name", EXPORTED)
+def test_exports_the_pallas_kernel_for_tpu(name, implementation):
+  """Forward and backward lowered for 'tpu' hold splash's Pallas kernels (their TPU custom
+  calls), named or through None inside stage_accelerator_kernels(); explain says splash takes
+  the options there, bar the TPU outside it, and None picks it inside."""
+  options = EXPORTED[name]
+  dtype = jnp.bfloat16 if name.startswith("bfloat16") else jnp.float32
+  said = flax_mha.explain(*_shapes(dtype), platform="tpu", **options)
+  assert said.alternatives["splash"] == "refuses: " + splash.NO_TPU_HERE
+  with flax_mha.stage_accelerator_kernels():
+    assert flax_mha.explain(*_shapes(dtype), platform="tpu", **options).implementation == "splash"
+    module = _exported_module(implementation, options, dtype)
   assert module.count("tpu_custom_call") >= 3  # forward, dq, dkv
 
 
 def test_none_does_not_stage_splash_without_a_tpu():
-  """A CPU process traces every platform's branch of None: splash, whose masks are processed
-  in NumPy while tracing, is left out of them (the 'tpu' branch is xla/chunked here)."""
+  """A CPU process traces every platform's branch of None: outside
+  stage_accelerator_kernels() splash, whose masks are processed in NumPy while tracing, is left
+  out of them (the 'tpu' branch is xla/chunked here), and explain says why."""
   options = EXPORTED["mask_mod"]
+  assert "tpu_custom_call" not in _exported_module(None, options, jnp.float32)
+  said = flax_mha.explain(*_shapes(), platform="tpu", **options)
+  assert said.implementation != "splash" and "stage_accelerator_kernels() is off" in said.reason
 
+
+def test_staging_is_part_of_the_trace_cache_key():
+  """One jitted function traced before, inside and after stage_accelerator_kernels(): each
+  export traces anew for the setting in force, not a cached trace of the other."""
   def loss(q, k, v):
-    return jnp.sum(flax_mha.dot_product_attention(q, k, v, **options) ** 2)
+    return jnp.sum(flax_mha.dot_product_attention(q, k, v, is_causal=True))
 
-  module = jax.export.export(jax.jit(loss), platforms=("tpu",))(*_shapes(jnp.float32))
-  assert "tpu_custom_call" not in module.mlir_module()
+  fn = jax.jit(loss)
+  export = lambda: jax.export.export(fn, platforms=("tpu",))(*_shapes()).mlir_module()
+  assert "tpu_custom_call" not in export()
+  with flax_mha.stage_accelerator_kernels():
+    assert "tpu_custom_call" in export()
+    with flax_mha.stage_accelerator_kernels(False):
+      assert "tpu_custom_call" not in export()
+  assert "tpu_custom_call" not in export()
+  with pytest.raises(TypeError, match="enabled must be a bool, got str"):
+    flax_mha.stage_accelerator_kernels("tpu")
 
 
 def test_refuses_x64_mode_by_name():
