@@ -132,8 +132,9 @@ def test_cited_commands_run(module, tmp_path):
   """The module's cited commands, one after the other: later ones reuse the programs the first
   compiled (a shared jax compilation cache)."""
   commands = [c for c in COMMANDS if f"python -m {module} " in f"{c} "]
-  if jax.default_backend() != "gpu":  # GPU commands wait for a machine with one
-    commands = [c for c in commands if "--device gpu" not in c]
+  for device in ("gpu", "tpu"):  # an accelerator's commands wait for a machine with one
+    if jax.default_backend() != device:
+      commands = [c for c in commands if f"--device {device}" not in c]
   (tmp_path / "configs").symlink_to(REPO / "configs")  # the cited paths are the repository's
   for command in commands:
     extra_env, argv = smoke_argv(command, tmp_path)
@@ -171,3 +172,18 @@ def test_layout_part_times_the_same_attention(causal):
   ours = flax_mha.dot_product_attention(q, k, v, is_causal=causal)
   theirs = bench._head_major_plain(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), causal)
   assert jax.numpy.allclose(theirs.transpose(0, 2, 1, 3), ours, atol=1e-5)
+
+
+def test_tpu_device_times_splash_beside_jax_nn_and_tokamax():
+  """--device tpu (untimed here: no TPU) times None, splash and chunked beside jax.nn and
+  tokamax's TPU kernels, no torch, in bfloat16; each JAX system computes None's attention."""
+  from experiments.bench import attention as bench  # pylint: disable=import-outside-toplevel
+  peers = bench._jax_peers("tpu")
+  assert {"default", "splash", "chunked", "jax.nn xla"} <= set(peers)
+  assert {"tokamax mosaic", "tokamax xla"} <= set(peers)  # tokamax is a test dependency
+  assert not bench.has_torch("tpu") and not bench._skip("jax.nn xla", 8192, "tpu")
+  keys = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(key, (1, 16, 2, 8)) for key in keys)
+  want = peers["default"](q, k, v, True)
+  for name in ("chunked", "jax.nn xla"):
+    assert jax.numpy.allclose(peers[name](q, k, v, True), want, atol=1e-5), name
