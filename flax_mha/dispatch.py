@@ -5,8 +5,9 @@ point here; `flax_mha.explain(...)` prints the choice and every alternative for 
 The choice reads one `flax_mha.kernels.registry.Call` record: static facts only (shapes,
 dtype, `is_causal`, the dropout rate, which mask and score terms a call has, the tiles its
 static masks hide) and the platform the program is lowered for: `dot_product_attention` asks
-for every platform in PLATFORMS and, where the answers differ, stages them with `lax.platform_dependent`, so a program exported for 'cuda' from a CPU
-runs the GPU choice, and each lowering keeps only its own branch. One exception: cuDNN is
+for every platform in PLATFORMS and, where the answers differ, stages them with
+`lax.platform_dependent`, so a program exported for 'cuda' from a CPU runs the GPU choice, and
+each lowering keeps only its own branch. One exception: cuDNN is
 traced by reading the installed cuDNN, so only a process with a CUDA GPU can lower it; from a
 CPU-only process a call that cuDNN would take on a GPU gets the next 'cuda' choice ("xla", or
 "chunked" past ACCELERATOR_MAX_LOGITS), and `explain(..., platform="cuda")` there says so.

@@ -85,6 +85,6 @@ STAGE_ACCELERATOR_KERNELS = jax_config.bool_state(
 
 
 def stages_for(platform: str) -> bool:
-  """Whether None may stage a kernel that only traces cheaply beside `platform`'s hardware: this
-  process has devices of `platform`, or STAGE_ACCELERATOR_KERNELS is on."""
+  """Whether None may stage for `platform` a kernel it otherwise stages only where that hardware
+  is: this process has devices of `platform`, or STAGE_ACCELERATOR_KERNELS is on."""
   return STAGE_ACCELERATOR_KERNELS.value or has_platform(platform)
