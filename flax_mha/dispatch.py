@@ -166,7 +166,8 @@ def choose(call: registry.Call) -> Choice:
   if registry.get("cudnn").refuses(call) is None:
     return Choice("cudnn", "cuDNN flash attention applies (16-bit, no dropout, K == V <= 128, "
                            "no mask/score terms)")
-  if registry.get("splash").refuses(call) is None:
+  splash_refuses = registry.get("splash").refuses(call)
+  if splash_refuses is None:
     return Choice("splash", "on 'tpu' JAX's splash attention (Pallas) takes every call it "
                             "can: its static masks (causality, windows, index-only mask_mods) "
                             "skip the blocks they hide, segment ids and lengths mask in the "
@@ -180,7 +181,7 @@ def choose(call: registry.Call) -> Choice:
                                                mods) is None:
       why = ("cuDNN would run this call on a GPU, but this process has none to trace it with, "
              "so a program lowered here for 'cuda' runs the next choice: ")
-    if platform == "tpu" and registry.get("splash").refuses(call) == splash.NO_TPU_HERE:
+    if splash_refuses == splash.NO_TPU_HERE:
       why = ("splash would run this call on a TPU, but this process has none and "
              "flax_mha.stage_accelerator_kernels() is off, so None stages the next choice: ")
     if logits <= ACCELERATOR_MAX_LOGITS:
