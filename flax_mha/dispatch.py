@@ -32,17 +32,20 @@ On CPU (each threshold a crossover measured on a 2-core CPU, float32, forward+ba
      only indices) leave chunked at most SPARSE_VISITED of its tiles. Segment ids, lengths
      and positions are data: how much they hide is unknown at trace time, so they move
      nothing.
-On GPU and TPU (none measured here): "cudnn" on 'cuda' where it applies, "splash" (JAX's
-Pallas splash attention) on 'tpu' wherever it takes the call (no bias, dense mask, dropout,
-score_mod, positions or mask_mod over the batch or arrays; float32 or bfloat16); otherwise, like
-jax.nn's own default, the plain XLA graph while the B·H·T·S logits fit ACCELERATOR_MAX_LOGITS,
-and "chunked" beyond (memory linear in S). "rows" sizes its tiles for a CPU cache and "decode"
-its loop for CPU cores: neither is picked there.
+On GPU and TPU (none measured here): "cudnn" on 'cuda' where it applies, then "triton"
+(flax_mha's Pallas Triton flash kernel) wherever it takes the call (no dropout, no mask/score
+function over arrays; float32, bfloat16 or float16); "splash" (JAX's Pallas splash attention) on
+'tpu' wherever it takes the call (no bias, dense mask, dropout, score_mod, positions or mask_mod
+over the batch or arrays; float32 or bfloat16); otherwise, like jax.nn's own default, the plain
+XLA graph while the B·H·T·S logits fit ACCELERATOR_MAX_LOGITS, and "chunked" beyond (memory
+linear in S). "rows" sizes its tiles for a CPU cache and "decode" its loop for CPU cores:
+neither is picked there.
 Staging for hardware this process lacks: `lax.platform_dependent` traces every platform's branch
-on every call, and splash builds its masks' block tables in NumPy while tracing (O(T·S) per
-static shape), which every CPU call would pay for a branch it never runs. So None stages splash
-in a process with a TPU, or inside `stage_accelerator_kernels()` (an export for 'tpu' from a
-CPU); elsewhere the 'tpu' branch is the next choice and `explain` says why.
+on every call, so a CPU call would pay for tracing kernels it never runs (splash also builds its
+masks' block tables in NumPy while tracing, O(T·S) per static shape). So None stages splash and
+the Triton kernel in a process with that accelerator, or inside `stage_accelerator_kernels()`
+(an export for 'tpu' or 'cuda' from a CPU); elsewhere those branches get the next choice and
+`explain` says why.
 Every choice computes the same function (`flax_mha.kernels.reference`).
 """
 
@@ -59,6 +62,7 @@ from flax_mha.kernels import registry
 from flax_mha.kernels import rows
 from flax_mha.kernels import seq_parallel
 from flax_mha.kernels import splash
+from flax_mha.kernels import triton
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what lax.platform_dependent calls them
 
@@ -132,11 +136,15 @@ class Explanation:
 
 def stage_accelerator_kernels(enabled: bool = True):
   """A context manager: inside it, `implementation=None` stages the accelerator kernels that it
-  otherwise stages only in a process with that accelerator (splash for 'tpu'), so that a
-  program exported from a CPU runs them there:
+  otherwise stages only in a process with that accelerator (splash for 'tpu', the Triton
+  kernel for 'cuda'), so that a program exported from a CPU runs them there:
 
       with flax_mha.stage_accelerator_kernels():
         exported = jax.export.export(jax.jit(step), platforms=("tpu",))(*shapes)
+
+  (For 'cuda', pass `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+  flax_mha.kernels.triton.CUSTOM_CALL)]`: jax.export accepts Triton's custom call only when
+  told to, since its compatibility is not guaranteed across jax versions.)
 
   The setting is part of jit's trace cache key: a function traced outside it is traced anew
   inside. It costs every call traced inside it the accelerator branch's tracing (for splash,
@@ -166,31 +174,10 @@ def choose(call: registry.Call) -> Choice:
   if registry.get("cudnn").refuses(call) is None:
     return Choice("cudnn", "cuDNN flash attention applies (16-bit, no dropout, K == V <= 128, "
                            "no mask/score terms)")
-  splash_refuses = registry.get("splash").refuses(call)
-  if splash_refuses is None:
-    return Choice("splash", "on 'tpu' JAX's splash attention (Pallas) takes every call it "
-                            "can: its static masks (causality, windows, index-only mask_mods) "
-                            "skip the blocks they hide, segment ids and lengths mask in the "
-                            "kernel, memory linear in S")
+  if call.platform != "cpu":
+    return _accelerator_choice(call)
   b, t, h, k, s = (call.dims[d] for d in "BTHKS")
-  platform, mods, is_causal, dropout_rate = (call.platform, call.mods, call.is_causal,
-                                             call.dropout_rate)
-  if platform != "cpu":
-    logits, why = b * h * t * s, ""
-    if platform == "cuda" and cudnn.gpu_reason(call.query, call.key, call.value, dropout_rate,
-                                               mods) is None:
-      why = ("cuDNN would run this call on a GPU, but this process has none to trace it with, "
-             "so a program lowered here for 'cuda' runs the next choice: ")
-    if splash_refuses == splash.NO_TPU_HERE:
-      why = ("splash would run this call on a TPU, but this process has none and "
-             "flax_mha.stage_accelerator_kernels() is off, so None stages the next choice: ")
-    if logits <= ACCELERATOR_MAX_LOGITS:
-      return Choice("xla", f"{why}on {platform!r} the plain XLA graph, as jax.nn's default, "
-                           f"while B·H·T·S = {logits} logits <= ACCELERATOR_MAX_LOGITS = "
-                           f"{ACCELERATOR_MAX_LOGITS} (a memory bound, not a timing)")
-    return Choice("chunked", f"{why}on {platform!r}: B·H·T·S = {logits} logits > "
-                             f"ACCELERATOR_MAX_LOGITS = {ACCELERATOR_MAX_LOGITS}, too many to "
-                             "materialise; chunked's memory is linear in S")
+  mods, is_causal, dropout_rate = call.mods, call.is_causal, call.dropout_rate
   decode = _decode_choice(t, s, mods)
   if decode is not None:
     return decode
@@ -221,6 +208,41 @@ def choose(call: registry.Call) -> Choice:
     return Choice("chunked", f"S = {s} > ROWS_MAX_KEYS = {ROWS_MAX_KEYS}: rows' tiles of >= 128 "
                              "rows x S keys outgrow the cache; chunked's tiles do not")
   return _cpu_with_terms(t, s, k, is_causal, dropout_rate, mods, refused)
+
+
+def _accelerator_choice(call: registry.Call) -> Choice:
+  """On 'cuda', 'rocm' or 'tpu', past cuDNN: splash on 'tpu', the Triton kernel on 'cuda',
+  where they take the call; otherwise "xla" or "chunked" by memory."""
+  splash_refuses = registry.get("splash").refuses(call)
+  if splash_refuses is None:
+    return Choice("splash", "on 'tpu' JAX's splash attention (Pallas) takes every call it "
+                            "can: its static masks (causality, windows, index-only mask_mods) "
+                            "skip the blocks they hide, segment ids and lengths mask in the "
+                            "kernel, memory linear in S")
+  b, t, h, s = (call.dims[d] for d in "BTHS")
+  platform, logits, why = call.platform, b * h * t * s, ""
+  if platform == "cuda" and cudnn.gpu_reason(call.query, call.key, call.value,
+                                             call.dropout_rate, call.mods) is None:
+    why = ("cuDNN would run this call on a GPU, but this process has none to trace it with, "
+           "so a program lowered here for 'cuda' runs the next choice: ")
+  triton_refuses = registry.get("triton").refuses(call)
+  if triton_refuses is None:
+    return Choice("triton", f"{why}on 'cuda' where cuDNN cannot run the call, flax_mha's Triton "
+                            "flash kernel (Pallas) takes every call it can: masks, windows, "
+                            "lengths, positions and mask/score functions in the kernel, hidden "
+                            "tiles skipped, memory linear in S")
+  for refused, kernel, device in ((splash_refuses, splash, "a TPU"),
+                                  (triton_refuses, triton, "a CUDA GPU")):
+    if refused == kernel.NOT_STAGED and not why:
+      why = (f"{kernel.KERNEL.name} would run this call on {device}, but this process has none "
+             "and flax_mha.stage_accelerator_kernels() is off, so None stages the next choice: ")
+  if logits <= ACCELERATOR_MAX_LOGITS:
+    return Choice("xla", f"{why}on {platform!r} the plain XLA graph, as jax.nn's default, "
+                         f"while B·H·T·S = {logits} logits <= ACCELERATOR_MAX_LOGITS = "
+                         f"{ACCELERATOR_MAX_LOGITS} (a memory bound, not a timing)")
+  return Choice("chunked", f"{why}on {platform!r}: B·H·T·S = {logits} logits > "
+                           f"ACCELERATOR_MAX_LOGITS = {ACCELERATOR_MAX_LOGITS}, too many to "
+                           "materialise; chunked's memory is linear in S")
 
 
 def _cpu_with_terms(t, s, k, is_causal, dropout_rate, mods, refused: str) -> Choice:

@@ -222,9 +222,10 @@ class Positions:
 
   def visible(self, b, h, q, kv):
     del h
-    return self._visible(self.q_pos[b, q], self.kv_pos[b, kv])
+    return self.visible_at(self.q_pos[b, q], self.kv_pos[b, kv])
 
-  def _visible(self, q, kv):
+  def visible_at(self, q, kv):
+    """Visibility of keys at positions kv from queries at positions q (int arrays)."""
     ok = (q >= 0) & (kv >= 0)
     if self.causal:
       ok = ok & (kv <= q)

@@ -187,3 +187,20 @@ def test_tpu_device_times_splash_beside_jax_nn_and_tokamax():
   want = peers["default"](q, k, v, True)
   for name in ("chunked", "jax.nn xla"):
     assert jax.numpy.allclose(peers[name](q, k, v, True), want, atol=1e-5), name
+
+
+def test_gpu_device_times_cudnn_and_triton_beside_jax_nn_and_tokamax():
+  """--device gpu (untimed here: no GPU) times None, cudnn, triton and chunked beside jax.nn's
+  and tokamax's kernels; triton (in interpret mode here) computes None's attention."""
+  from experiments.bench import attention as bench  # pylint: disable=import-outside-toplevel
+  import flax_mha  # pylint: disable=import-outside-toplevel
+  from flax_mha.kernels import triton  # pylint: disable=import-outside-toplevel
+  peers = bench._jax_peers("gpu")
+  assert {"default", "cudnn", "triton", "chunked", "jax.nn xla", "jax.nn cudnn"} <= set(peers)
+  assert {"tokamax triton", "tokamax xla"} <= set(peers)
+  keys = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(key, (1, 16, 2, 8)) for key in keys)
+  interpreted = flax_mha.dot_product_attention(q, k, v, is_causal=True,
+                                               implementation=triton.make_attention(
+                                                   interpret=True))
+  assert jax.numpy.allclose(interpreted, peers["default"](q, k, v, True), atol=1e-5)

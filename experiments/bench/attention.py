@@ -79,8 +79,9 @@ def _jax_peers(device):
   ours = lambda name: lambda q, k, v, c: flax_mha.dot_product_attention(
       q, k, v, is_causal=c, implementation=name)
   peers = {"chunked": ours("chunked"), "default": ours(None)}
-  if device == "gpu":
+  if device == "gpu":  # None runs cuDNN where it applies, the Triton kernel where not
     peers["cudnn"] = ours("cudnn")
+    peers["triton"] = ours("triton")
     peers["jax.nn xla"] = lambda q, k, v, c: jax.nn.dot_product_attention(
         q, k, v, is_causal=c, implementation="xla")
     peers["jax.nn cudnn"] = lambda q, k, v, c: jax.nn.dot_product_attention(

@@ -17,6 +17,9 @@ oracle:
   splash     JAX's splash attention on TPUs (Pallas): static masks as block sparsity,
              segment ids, lengths, soft cap, sinks; `make_attention(interpret=True)` runs it
              on any platform (the tests' CPU check)
+  triton     flax_mha's flash attention on NVIDIA GPUs (Pallas Triton), for what cuDNN
+             refuses: masks, windows, lengths, positions, bias with its gradient, mask/score
+             functions of indices; `make_attention(interpret=True)` runs it anywhere
   decode     a few queries over a long cache: keys split, merged by log-sum-exp
   ring       (seq_parallel) sequence-parallel over the context mesh's 'seq' axis; other
              strategies (all-gather, Ulysses) through `flax_mha.sequence_parallel_implementation`
@@ -35,7 +38,9 @@ from flax_mha.kernels import chunked
 from flax_mha.kernels import rows
 from flax_mha.kernels import cudnn
 from flax_mha.kernels import splash
+from flax_mha.kernels import triton
 from flax_mha.kernels import decode
 from flax_mha.kernels import seq_parallel
 
-__all__ = ["registry", "reference", "xla", "chunked", "rows", "cudnn", "splash", "decode", "seq_parallel"]
+__all__ = ["registry", "reference", "xla", "chunked", "rows", "cudnn", "splash", "triton", "decode",
+           "seq_parallel"]

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 from jax._src import config as jax_config
 
 from flax_mha import masks as masks_lib
+from flax_mha import mods as mods_lib
+from flax_mha.kernels import registry
 
 
 def softmax_dtype(dtype) -> jnp.dtype:
@@ -32,6 +34,44 @@ def sink_grad(sinks_H, lse_BTH, out_BTHV, dout_BTHV):
   delta_BTH = jnp.sum(dout_BTHV.astype(acc) * out_BTHV.astype(acc), axis=-1)
   weight_BTH = jnp.exp(sinks_H.astype(acc) - lse_BTH)
   return -jnp.sum(weight_BTH * delta_BTH, axis=(0, 1)).astype(sinks_H.dtype)
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def segment_ids_with_lengths(mods, b: int, t: int, s: int, t_pad: int, s_pad: int):
+  """One pair of int32 ids ([B, T_pad], [B, S_pad]) that says what the segment ids and lengths
+  of `mods` say together (None without either): a row sees a key when their ids are equal.
+  The segment ids (zeros without) are shifted to >= 0; rows beyond a query length or T get -1,
+  keys beyond a key length or S get -2, which match nothing. For kernels that take one id pair
+  (splash, triton)."""
+  segments = [m for m in mods.masks if isinstance(m, mods_lib.Segments)]
+  lengths = [m for m in mods.masks if isinstance(m, mods_lib.SeqLengths)]
+  if not segments and not lengths:
+    return None
+  q_ids, kv_ids = jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)
+  if segments:
+    q_ids, kv_ids = segments[0].q_ids.astype(jnp.int32), segments[0].kv_ids.astype(jnp.int32)
+    low = jnp.minimum(q_ids.min(), kv_ids.min())
+    q_ids, kv_ids = q_ids - low, kv_ids - low
+  beyond = lambda ids, lengths_B, fill: ids if lengths_B is None else jnp.where(
+      jnp.arange(ids.shape[1])[None] < lengths_B[:, None], ids, fill)
+  for term in lengths:
+    q_ids, kv_ids = beyond(q_ids, term.q_lengths, -1), beyond(kv_ids, term.kv_lengths, -2)
+  return (jnp.pad(q_ids, ((0, 0), (0, t_pad - t)), constant_values=-1),
+          jnp.pad(kv_ids, ((0, 0), (0, s_pad - s)), constant_values=-2))
+
+
+def check_options(name: str, options_reason, platform: str, query, key, value, bias, mask, *,
+                  is_causal, dropout_rate, mods) -> None:
+  """Raise the ValueError naming why kernel `name` cannot take the call (`options_reason` of
+  its `registry.Call` on `platform`), if it cannot."""
+  reason = options_reason(registry.Call.of(query, key, value, bias, mask, is_causal=is_causal,
+                                           dropout_rate=dropout_rate, mods=mods,
+                                           platform=platform))
+  if reason is not None:
+    raise ValueError(f"implementation={name!r} cannot run: {reason}")
 
 
 def visible_mask(mask, is_causal: bool, num_q: int, num_kv: int):
@@ -74,12 +114,12 @@ def has_platform(platform: str) -> bool:
 
 
 # Whether `implementation=None` stages, for an accelerator this process does not have, the kernels
-# that are otherwise staged only where that hardware is (splash for 'tpu'): set by
-# `flax_mha.stage_accelerator_kernels()`, the FLAX_MHA_STAGE_ACCELERATOR_KERNELS environment
-# variable or `jax.config.update("flax_mha_stage_accelerator_kernels", True)`.
+# that are otherwise staged only where that hardware is (splash for 'tpu', the Triton kernel for
+# 'cuda'): set by `flax_mha.stage_accelerator_kernels()`, the FLAX_MHA_STAGE_ACCELERATOR_KERNELS
+# environment variable or `jax.config.update("flax_mha_stage_accelerator_kernels", True)`.
 STAGE_ACCELERATOR_KERNELS = jax_config.bool_state(
     name="flax_mha_stage_accelerator_kernels", default=False,
-    help="flax_mha: implementation=None stages accelerator kernels (splash for 'tpu') in a "
+    help="flax_mha: implementation=None stages accelerator kernels (splash, triton) in a "
          "process without that accelerator, for jax.export",
     include_in_trace_context=True)
 

@@ -98,18 +98,14 @@ def refuses(call: registry.Call) -> str | None:
     return f"splash attention is a TPU kernel (platform 'tpu'), not {call.platform!r}"
   reason = options_reason(call)
   if reason is None and not _shared.stages_for("tpu"):
-    reason = NO_TPU_HERE
+    reason = NOT_STAGED
   return reason
 
 
-NO_TPU_HERE = ("this process has no TPU: None stages splash here only inside "
+NOT_STAGED = ("this process has no TPU: None stages splash here only inside "
                "flax_mha.stage_accelerator_kernels() (for jax.export), since its masks' block "
                "tables are built in NumPy while tracing (O(T·S) work per static shape) and every "
                "CPU call traces the 'tpu' branch too")
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
 
 
 def block_sizes(t: int, s: int, segmented: bool, block_q: int | None = None,
@@ -117,9 +113,9 @@ def block_sizes(t: int, s: int, segmented: bool, block_q: int | None = None,
   """Splash's blocks for T queries over S keys: the given sizes, else at most MAX_BLOCK and no
   larger than the padded sequence; key blocks (and query blocks with segment ids) are
   multiples of LANES."""
-  bq = block_q or min(MAX_BLOCK, _round_up(t, LANES))
-  bq = _round_up(bq, LANES) if segmented else bq
-  bkv = _round_up(block_kv or min(MAX_BLOCK, s), LANES)
+  bq = block_q or min(MAX_BLOCK, _shared.round_up(t, LANES))
+  bq = _shared.round_up(bq, LANES) if segmented else bq
+  bkv = _shared.round_up(block_kv or min(MAX_BLOCK, s), LANES)
   return splash_lib.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                                block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,
                                block_kv_dq=bkv)
@@ -194,31 +190,6 @@ def _kernel(h, t_pad, s_pad, index_key, mask_mods, blocks, soft_cap, interpret,
   return _KERNELS[key]
 
 
-def _segment_ids(mods, b, t, s, t_pad, s_pad):
-  """Splash's SegmentIds [B, T_pad], [B, S_pad] from the segment ids and lengths (None without
-  either): ids shifted to >= 0, rows and keys beyond a length or the padding get -1 and -2."""
-  segments = [m for m in mods.masks if isinstance(m, mods_lib.Segments)]
-  lengths = [m for m in mods.masks if isinstance(m, mods_lib.SeqLengths)]
-  if not segments and not lengths:
-    return None
-  q_ids, kv_ids = jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)
-  if segments:
-    q_ids, kv_ids = segments[0].q_ids.astype(jnp.int32), segments[0].kv_ids.astype(jnp.int32)
-    low = jnp.minimum(q_ids.min(), kv_ids.min())
-    q_ids, kv_ids = q_ids - low, kv_ids - low
-  for term in lengths:
-    for lengths_B, ids, fill in ((term.q_lengths, "q", -1), (term.kv_lengths, "kv", -2)):
-      if lengths_B is None:
-        continue
-      ids_BL = q_ids if ids == "q" else kv_ids
-      inside = jnp.arange(ids_BL.shape[1])[None] < lengths_B[:, None]
-      ids_BL = jnp.where(inside, ids_BL, fill)
-      q_ids, kv_ids = (ids_BL, kv_ids) if ids == "q" else (q_ids, ids_BL)
-  q_ids = jnp.pad(q_ids, ((0, 0), (0, t_pad - t)), constant_values=-1)
-  kv_ids = jnp.pad(kv_ids, ((0, 0), (0, s_pad - s)), constant_values=-2)
-  return splash_lib.SegmentIds(q_ids, kv_ids)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _with_lse(plain, residual, q, k, v, segment_ids, sinks):
   """(out, lse) from splash's residual kernel, with the plain kernel's gradients (splash's
@@ -260,16 +231,13 @@ def make_attention(*, interpret: bool = False, block_q: int | None = None,
                 dropout_rng, mods=None, return_residual=False):
     """Splash attention: [B, T, H, V] (and with `return_residual` the lse [B, T, H], float32)."""
     del dropout_rng
-    reason = options_reason(registry.Call.of(query, key, value, bias, mask,
-                                             is_causal=is_causal, dropout_rate=dropout_rate,
-                                             mods=mods, platform="tpu"))
-    if reason is not None:
-      raise ValueError(f"implementation='splash' cannot run: {reason}")
+    _shared.check_options("splash", options_reason, "tpu", query, key, value, bias, mask,
+                          is_causal=is_causal, dropout_rate=dropout_rate, mods=mods)
     mods = mods_lib.Mods() if mods is None else mods
     (b, t, h, _), s = query.shape, value.shape[1]
     segmented = any(isinstance(m, (mods_lib.Segments, mods_lib.SeqLengths)) for m in mods.masks)
     blocks = block_sizes(t, s, segmented, block_q, block_kv)
-    t_pad, s_pad = _round_up(t, blocks.block_q), _round_up(s, blocks.block_kv)
+    t_pad, s_pad = _shared.round_up(t, blocks.block_q), _shared.round_up(s, blocks.block_kv)
     causal = is_causal or any(isinstance(m, mods_lib.Causal) for m in mods.masks)
     windows = tuple((m.left, m.right, m.sink_tokens) for m in mods.masks
                     if isinstance(m, mods_lib.LocalWindow))
@@ -281,7 +249,8 @@ def make_attention(*, interpret: bool = False, block_q: int | None = None,
     heads_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, L, heads, D] -> [B, heads, L, D]
     q = heads_first(pad((query * jnp.asarray(scale, query.dtype)), t_pad))
     k, v = heads_first(pad(key, s_pad)), heads_first(pad(value, s_pad))
-    ids = _segment_ids(mods, b, t, s, t_pad, s_pad)
+    ids = _shared.segment_ids_with_lengths(mods, b, t, s, t_pad, s_pad)
+    ids = None if ids is None else splash_lib.SegmentIds(*ids)
     sinks = (jnp.full((h,), NO_KEY_SINK, jnp.float32) if mods.sinks is None
              else mods.sinks.astype(jnp.float32))
     plain = _batched(build(False))

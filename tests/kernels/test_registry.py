@@ -16,8 +16,8 @@ from conftest import np_attention, qkv
 
 
 def test_every_implementation_is_registered_once_in_order():
-  assert registry.names() == ("reference", "xla", "chunked", "rows", "cudnn", "splash", "decode",
-                              "ring")
+  assert registry.names() == ("reference", "xla", "chunked", "rows", "cudnn", "splash", "triton",
+                              "decode", "ring")
   assert tuple(flax_mha.IMPLEMENTATIONS) == registry.names()
   for name in registry.names():
     assert flax_mha.IMPLEMENTATIONS[name] is registry.get(name).attention
