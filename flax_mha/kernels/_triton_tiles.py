@@ -9,8 +9,8 @@ Every kernel sees one (batch, head) and one block of rows; it recomputes a tile'
 
 The mask terms are evaluated in the kernel from indices and per-token int32 arrays: top-left
 causality and windows on indices (they also bound each row block's loop over key blocks, so
-hidden tiles are never visited), segment ids (lengths folded in), one set of positions with its
-own causality and window, and `mask_mod`s of indices (b, h, q, kv) alone. Score terms (a soft
+hidden tiles are never visited), segment ids (lengths folded in), sets of positions, each with
+its own causality and window, and `mask_mod`s of indices (b, h, q, kv) alone. Score terms (a soft
 cap, `score_mod`s of indices) run in the kernel too; the backward takes their derivative with
 `jax.jvp`. The block sizes are powers of two, at least 16 (Triton's dot); the caller pads T, S,
 K and V to them (`Spec`).
@@ -43,7 +43,7 @@ class Spec:
   scale: float
   causal: bool  # top-left, on indices
   windows: tuple  # ((left, right, sink_tokens), ...) on indices
-  positions: tuple | None  # (causal, window, sink_tokens) of a Positions term, or None
+  positions: tuple  # (causal, window, sink_tokens) of each Positions term
   segmented: bool  # segment ids (and lengths, folded into them) are given
   bias: tuple | None  # (varies over B, varies over H) of the additive bias, or None
   bias_grad: bool  # whether the bias needs its gradient
@@ -98,15 +98,14 @@ def _ceil_div(a, n: int):
 @dataclasses.dataclass(frozen=True)
 class _Tile:
   """What one kernel instance reads besides Q, K, V: its (b, h), and its refs of bias, ids and
-  positions (None when absent), each covering the block's rows or keys or all of them."""
+  positions (None / () when absent), each covering the block's rows or keys or all of them."""
   spec: Spec
   b: jax.Array
   h: jax.Array
   bias: object
   q_ids: object
   kv_ids: object
-  q_pos: object
-  kv_pos: object
+  positions: tuple  # ((q_pos, kv_pos) refs, ...), one pair per Spec.positions
 
   def scores(self, q, k, q0, k0, q_rows, k_rows, with_derivative=False):
     """(scores, visible[, d scores / d logits]) [bq', bk'] of rows q_rows (a slice of the
@@ -123,17 +122,16 @@ class _Tile:
       scores, slope = jax.jvp(score, (logits,), (jnp.ones_like(logits),))
     else:
       scores, slope = score(logits), None
-    visible = (ki < spec.s) & (scores > -jnp.inf)
+    visible = (ki < spec.s) & (qi < spec.t) & (scores > -jnp.inf)
     if spec.causal:
       visible &= qi >= ki
     for window in spec.windows:
       visible &= mods_lib.LocalWindow(*window).visible(self.b, self.h, qi, ki)
     if spec.segmented:
       visible &= self.q_ids[q_rows][:, None] == self.kv_ids[k_rows][None, :]
-    if spec.positions is not None:
-      causal, window, sink_tokens = spec.positions
+    for (causal, window, sink_tokens), (q_pos, kv_pos) in zip(spec.positions, self.positions):
       term = mods_lib.Positions(None, None, causal, window, sink_tokens)
-      visible &= term.visible_at(self.q_pos[q_rows][:, None], self.kv_pos[k_rows][None, :])
+      visible &= term.visible_at(q_pos[q_rows][:, None], kv_pos[k_rows][None, :])
     for term in spec.mask_mods:
       visible &= term.visible(self.b, self.h, qi, ki)
     return (scores, visible, slope) if with_derivative else (scores, visible)
@@ -145,11 +143,11 @@ def _weights(scores, visible, lse):
 
 
 def _split(refs, spec: Spec, n_main: int):
-  """The kernel's refs: (main refs, bias, (q_ids, kv_ids), (q_pos, kv_pos), outputs)."""
+  """The kernel's refs: (main refs, bias, (q_ids, kv_ids), position pairs, outputs)."""
   main, rest = refs[:n_main], list(refs[n_main:])
   bias = rest.pop(0) if spec.bias is not None else None
   ids = (rest.pop(0), rest.pop(0)) if spec.segmented else (None, None)
-  pos = (rest.pop(0), rest.pop(0)) if spec.positions is not None else (None, None)
+  pos = tuple((rest.pop(0), rest.pop(0)) for _ in spec.positions)
   return main, bias, ids, pos, rest
 
 
@@ -157,7 +155,7 @@ def _forward_kernel(*refs, spec: Spec):
   """One block of query rows of one (b, h): online softmax over its key blocks."""
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   (q_ref, k_ref, v_ref), bias, ids, pos, (o_ref, lse_ref) = _split(refs, spec, 3)
-  tile = _Tile(spec, b, h, bias, *ids, *pos)
+  tile = _Tile(spec, b, h, bias, *ids, pos)
   q = q_ref[...]
   bq, bk = spec.bq, spec.bk
 
@@ -185,7 +183,7 @@ def _dq_kernel(*refs, spec: Spec):
   """dQ (and dBias) of one block of query rows: over its key blocks."""
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), bias, ids, pos, outs = _split(refs, spec, 6)
-  tile = _Tile(spec, b, h, bias, *ids, *pos)
+  tile = _Tile(spec, b, h, bias, *ids, pos)
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
   bq, bk = spec.bq, spec.bk
 
@@ -213,7 +211,7 @@ def _dkv_kernel(*refs, spec: Spec):
   b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), bias, ids, pos, (dk_ref, dv_ref) = _split(
       refs, spec, 6)
-  tile = _Tile(spec, b, h, bias, *ids, *pos)
+  tile = _Tile(spec, b, h, bias, *ids, pos)
   k, v = k_ref[...], v_ref[...]
   bq, bk = spec.bq, spec.bk
 
@@ -248,8 +246,7 @@ def _extra_specs(spec: Spec, rows, keys):
   pair = [pl.BlockSpec((None, nr), lambda b, h, x: (b, row_block(x))),
           pl.BlockSpec((None, nk), lambda b, h, x: (b, key_block(x)))]
   specs += pair if spec.segmented else []
-  specs += pair if spec.positions is not None else []
-  return specs
+  return specs + pair * len(spec.positions)
 
 
 def _heads(length, dim, head):
@@ -259,9 +256,9 @@ def _heads(length, dim, head):
                                     lambda b, h, x: (b, index(x), head(h), 0))
 
 
-def forward(spec: Spec, q, k, v, extras):
-  """(out [B, Tp, H, Vp], lse [B, H, Tp] float32) of padded inputs; `extras` = the bias, ids
-  and positions that `spec` says are given, in that order."""
+def forward(spec: Spec, q, k, v, extras, out_dtype=None):
+  """(out [B, Tp, H, Vp] in `out_dtype` (None: V's), lse [B, H, Tp] float32) of padded inputs;
+  `extras` = the bias, ids and positions that `spec` says are given, in that order."""
   (b, tp, h, kp), sp, vp = q.shape, k.shape[1], v.shape[-1]
   nq = tp // spec.bq
   kv_head = lambda h: h // spec.rep
@@ -273,7 +270,7 @@ def forward(spec: Spec, q, k, v, extras):
       functools.partial(_forward_kernel, spec=spec), grid=(b, h, nq), in_specs=in_specs,
       out_specs=[_heads(spec.bq, vp, at)(at),
                  pl.BlockSpec((None, None, spec.bq), lambda b, h, i: (b, h, i))],
-      out_shape=[jax.ShapeDtypeStruct((b, tp, h, vp), v.dtype),
+      out_shape=[jax.ShapeDtypeStruct((b, tp, h, vp), out_dtype or v.dtype),
                  jax.ShapeDtypeStruct((b, h, tp), jnp.float32)],
       compiler_params=spec.params(), interpret=spec.interpret, name="flax_mha_flash_forward",
   )(q, k, v, *extras)

@@ -2,8 +2,13 @@
 
 One device's part, run inside `shard_map` by `flax_mha.kernels.seq_parallel`: it keeps its query
 shard and passes its key/value shard around the ring (`lax.ppermute` to the next device); at
-each of n steps it runs the chunked kernel (`flax_mha.kernels.chunked`) on the (query shard,
-visiting key shard) pair and merges the partial result into its running output by log-sum-exp.
+each of n steps it runs a step kernel (a `Block`) on the (query shard, visiting key shard) pair
+and merges the partial result into its running output by log-sum-exp. The step kernel is the
+platform's, staged with `lax.platform_dependent`: on 'cuda' flax_mha's Triton kernel
+(`flax_mha.kernels.triton.make_block`) where it takes the step and may be staged (a process with
+a GPU, or `flax_mha.stage_accelerator_kernels()`), chunked's tiles (`flax_mha.kernels.chunked`)
+everywhere else. On 'tpu' too: splash's public API has no backward from a global lse, which
+the ring's backward needs.
 A loop of n - 1 steps each sends the visiting shard on before computing on it (the transfer
 reads the shard alone, not the step's compute, so XLA may overlap the two); the last shard is
 computed after the loop and sent nowhere: n - 1 hops, no conditional. No device ever holds more
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +37,26 @@ from jax import lax
 
 from flax_mha.kernels import _seqmods
 from flax_mha.kernels import _shared
+from flax_mha.kernels import registry
+from flax_mha.kernels import triton
 from flax_mha.kernels.chunked import chunked_backward, chunked_forward
 from flax_mha.kernels._seqmods import HEADS, KV
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """A ring step's kernel: `forward` and `backward` in the signatures of `chunked_forward` and
+  `chunked_backward`, and `options_reason(call)`: why it cannot take a step (None: it can)."""
+  name: str
+  forward: Callable
+  backward: Callable
+  options_reason: Callable = lambda call: None
+
+
+CHUNKED = Block("chunked", chunked_forward, chunked_backward)
+# platform -> the step kernel it runs where that kernel takes the step (and this process may
+# stage it: `_shared.stages_for`), chunked's tiles elsewhere.
+PLATFORM_BLOCKS = {"cuda": Block("triton", *triton.make_block(), triton.options_reason)}
 
 
 def _shift(xs, axis_name: str, n: int):
@@ -48,17 +72,39 @@ def _mask_block(mask, src, s: int):
   return lax.dynamic_slice_in_dim(mask, src * s, s, axis=3)
 
 
-def _step_args(plan: _seqmods.Plan, i, q, k_i, mask, leaves, kv_leaves):
-  """The chunked kernel's keyword arguments at ring step i, the visiting shard's key-side
-  arrays being `kv_leaves`: its mask columns and its terms at true positions (no sinks)."""
+def _step_terms(plan: _seqmods.Plan, i, q, k_i, mask, leaves, kv_leaves):
+  """(mask, mods) of ring step i, the visiting shard's key-side arrays being `kv_leaves`: its
+  mask columns and its terms at true positions (no sinks)."""
   me = lax.axis_index(plan.axis_name)
   src = (me - i) % plan.n  # whose key/value shard this device holds at step i
   mods = plan.mods(plan.replace_side(leaves, KV, kv_leaves))
   mods = _seqmods.localize(mods, plan.is_causal, plan.positions(plan.t, me),
                            plan.positions(plan.s, src), batch=q.shape[0], heads=q.shape[2])
-  return dict(scale=plan.scale, is_causal=False, mods=dataclasses.replace(mods, sinks=None),
-              mask=_mask_block(mask, src, k_i.shape[1]), block_q=plan.block(q.shape[1]),
-              block_k=plan.block(k_i.shape[1]))
+  return _mask_block(mask, src, k_i.shape[1]), dataclasses.replace(mods, sinks=None)
+
+
+def _step_kernel(plan: _seqmods.Plan, which: str, q, k, v, mask, leaves):
+  """fn(*arrays, mask, mods) -> the step's `which` ("forward" or "backward") of the platform's
+  Block, staged per platform with `lax.platform_dependent` where the platforms' Blocks differ."""
+  mask_0, mods_0 = _step_terms(plan, 0, q, k, mask, leaves, plan.of_side(leaves, KV))
+  call = registry.Call.of(q, k, v, None, mask_0, mods=mods_0, platform="cpu")
+  picks = {platform: block for platform, block in PLATFORM_BLOCKS.items()
+           if _shared.stages_for(platform) and block.options_reason(call) is None}
+  static = dict(scale=plan.scale, is_causal=False, block_q=plan.block(q.shape[1]),
+                block_k=plan.block(k.shape[1]))
+  run = lambda block: lambda *arrays, mask, mods: getattr(block, which)(
+      *arrays, mask=mask, mods=mods, **static)
+  if not picks:
+    return run(CHUNKED)
+  if set(picks) == {"cpu"}:
+    return run(picks["cpu"])
+
+  def staged(*arrays, mask, mods):
+    branches = {platform: (lambda *a, f=run(block): f(*a[:-2], mask=a[-2], mods=a[-1]))
+                for platform, block in picks.items()}
+    fallback = lambda *a: run(CHUNKED)(*a[:-2], mask=a[-2], mods=a[-1])
+    return lax.platform_dependent(*arrays, mask, mods, default=fallback, **branches)
+  return staged
 
 
 def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
@@ -66,10 +112,12 @@ def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
   b, t, h, _ = q.shape
   acc = _shared.softmax_dtype(q.dtype)
 
+  block = _step_kernel(plan, "forward", q, k, v, mask, leaves)
+
   def merge(i, out, lse, k_i, v_i, kv_leaves):
-    out_i, lse_i = chunked_forward(q, k_i, v_i, **_step_args(plan, i, q, k_i, mask, leaves,
-                                                              kv_leaves))
-    lse_i = lse_i.transpose(0, 2, 1)  # [B, T, H]
+    step_mask, step_mods = _step_terms(plan, i, q, k_i, mask, leaves, kv_leaves)
+    out_i, lse_i = block(q, k_i, v_i, mask=step_mask, mods=step_mods)
+    out_i, lse_i = out_i.astype(acc), lse_i.transpose(0, 2, 1).astype(acc)  # lse [B, T, H]
     lse_new = jnp.logaddexp(lse, lse_i)
     weight = lambda l: jnp.exp(l - lse_new)[..., None]  # [B, T, H, 1]; finite lse throughout
     return weight(lse) * out + weight(lse_i) * out_i, lse_new
@@ -113,6 +161,8 @@ def _ring_bwd(plan, residuals, cotangents):
   q, k, v, mask, leaves, out, lse = residuals
   dout = cotangents[0]  # the lse is returned without gradient
   lse_BHT = lse.transpose(0, 2, 1)
+  block = _step_kernel(plan, "backward", q, k, v, mask, leaves)
+  acc = _shared.softmax_dtype(q.dtype)
 
   def step(i, carry):
     dq, k_i, v_i, dk_i, dv_i, kv_leaves = carry
@@ -121,13 +171,14 @@ def _ring_bwd(plan, residuals, cotangents):
     # does, raised the compiled memory of forward + backward by about a third
     # (`python -m experiments.bench.ring`): XLA does not share the loop's buffers with it.
     k_next, v_next, *kv_next = _shift((k_i, v_i, *kv_leaves), plan.axis_name, plan.n)
-    dq_i, dk_c, dv_c = chunked_backward(q, k_i, v_i, out, lse_BHT, dout,
-                                        **_step_args(plan, i, q, k_i, mask, leaves, kv_leaves))
+    step_mask, step_mods = _step_terms(plan, i, q, k_i, mask, leaves, kv_leaves)
+    dq_i, dk_c, dv_c = (x.astype(acc) for x in block(q, k_i, v_i, out, lse_BHT, dout,
+                                                     mask=step_mask, mods=step_mods))
     # The accumulators travel with their key/value shard; after n hops they are back home.
     dk_i, dv_i = _shift((dk_i + dk_c, dv_i + dv_c), plan.axis_name, plan.n)
     return dq + dq_i, k_next, v_next, dk_i, dv_i, kv_next
 
-  zeros = lambda x: jnp.zeros(x.shape, _shared.softmax_dtype(q.dtype))
+  zeros = lambda x: jnp.zeros(x.shape, acc)
   dq, _, _, dk, dv, _ = lax.fori_loop(  # K/V and dK/dV hop n times
       0, plan.n, step, (zeros(q), k, v, zeros(k), zeros(v), plan.of_side(leaves, KV)))
   # A sink's gradient: this shard's part; shard_map's transpose sums the devices sharing it.

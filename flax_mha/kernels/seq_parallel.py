@@ -13,9 +13,10 @@ computes its query shard's rows by one of three strategies:
               moves 1/n of what the others move; needs H and G divisible by n.
   auto        one of them, by `choose_strategy`'s rule.
 
-Each device hands its local problem to the chunked kernel with the mask terms at the tokens'
-true positions (`flax_mha.kernels._seqmods`), so every strategy x layout computes the function
-of `flax_mha.dot_product_attention` on one device (tests/multidevice/check_ring.py).
+Each device hands its local problem to the chunked kernel (the ring: to its platform's step
+kernel, `flax_mha.kernels.ring.Block`) with the mask terms at the tokens' true positions
+(`flax_mha.kernels._seqmods`), so every strategy x layout computes the function of
+`flax_mha.dot_product_attention` on one device (tests/multidevice/check_ring.py).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ What it takes, and how (all in the kernel, memory linear in S except where a bia
   return_residual the natural-log lse, finfo.min for a row that sees nothing (output 0).
 
 It refuses by name: dropout, `mask_mod`/`score_mod` functions over arrays, more than one set
-of segment ids or positions, head dims above MAX_HEAD_DIM, dtypes other than float32, bfloat16
+of segment ids, head dims above MAX_HEAD_DIM, dtypes other than float32, bfloat16
 and float16, and any platform but 'cuda' (`refuses`). `make_attention(interpret=True)` runs the
 same kernels in Pallas interpret mode on any platform: how the tests check it on CPU. The
 blocks are settings, not tuned (no GPU has run this code): `make_attention(block_q=...,
@@ -32,6 +32,7 @@ block_kv=...)` changes them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -76,9 +77,8 @@ def _terms_reason(mods) -> str | None:
                              mods_lib.Segments, mods_lib.Positions, mods_lib.MaskMod,
                              mods_lib.SoftCap, mods_lib.ScoreMod)):
       return f"the Triton kernel takes no {type(term).__name__} term"
-  for kind in (mods_lib.Segments, mods_lib.Positions):
-    if sum(isinstance(term, kind) for term in mods.masks) > 1:
-      return f"the Triton kernel takes one set of {kind.__name__.lower()}"
+  if sum(isinstance(term, mods_lib.Segments) for term in mods.masks) > 1:
+    return "the Triton kernel takes one set of segment ids"
   return None
 
 
@@ -117,9 +117,68 @@ def _additive_bias(bias, mask):
   return bias, True
 
 
+@dataclasses.dataclass(frozen=True)
+class _Padded:
+  """One call laid out for the kernels: its Spec, Q, K, V padded to the blocks and powers of
+  two, and its extra arrays (the additive bias, the id pair, the position pairs) padded too."""
+  spec: tiles.Spec
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  extras: list
+
+  def unpad_rows(self, x_BTHD, dim: int):
+    return x_BTHD[:, :self.spec.t, :, :dim]
+
+
+def _layout(query, key, value, bias, mask, *, is_causal, scale, mods, interpret, block_q,
+            block_kv) -> _Padded:
+  mods = mods_lib.Mods() if mods is None else mods
+  (b, t, h, kd), (s, g, vd) = query.shape, value.shape[1:]
+  bq, bk = block_q or min(BLOCK, _pow2(t)), block_kv or min(BLOCK, _pow2(s))
+  tp, sp = _shared.round_up(t, bq), _shared.round_up(s, bk)
+  additive, bias_grad = _additive_bias(bias, mask)
+  ids = _shared.segment_ids_with_lengths(mods, b, t, s, tp, sp)
+  extras = []
+  if additive is not None:
+    additive = jnp.broadcast_to(additive, (*additive.shape[:2], t, s))
+    extras.append(_pad(_pad(additive, 2, tp), 3, sp))
+  extras += [] if ids is None else list(ids)
+  positions = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
+  for term in positions:  # padding: position -1, which sees and is seen by nothing
+    extras += [_pad(term.q_pos.astype(jnp.int32), 1, tp, -1),
+               _pad(term.kv_pos.astype(jnp.int32), 1, sp, -1)]
+  spec = tiles.Spec(
+      t=t, s=s, bq=bq, bk=bk, rep=h // g, scale=float(scale),
+      causal=is_causal or any(isinstance(m, mods_lib.Causal) for m in mods.masks),
+      windows=tuple((m.left, m.right, m.sink_tokens) for m in mods.masks
+                    if isinstance(m, mods_lib.LocalWindow)),
+      positions=tuple((m.causal, m.window, m.sink_tokens) for m in positions),
+      segmented=ids is not None,
+      bias=None if additive is None else (additive.shape[0] > 1, additive.shape[1] > 1),
+      bias_grad=bias_grad, mask_mods=tuple(m for m in mods.masks
+                                           if isinstance(m, mods_lib.MaskMod)),
+      scores=tuple(mods.scores), interpret=interpret)
+  pad_heads = lambda x, length, dim: _pad(_pad(x, 1, length), 3, _pow2(dim))
+  return _Padded(spec, pad_heads(query, tp, kd), pad_heads(key, sp, kd),
+                 pad_heads(value, sp, vd), extras)
+
+
+def _grads(spec, q, k, v, extras, out, lse, d_out, d_lse=None):
+  """(dq [B, Tp, H, Kp] float32, dk, dv [B, Sp, G, *] float32, dbias or None) from the
+  output's and the lse's cotangents, with the (global) out and lse."""
+  delta = jnp.einsum("BTHV,BTHV->BHT", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  if d_lse is not None:
+    delta = delta - d_lse.astype(jnp.float32)
+  dq, dk, dv, dbias = tiles.backward(spec, q, k, v, extras, d_out.astype(q.dtype), lse, delta)
+  (b, s, h, _), g = dk.shape, k.shape[2]
+  group = lambda d: d.reshape(b, s, g, h // g, -1).sum(3)
+  return dq, group(dk), group(dv), dbias
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(spec, q, k, v, extras):
-  """(out, lse) of padded inputs; `extras` = [bias][, ids pair][, positions pair]."""
+  """(out, lse) of padded inputs; `extras` = [bias][, ids pair][, position pairs]."""
   return tiles.forward(spec, q, k, v, extras)
 
 
@@ -130,19 +189,13 @@ def _flash_fwd(spec, q, k, v, extras):
 
 def _flash_bwd(spec, saved, cotangents):
   q, k, v, extras, out, lse = saved
-  d_out, d_lse = cotangents
-  delta = jnp.einsum("BTHV,BTHV->BHT", d_out.astype(jnp.float32), out.astype(jnp.float32))
-  dq, dk, dv, dbias = tiles.backward(spec, q, k, v, extras, d_out, lse,
-                                     delta - d_lse.astype(jnp.float32))
-  (b, s, h, _), g = dk.shape, k.shape[2]
-  group = lambda d, like: d.reshape(b, s, g, h // g, -1).sum(3).astype(like.dtype)
+  dq, dk, dv, dbias = _grads(spec, q, k, v, extras, out, lse, *cotangents)
   d_extras = [None] * len(extras)
-  if spec.bias is not None:
+  if dbias is not None:
     bias = extras[0]
-    d_extras[0] = (None if dbias is None else
-                   dbias.sum(axis=tuple(a for a in (0, 1) if bias.shape[a] == 1),
-                             keepdims=True).astype(bias.dtype))
-  return dq, group(dk, k), group(dv, v), d_extras
+    d_extras[0] = dbias.sum(axis=tuple(a for a in (0, 1) if bias.shape[a] == 1),
+                            keepdims=True).astype(bias.dtype)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_extras
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -160,37 +213,12 @@ def make_attention(*, interpret: bool = False, block_q: int | None = None,
     del dropout_rng
     _shared.check_options("triton", options_reason, "cuda", query, key, value, bias, mask,
                           is_causal=is_causal, dropout_rate=dropout_rate, mods=mods)
-    mods = mods_lib.Mods() if mods is None else mods
-    (b, t, h, kd), (s, g, vd) = query.shape, value.shape[1:]
-    bq, bk = block_q or min(BLOCK, _pow2(t)), block_kv or min(BLOCK, _pow2(s))
-    tp, sp, kp, vp = _shared.round_up(t, bq), _shared.round_up(s, bk), _pow2(kd), _pow2(vd)
-    additive, bias_grad = _additive_bias(bias, mask)
-    ids = _shared.segment_ids_with_lengths(mods, b, t, s, tp, sp)
-    extras = []
-    if additive is not None:
-      additive = jnp.broadcast_to(additive, (*additive.shape[:2], t, s))
-      extras.append(_pad(_pad(additive, 2, tp), 3, sp))
-    extras += [] if ids is None else list(ids)
-    positions = next((m for m in mods.masks if isinstance(m, mods_lib.Positions)), None)
-    if positions is not None:  # padding: position -1, which sees and is seen by nothing
-      extras += [_pad(positions.q_pos.astype(jnp.int32), 1, tp, -1),
-                 _pad(positions.kv_pos.astype(jnp.int32), 1, sp, -1)]
-      positions = (positions.causal, positions.window, positions.sink_tokens)
-    spec = tiles.Spec(
-        t=t, s=s, bq=bq, bk=bk, rep=h // g, scale=float(scale),
-        causal=is_causal or any(isinstance(m, mods_lib.Causal) for m in mods.masks),
-        windows=tuple((m.left, m.right, m.sink_tokens) for m in mods.masks
-                      if isinstance(m, mods_lib.LocalWindow)),
-        positions=positions, segmented=ids is not None,
-        bias=None if additive is None else (additive.shape[0] > 1, additive.shape[1] > 1),
-        bias_grad=bias_grad, mask_mods=tuple(m for m in mods.masks
-                                             if isinstance(m, mods_lib.MaskMod)),
-        scores=tuple(mods.scores), interpret=interpret)
-    pad_heads = lambda x, length, dim: _pad(_pad(x, 1, length), 3, dim)
-    out, lse_BHT = _flash(spec, pad_heads(query, tp, kp), pad_heads(key, sp, kp),
-                          pad_heads(value, sp, vp), extras)
-    out, lse_BTH = out[:, :t, :, :vd], lse_BHT[:, :, :t].transpose(0, 2, 1)
-    if mods.sinks is not None:  # one more softmax entry per head, merged through the lse
+    padded = _layout(query, key, value, bias, mask, is_causal=is_causal, scale=scale,
+                     mods=mods, interpret=interpret, block_q=block_q, block_kv=block_kv)
+    out, lse_BHT = _flash(padded.spec, padded.q, padded.k, padded.v, padded.extras)
+    out = padded.unpad_rows(out, value.shape[-1])
+    lse_BTH = lse_BHT[:, :, :padded.spec.t].transpose(0, 2, 1)
+    if mods is not None and mods.sinks is not None:  # one more softmax entry, through the lse
       total_BTH = jnp.logaddexp(lse_BTH, mods.sinks.astype(jnp.float32)[None, None, :])
       out = out * jnp.exp(lse_BTH - total_BTH)[..., None].astype(out.dtype)
       lse_BTH = total_BTH
@@ -198,6 +226,41 @@ def make_attention(*, interpret: bool = False, block_q: int | None = None,
     return (out, lse_BTH) if return_residual else out
 
   return attention
+
+
+def make_block(*, interpret: bool = False):
+  """The kernel as one step of a blockwise algorithm (the ring), in the signatures of
+  `chunked.chunked_forward` and `chunked.chunked_backward` (bias, dropout and offsets
+  excluded): `forward(query, key, value, *, scale, is_causal, mask, mods, **unused) -> (out
+  [B, T, H, V], lse [B, H, T])`, float32, and `backward(query, key, value, out, lse, dout, ...)
+  -> (dq, dk, dv)`, float32, this key block's share of the gradient given the GLOBAL out and
+  lse. A row this block hides from gets out 0 and lse finfo.min."""
+
+  def layout(query, key, value, is_causal, scale, mask, mods):
+    return _layout(query, key, value, None, mask, is_causal=is_causal, scale=scale, mods=mods,
+                   interpret=interpret, block_q=None, block_kv=None)
+
+  def forward(query, key, value, *, scale, is_causal=False, mask=None, mods=None, **unused):
+    del unused  # block sizes: the kernel's own
+    padded = layout(query, key, value, is_causal, scale, mask, mods)
+    out, lse = tiles.forward(padded.spec, padded.q, padded.k, padded.v, padded.extras,
+                             out_dtype=jnp.float32)
+    return padded.unpad_rows(out, value.shape[-1]), lse[:, :, :padded.spec.t]
+
+  def backward(query, key, value, out, lse, dout, *, scale, is_causal=False, mask=None,
+               mods=None, **unused):
+    del unused
+    padded = layout(query, key, value, is_causal, scale, mask, mods)
+    tp, vp = padded.q.shape[1], padded.v.shape[-1]
+    pad_rows = lambda x: _pad(_pad(x, 1, tp), 3, vp)
+    dq, dk, dv, _ = _grads(padded.spec, padded.q, padded.k, padded.v, padded.extras,
+                           pad_rows(out), _pad(lse.astype(jnp.float32), 2, tp, tiles.LOWEST),
+                           pad_rows(dout))
+    s = key.shape[1]
+    return (padded.unpad_rows(dq, query.shape[-1]).astype(jnp.float32),
+            dk[:, :s, :, :key.shape[-1]], dv[:, :s, :, :value.shape[-1]])
+
+  return forward, backward
 
 
 attention = make_attention()

@@ -31,6 +31,14 @@ def test_ring_matches_single_device_on_8_devices():
 
 
 @pytest.mark.multidevice
+def test_ring_steps_with_the_accelerator_kernel_on_8_devices():
+  """The Triton kernel (interpreted) as the ring's step kernel equals one device, and an export
+  for 'cuda' steps with it inside stage_accelerator_kernels()."""
+  names = [line.split()[1] for line in run_check("check_ring_blocks.py")]
+  assert len(names) == 10 and names[-2:] == ["mask_mod_falls_back", "export_cuda_triton_steps"]
+
+
+@pytest.mark.multidevice
 def test_every_strategy_and_layout_matches_single_device_on_8_devices():
   names = [line.split()[1] for line in run_check("check_seq_parallel.py")]
   pairs = {tuple(name.split("/")[1:]) for name in names}

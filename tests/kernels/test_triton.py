@@ -250,7 +250,7 @@ def test_loop_bounds_are_the_tiles_the_index_terms_leave_visible(options):
   over queries."""
   t, s, bq, bk = 64, 96, 16, 32
   spec = triton.tiles.Spec(t=t, s=s, bq=bq, bk=bk, rep=1, scale=1.0, causal=False, windows=(),
-                           positions=None, segmented=False, bias=None, bias_grad=False,
+                           positions=(), segmented=False, bias=None, bias_grad=False,
                            mask_mods=(), scores=(), interpret=True)
   spec = dataclasses.replace(spec, **options)
   q, kv = np.arange(t)[:, None], np.arange(s)[None, :]
