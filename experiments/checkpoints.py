@@ -4,7 +4,9 @@ A checkpoint holds the train state, the training seconds so far (so a resumed ru
 `train_seconds` and steps/s continue where they stopped) and the config of the run that saved it.
 The two newest are kept. A checkpoint that cannot be read (a save cut short, a truncated folder)
 is skipped for the one before it and moved to <workdir>/checkpoints_unreadable; one saved with
-other settings (experiments.run_config.FIXED_KEYS) is refused by name.
+other settings (experiments.run_config.FIXED_KEYS) is refused by name. With several processes
+(experiments.distributed) every process saves and restores together, orbax writing each array's
+shards from the process that holds them; process 0 alone moves unreadable checkpoints.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import ml_collections
 import orbax.checkpoint as ocp
 
-from experiments import run_config
+from experiments import distributed, run_config
 
 CHECKPOINT_DIR = "checkpoints"  # in the workdir
 UNREADABLE_DIR = "checkpoints_unreadable"  # in the workdir: checkpoints a restart skipped
@@ -93,11 +95,13 @@ def restore_newest_readable(manager: ocp.CheckpointManager, state: Any, aside_di
     except Exception as e:  # broad: orbax raises a bare Exception for corrupt array data
       skipped.append((path, _first_line(e)))
       continue
-    for bad_path, reason in skipped:
-      dest = _set_aside(bad_path, aside_dir)
-      print(f"skipped unreadable checkpoint {bad_path} ({reason}); moved to {dest}",
-            file=sys.stderr, flush=True)
+    if skipped and distributed.is_primary():  # one process moves them; the others wait
+      for bad_path, reason in skipped:
+        dest = _set_aside(bad_path, aside_dir)
+        print(f"skipped unreadable checkpoint {bad_path} ({reason}); moved to {dest}",
+              file=sys.stderr, flush=True)
     if skipped:
+      distributed.barrier("unreadable checkpoints set aside")
       manager.reload()  # forget the moved steps, so that the run saves them afresh
     return restored.state, restored.meta["train_seconds"]
   if skipped:

@@ -38,3 +38,13 @@ class MetricWriter:
 
   def close(self) -> None:
     self._tb.close()
+
+
+class NoWriter:
+  """A MetricWriter that writes nothing: what every process but the first gets."""
+
+  def write(self, step: int, scalars: dict[str, float]) -> None:
+    del step, scalars
+
+  def close(self) -> None:
+    pass

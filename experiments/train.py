@@ -36,7 +36,7 @@ import tqdm
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import checkpoints, metrics, plots, run_config
+from experiments import checkpoints, distributed, metrics, plots, run_config
 from experiments.lm import LMRunner
 from experiments.runner import Runner
 from experiments.seq2seq import Seq2SeqRunner
@@ -188,6 +188,8 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
     raise ValueError(f"train.{'length' if config.train.get('length') else 'length_buckets'}="
                      f"{lengths} must be multiples of {multiple} (mesh.seq={mesh_cfg.seq}, "
                      f"mesh.seq_layout={mesh_cfg.seq_layout!r})")
+  distributed.check_mesh_covers_devices(
+      mesh_cfg.data * mesh_cfg.fsdp * mesh_cfg.model * mesh_cfg.seq)
   mesh = sharding.make_mesh(data=mesh_cfg.data, fsdp=mesh_cfg.fsdp, model=mesh_cfg.model,
                             seq=mesh_cfg.seq)
   permute = mesh_cfg.seq > 1 and runner.token_order_free  # the batch once, not every layer
@@ -219,6 +221,8 @@ class StepFn:
     if self.layout:  # on the host: every [B, L] array of the batch in the layout's token order
       batch = {name: to_layout_order(x, self.layout, self.mesh.shape[sharding.SEQ_AXIS])
                for name, x in batch.items()}
+    # Each process hands over the rows its devices hold (all of them in one process).
+    batch = distributed.global_batch(batch, sharding.batch_sharding(self.mesh, ndim=2))
     return self._in_mesh(self.jitted, state, batch)
 
   def lower(self, state, batch):
@@ -241,7 +245,8 @@ def train_loop(runner: Runner, state: TrainState, train_seconds: float, step_fn,
   config = runner.config
   steps = config.train.steps
   eval_metrics, window_tokens, window_start = {}, 0, time.perf_counter()
-  with tqdm.tqdm(total=steps, initial=int(state.step), desc=runner.task.name, unit="step") as bar:
+  with tqdm.tqdm(total=steps, initial=int(state.step), desc=runner.task.name, unit="step",
+                 disable=not distributed.is_primary()) as bar:
     for step in range(int(state.step) + 1, steps + 1):
       batch = runner.train_batch(step - 1)
       window_tokens += runner.num_tokens(batch)
@@ -263,7 +268,7 @@ def train_loop(runner: Runner, state: TrainState, train_seconds: float, step_fn,
         postfix["tok/s"] = f"{window_tokens / elapsed:.0f}"
         window_tokens = 0
       if evaluate:
-        eval_metrics = runner.evaluate(state.params)
+        eval_metrics = runner.evaluate(distributed.to_host(state.params))
         writer.write(step, eval_metrics)
         postfix["exact"] = f"{eval_metrics['eval/exact_match']:.3f}"
       if save:
@@ -286,21 +291,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   os.makedirs(workdir, exist_ok=True)
   tx = make_optimizer(config.train)
   state, step_fn = shard_and_compile(runner, init_state(runner, tx), tx)
+  primary = distributed.is_primary()  # with several processes, the one that writes files
   with checkpoints.open_manager(workdir) as manager:
     state, train_seconds = checkpoints.restore_newest_readable(
         manager, state, os.path.join(workdir, checkpoints.UNREADABLE_DIR), config)
-    run_config.write(workdir, config)  # for experiments.generate
-    writer = metrics.MetricWriter(workdir, resume_step=int(state.step))
+    if primary:
+      run_config.write(workdir, config)  # for experiments.generate
+    writer = (metrics.MetricWriter(workdir, resume_step=int(state.step)) if primary
+              else metrics.NoWriter())
     try:
       state, train_seconds, eval_metrics = train_loop(
           runner, state, train_seconds, step_fn, manager, writer)
     finally:
       writer.close()
+  params = distributed.to_host(state.params)
   if not eval_metrics:  # restarted after the last step: report the restored state
-    eval_metrics = runner.evaluate(state.params)
-
-  plots.learning_curves(metrics.read_rows(workdir), os.path.join(workdir, "learning_curves.png"))
-  runner.finish(state.params, workdir)
+    eval_metrics = runner.evaluate(params)
   summary = {
       "task": runner.task.name,
       "steps": int(state.step),
@@ -309,8 +315,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       "params": int(sum(x.size for x in jax.tree.leaves(state.params))),
       **{"eval_" + k.removeprefix("eval/"): v for k, v in eval_metrics.items()},
   }
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  if primary:
+    plots.learning_curves(metrics.read_rows(workdir),
+                          os.path.join(workdir, "learning_curves.png"))
+    runner.finish(params, workdir)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+  distributed.barrier("summary written")  # no process leaves before the files are there
   return summary
 
 
@@ -319,15 +330,19 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
   try:
+    distributed.initialize(auto=flags.FLAGS.distributed)
     summary = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-  except run_config.ConfigMismatch as e:
+  except (run_config.ConfigMismatch, distributed.SetupError) as e:
     sys.exit(f"error: {e}")  # the reason alone: no traceback to read it in
-  print(json.dumps(summary, indent=2))
+  if distributed.is_primary():
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":  # flags only here: importing this module defines none
   config_flags.DEFINE_config_file(
       "config", None, "experiment config: configs/<name>.py[:arg]", lock_config=True)
   flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and plots")
+  flags.DEFINE_bool("distributed", False, "join JAX's distributed runtime found from the cluster "
+                    "environment (SLURM, Cloud TPU): jax.distributed.initialize()")
   flags.mark_flags_as_required(["config", "workdir"])
   app.run(main)

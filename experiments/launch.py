@@ -1,0 +1,131 @@
+"""Run the experiment as N processes on JAX's distributed runtime, on this machine.
+
+  python -m experiments.launch --processes 2 --devices-per-process 2 -- \\
+      --config configs/dates.py:tiny --workdir runs/dates_2x2 \\
+      --config.mesh.data=2 --config.mesh.model=2
+
+starts N processes of `python -m experiments.train <the arguments after -->`, each with
+`--devices-per-process` emulated CPU devices, joined over loopback (127.0.0.1) into one runtime
+of N x devices-per-process devices with gloo collectives (`experiments.distributed`). The
+config's mesh must use every device. Process 0 prints the progress and the summary and writes
+the workdir's files; all of them save and restore checkpoints together, so a run restarted with
+the same command resumes from its last complete checkpoint.
+
+If a process dies, the others stop when the runtime's heartbeat misses it (after
+--heartbeat-seconds) and the launcher exits with 1, naming each process's end; any still
+running after a grace period are killed. On a cluster this launcher is not needed: run
+`python -m experiments.train --distributed ...` on every host and JAX finds its coordinator
+(SLURM, Cloud TPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from experiments import distributed
+
+GRACE_SECONDS = 30  # beyond the heartbeat: how long the others may take to stop by themselves
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def child_env(process_id: int, args) -> dict[str, str]:
+  """The environment of process `process_id`: its place in the runtime, its CPU devices."""
+  env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
+  flags = env.get("XLA_FLAGS", "").split()
+  flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(
+      [*flags, f"--xla_force_host_platform_device_count={args.devices_per_process}"])
+  env.update({distributed.COORDINATOR: f"127.0.0.1:{args.port}",
+              distributed.NUM_PROCESSES: str(args.processes),
+              distributed.PROCESS_ID: str(process_id),
+              distributed.HEARTBEAT_SECONDS: str(args.heartbeat_seconds)})
+  return env
+
+
+def describe(code: int | None) -> str:
+  if code is None:
+    return "still running (killed)"
+  if code < 0:
+    return f"killed by {signal.Signals(-code).name}"
+  return f"exited with {code}"
+
+
+def supervise(procs: list[subprocess.Popen], heartbeat: int) -> int:
+  """Wait for every process; once one fails, give the others the heartbeat and a grace period
+  to stop by themselves, then kill them. Returns 0 if all succeeded, else 1 after printing
+  how each process ended."""
+  first_failure, deadline = None, None
+  while any(p.poll() is None for p in procs):
+    failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+    if failed and first_failure is None:
+      first_failure, deadline = failed[0], time.monotonic() + heartbeat + GRACE_SECONDS
+    if deadline is not None and time.monotonic() > deadline:
+      break
+    time.sleep(0.2)
+  codes = [p.poll() for p in procs]
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  if all(code == 0 for code in codes):
+    return 0
+  ends = "; ".join(f"process {i} {describe(code)}" for i, code in enumerate(codes))
+  print(f"launch: process {first_failure} failed first; {ends}", file=sys.stderr, flush=True)
+  return 1
+
+
+def parse(argv):
+  parser = argparse.ArgumentParser(
+      prog="python -m experiments.launch", description=__doc__.split("\n\n")[0],
+      usage="%(prog)s [options] -- <experiments.train arguments>")
+  parser.add_argument("--processes", type=int, default=2)
+  parser.add_argument("--devices-per-process", type=int, default=2)
+  parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+  parser.add_argument("--heartbeat-seconds", type=int,
+                      default=distributed.DEFAULT_HEARTBEAT_SECONDS)
+  if "--" not in argv:
+    parser.error("put the training arguments after --")
+  split = argv.index("--")
+  args = parser.parse_args(argv[:split])
+  for name in ("processes", "devices_per_process", "heartbeat_seconds"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  if args.port == 0:
+    args.port = free_port()
+  else:
+    try:
+      distributed.check_port_free(f"127.0.0.1:{args.port}")
+    except distributed.SetupError as e:
+      parser.error(str(e))
+  return args, argv[split + 1:]
+
+
+def main(argv=None) -> int:
+  args, train_args = parse(sys.argv[1:] if argv is None else argv)
+  procs = [subprocess.Popen([sys.executable, "-m", "experiments.train", *train_args],
+                            env=child_env(i, args),
+                            stdout=None if i == 0 else subprocess.DEVNULL)
+           for i in range(args.processes)]
+  try:
+    return supervise(procs, args.heartbeat_seconds)
+  except KeyboardInterrupt:
+    for p in procs:
+      p.send_signal(signal.SIGINT)
+    for p in procs:
+      p.wait()
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())
