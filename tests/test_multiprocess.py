@@ -48,9 +48,9 @@ def launch_command(workdir, *args, processes=2, devices=2):
           *args, "--workdir", str(workdir)]
 
 
-def launch(workdir, *args, check=True, timeout=600):
-  result = subprocess.run(launch_command(workdir, *args), cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def launch(workdir, *args, check=True, timeout=900, processes=2, devices=2):
+  result = subprocess.run(launch_command(workdir, *args, processes=processes, devices=devices),
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
   if check:
     assert result.returncode == 0, result.stderr[-3000:]
   return result
@@ -119,16 +119,17 @@ def test_encoder_decoder_on_two_processes_equals_one_device(dates_reference, tmp
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("mesh", [
-    ("--config.mesh.seq=4", "--config.mesh.seq_strategy=ring"),
-    ("--config.mesh.seq=4", "--config.mesh.seq_strategy=all_gather"),
-    ("--config.mesh.data=2", "--config.mesh.fsdp=2"),
-], ids=["ring", "all_gather", "fsdp"])
-def test_lm_with_the_sequence_or_fsdp_across_processes(mesh, lm_reference, tmp_path):
-  """lm:tiny with the sequence axis over all 4 devices of the 2 processes (the ring's ppermute
-  crosses the process boundary every step; all-gather gathers across it), and with FSDP over
-  data x fsdp: one device's losses and parameters."""
-  launch(tmp_path, *LM, *mesh)
+@pytest.mark.parametrize("processes, mesh", [
+    (4, ("--config.mesh.data=2", "--config.mesh.seq=2", "--config.mesh.seq_strategy=ring")),
+    (2, ("--config.mesh.seq=4", "--config.mesh.seq_strategy=all_gather")),
+    (2, ("--config.mesh.data=2", "--config.mesh.fsdp=2")),
+], ids=["data_x_seq_ring", "seq_all_gather", "data_x_fsdp"])
+def test_lm_with_the_sequence_or_fsdp_across_processes(processes, mesh, lm_reference, tmp_path):
+  """lm:tiny on 4 devices: data x seq = 2 x 2 over 4 processes of 1 device with the ring (its
+  ppermute crosses a process boundary every step, and so does the data axis), the sequence
+  over 2 processes x 2 devices with all-gather, and FSDP over data x fsdp: one device's losses
+  and parameters."""
+  launch(tmp_path, *LM, *mesh, processes=processes, devices=4 // processes)
   assert_same_rows(tmp_path, lm_reference)
   assert_same_params(tmp_path, lm_reference, lm.get_config("tiny"))
 
