@@ -8,7 +8,8 @@ platform's, staged with `lax.platform_dependent`: on 'cuda' flax_mha's Triton ke
 (`flax_mha.kernels.triton.make_block`) where it takes the step and may be staged (a process with
 a GPU, or `flax_mha.stage_accelerator_kernels()`), chunked's tiles (`flax_mha.kernels.chunked`)
 everywhere else. On 'tpu' too: splash's public API has no backward from a global lse, which
-the ring's backward needs.
+the ring's backward needs. An accelerator step that the mask terms hide entirely is skipped
+(`_unless_hidden`), as chunked skips hidden tiles.
 A loop of n - 1 steps each sends the visiting shard on before computing on it (the transfer
 reads the shard alone, not the step's compute, so XLA may overlap the two); the last shard is
 computed after the loop and sent nowhere: n - 1 hops, no conditional. No device ever holds more
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flax_mha import mods as mods_lib
 from flax_mha.kernels import _seqmods
 from flax_mha.kernels import _shared
 from flax_mha.kernels import registry
@@ -92,8 +94,10 @@ def _step_kernel(plan: _seqmods.Plan, which: str, q, k, v, mask, leaves):
            if _shared.stages_for(platform) and block.options_reason(call) is None}
   static = dict(scale=plan.scale, is_causal=False, block_q=plan.block(q.shape[1]),
                 block_k=plan.block(k.shape[1]))
-  run = lambda block: lambda *arrays, mask, mods: getattr(block, which)(
-      *arrays, mask=mask, mods=mods, **static)
+  def run(block):
+    fn = lambda *arrays, mask, mods: getattr(block, which)(*arrays, mask=mask, mods=mods,
+                                                          **static)
+    return fn if block is CHUNKED else _unless_hidden(fn, which)  # chunked skips its own tiles
   if not picks:
     return run(CHUNKED)
   if set(picks) == {"cpu"}:
@@ -105,6 +109,26 @@ def _step_kernel(plan: _seqmods.Plan, which: str, q, k, v, mask, leaves):
     fallback = lambda *a: run(CHUNKED)(*a[:-2], mask=a[-2], mods=a[-1])
     return lax.platform_dependent(*arrays, mask, mods, default=fallback, **branches)
   return staged
+
+
+def _unless_hidden(fn, which: str):
+  """A Block's `fn` run only where the step's mask terms leave some key of the visiting shard
+  visible to some query (`lax.cond` on one tile over the whole shard pair: a causal ring's
+  steps over future shards cost nothing); a hidden step gives what `fn` would: out 0 and lse
+  finfo.min forward, zero gradients backward."""
+  def run(*arrays, mask, mods):
+    t, s = arrays[0].shape[1], arrays[1].shape[1]
+    maybe, _ = mods.tile_map(mods_lib.make_tiles(t, s, t, s))
+    step = lambda *a: fn(*a, mask=mask, mods=mods)
+    shapes = jax.eval_shape(step, *arrays)
+    fill = lambda i, x: jnp.full(x.shape, _LOWEST if which == "forward" and i == 1 else 0,
+                                 x.dtype)
+    hidden = lambda *a: tuple(fill(i, x) for i, x in enumerate(shapes))
+    return lax.cond(jnp.asarray(maybe).reshape(()), step, hidden, *arrays)
+  return run
+
+
+_LOWEST = float(jnp.finfo(jnp.float32).min)
 
 
 def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):

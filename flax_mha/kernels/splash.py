@@ -103,9 +103,9 @@ def refuses(call: registry.Call) -> str | None:
 
 
 NOT_STAGED = ("this process has no TPU: None stages splash here only inside "
-               "flax_mha.stage_accelerator_kernels() (for jax.export), since its masks' block "
-               "tables are built in NumPy while tracing (O(T·S) work per static shape) and every "
-               "CPU call traces the 'tpu' branch too")
+              "flax_mha.stage_accelerator_kernels() (for jax.export), since its masks' block "
+              "tables are built in NumPy while tracing (O(T·S) work per static shape) and every "
+              "CPU call traces the 'tpu' branch too")
 
 
 def block_sizes(t: int, s: int, segmented: bool, block_q: int | None = None,

@@ -50,8 +50,8 @@ MIN_BLOCK = 16  # Triton's dot takes tiles of at least 16 in each dimension
 CUSTOM_CALL = "__gpu$xla.gpu.triton"  # what a lowering for 'cuda' holds: Triton's custom call
 
 NOT_STAGED = ("this process has no CUDA GPU: None stages the Triton kernel here only inside "
-               "flax_mha.stage_accelerator_kernels() (for jax.export), since every CPU call "
-               "traces the 'cuda' branch too")
+              "flax_mha.stage_accelerator_kernels() (for jax.export), since every CPU call "
+              "traces the 'cuda' branch too")
 
 
 def options_reason(call: registry.Call) -> str | None:
