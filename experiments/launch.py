@@ -89,15 +89,19 @@ def parse(argv):
   parser = argparse.ArgumentParser(
       prog="python -m experiments.launch", description=__doc__.split("\n\n")[0],
       usage="%(prog)s [options] -- <experiments.train arguments>")
-  parser.add_argument("--processes", type=int, default=2)
-  parser.add_argument("--devices-per-process", type=int, default=2)
-  parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+  parser.add_argument("--processes", type=int, default=2, help="processes to start (2)")
+  parser.add_argument("--devices-per-process", type=int, default=2,
+                      help="emulated CPU devices of each (2)")
+  parser.add_argument("--port", type=int, default=0,
+                      help="the coordinator's port on 127.0.0.1 (0: a free one)")
   parser.add_argument("--heartbeat-seconds", type=int,
-                      default=distributed.DEFAULT_HEARTBEAT_SECONDS)
-  if "--" not in argv:
+                      default=distributed.DEFAULT_HEARTBEAT_SECONDS,
+                      help="a process silent this long ends the others "
+                           f"({distributed.DEFAULT_HEARTBEAT_SECONDS})")
+  split = argv.index("--") if "--" in argv else len(argv)
+  args = parser.parse_args(argv[:split])  # --help too
+  if split == len(argv):
     parser.error("put the training arguments after --")
-  split = argv.index("--")
-  args = parser.parse_args(argv[:split])
   for name in ("processes", "devices_per_process", "heartbeat_seconds"):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -20,6 +20,7 @@ import pytest
 
 from configs import dates, lm
 from experiments import checkpoints, distributed, metrics, train
+from experiments import launch as launch_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATES = ("--config", "configs/dates.py:tiny")
@@ -181,6 +182,23 @@ def test_settings_are_checked_by_name():
       distributed.settings(env | change)
   with pytest.raises(distributed.SetupError, match="FLAX_MHA_COORDINATOR must be too"):
     distributed.settings({distributed.NUM_PROCESSES: "2", distributed.PROCESS_ID: "0"})
+
+
+def test_launcher_arguments(capsys):
+  args, rest = launch_lib.parse(["--processes", "3", "--", "--config", "c.py", "--workdir", "w"])
+  assert (args.processes, args.devices_per_process, rest) == (3, 2, ["--config", "c.py",
+                                                                     "--workdir", "w"])
+  assert 0 < args.port < 65536  # a free one was picked
+  env = launch_lib.child_env(2, args)
+  assert env[distributed.PROCESS_ID] == "2" and env[distributed.NUM_PROCESSES] == "3"
+  assert env["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=2")
+  for argv, message in ((["--processes", "2"], "put the training arguments after --"),
+                        (["--processes", "0", "--", "x"], "--processes must be >= 1, got 0")):
+    with pytest.raises(SystemExit):
+      launch_lib.parse(argv)
+    assert message in capsys.readouterr().err
+  assert launch_lib.describe(-9) == "killed by SIGKILL"
+  assert launch_lib.describe(1) == "exited with 1"
 
 
 @pytest.mark.integration
