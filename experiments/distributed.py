@@ -10,7 +10,7 @@ arguments and JAX finds the coordinator itself, as it documents.
 What the runner does differently with several processes (`experiments.train`): every process
 builds the same global batch (a pure function of seed and step) and hands the runtime only the
 rows its own devices hold (`global_batch`); every process saves and restores checkpoints
-together (orbax); evaluation runs on the parameters gathered to each host (`to_host`), so each
+together (orbax); evaluation runs on the parameters gathered to each host (`local`), so each
 process computes the same figures; only process 0 (`is_primary`) writes metrics, TensorBoard,
 plots and the summary.
 """
@@ -119,11 +119,11 @@ def global_batch(batch: dict, sharding) -> dict:
           for name, x in batch.items()}
 
 
-def to_host(tree):
-  """`tree`'s arrays as NumPy arrays of their global value in every process (a gather across
-  processes where there are several)."""
+def local(tree):
+  """`tree` as each process can compute with it on its own: unchanged in one process; with
+  several, NumPy arrays of the global values, gathered into every process."""
   if jax.process_count() == 1:
-    return jax.device_get(tree)
+    return tree
   return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 

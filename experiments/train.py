@@ -268,7 +268,7 @@ def train_loop(runner: Runner, state: TrainState, train_seconds: float, step_fn,
         postfix["tok/s"] = f"{window_tokens / elapsed:.0f}"
         window_tokens = 0
       if evaluate:
-        eval_metrics = runner.evaluate(distributed.to_host(state.params))
+        eval_metrics = runner.evaluate(distributed.local(state.params))
         writer.write(step, eval_metrics)
         postfix["exact"] = f"{eval_metrics['eval/exact_match']:.3f}"
       if save:
@@ -304,7 +304,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           runner, state, train_seconds, step_fn, manager, writer)
     finally:
       writer.close()
-  params = distributed.to_host(state.params)
+  params = distributed.local(state.params)
   if not eval_metrics:  # restarted after the last step: report the restored state
     eval_metrics = runner.evaluate(params)
   summary = {
