@@ -35,6 +35,7 @@ SLOW_MODULES = ("experiments.train", "experiments.bench.training", "experiments.
 # Cited commands that need what a smoke run cannot make up, tested by their own test instead.
 TESTED_ELSEWHERE = {
     "experiments.generate": "a trained workdir: tests/test_generate_command.py trains one and runs it",
+    "experiments.launch": "several processes training: tests/test_multiprocess.py runs it",
 }
 # Options (each with a value) that a module's --smoke run ignores, as its --help says.
 SMOKE_IGNORES = {"experiments.bench.attention": ("--ds", "--ns", "--json")}
