@@ -270,3 +270,27 @@ def test_loop_bounds_are_the_tiles_the_index_terms_leave_visible(options):
     check(spec.kv_range(i, s // bk), tiles_seen[i])
   for j in range(s // bk):
     check(spec.q_range(j, t // bq), tiles_seen[:, j])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("transform", ["vmap", "scan", "checkpoint"])
+def test_interpreted_under_transforms_with_grad(transform):
+  """Under vmap (over an extra leading axis), lax.scan over two layers and jax.checkpoint,
+  values and gradients equal the oracle's under the same transform."""
+  q, k, v = _inputs(S)
+  options = dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV)
+
+  def composed(implementation):
+    attend = _attention(implementation, False, options)
+    if transform == "vmap":
+      return lambda q, k, v: jax.vmap(attend)(*(jnp.stack([x, -x]) for x in (q, k, v)))
+    if transform == "checkpoint":
+      return jax.checkpoint(attend)
+    def layers(q, k, v):  # two layers: each one's output is the next one's query
+      step = lambda x, _: (attend(x, k, v[..., :K]), None)
+      return jax.lax.scan(step, q, None, length=2)[0]
+    return layers
+
+  got = output_and_grads(composed(INTERPRETED), q, k, v)
+  want = output_and_grads(composed("reference"), q, k, v, jit=False)
+  chex.assert_trees_all_close(got, want, atol=5e-6, rtol=5e-6)
