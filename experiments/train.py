@@ -221,7 +221,7 @@ class StepFn:
     if self.layout:  # on the host: every [B, L] array of the batch in the layout's token order
       batch = {name: to_layout_order(x, self.layout, self.mesh.shape[sharding.SEQ_AXIS])
                for name, x in batch.items()}
-    # Each process hands over the rows its devices hold (all of them in one process).
+    # With several processes, each hands over the rows its devices hold.
     batch = distributed.global_batch(batch, sharding.batch_sharding(self.mesh, ndim=2))
     return self._in_mesh(self.jitted, state, batch)
 

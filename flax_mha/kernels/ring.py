@@ -121,14 +121,11 @@ def _unless_hidden(fn, which: str):
     maybe, _ = mods.tile_map(mods_lib.make_tiles(t, s, t, s))
     step = lambda *a: fn(*a, mask=mask, mods=mods)
     shapes = jax.eval_shape(step, *arrays)
-    fill = lambda i, x: jnp.full(x.shape, _LOWEST if which == "forward" and i == 1 else 0,
-                                 x.dtype)
+    fill = lambda i, x: jnp.full(x.shape, triton.tiles.LOWEST if which == "forward" and i == 1
+                                 else 0, x.dtype)
     hidden = lambda *a: tuple(fill(i, x) for i, x in enumerate(shapes))
     return lax.cond(jnp.asarray(maybe).reshape(()), step, hidden, *arrays)
   return run
-
-
-_LOWEST = float(jnp.finfo(jnp.float32).min)
 
 
 def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
