@@ -12,7 +12,9 @@ different lengths needs no left padding. Attention over the cache is attention w
 hidden. A step of a few tokens over a full cache attends over the smallest power-of-two prefix
 of slots that holds every filled one (a `lax.switch` over static prefixes: no loop, so the
 cache updates in place inside a decoding loop), so it costs what is filled, not the capacity;
-a long prefill goes through `dot_product_attention`'s dispatch (chunked skips empty tiles).
+on 'cuda' the step is the Triton decode kernel (`flax_mha.kernels.triton_decode`, staged as
+`implementation=None` stages the Triton kernel), which reads each row's filled blocks in place.
+A long prefill goes through `dot_product_attention`'s dispatch (chunked skips empty tiles).
 
 Two layouts, by what a layer attends to:
 - full (window None): slot = position; writing at or past the capacity raises, never
@@ -38,13 +40,17 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from flax_mha import _options
 from flax_mha import checks
 from flax_mha import paged
+from flax_mha.kernels import _shared
+from flax_mha.kernels import triton_decode
 from flax_mha.attention import attention_head_major, dot_product_attention
 
 
@@ -192,27 +198,57 @@ def _prefixes(capacity: int) -> list[int]:
 
 
 def _attend_step(query_BTHK, cache: KVCache, positions_BT, extra_kv=None, **options):
-  """A few tokens over the cache, head-major and dense over the filled prefix (see above);
-  `extra_kv` = (keys [B, G, T, K], values, positions [B, T]) of a rolling cache's chunk."""
+  """A few tokens over the cache, head-major: on 'cuda' the Triton decode kernel where it takes
+  the step (it reads the filled blocks in place), elsewhere dense over the filled prefix (see
+  above); `extra_kv` = (keys [B, G, T, K], values, positions [B, T]) of a rolling cache's chunk."""
+  mask = options.pop("mask", None)
+  dtype = query_BTHK.dtype
+  operands = (query_BTHK, cache.key.astype(dtype), cache.value.astype(dtype), cache.positions)
+  dense = functools.partial(_dense_step, positions_BT=positions_BT, extra_kv=extra_kv, mask=mask,
+                            options=options)
+  if not _shared.stages_for("cuda"):
+    return dense(*operands)
+  keys, values, kv_pos = _with_chunk(operands[1:], extra_kv)
+  opts = {k: v for k, v in options.items() if k not in ("scale", "dropout_rate", "dropout_rng")}
+  b, t, h, k_dim = query_BTHK.shape
+  mods, _ = _options.build((b,), t, kv_pos.shape[1], h, dtype, True, q_positions=positions_BT,
+                           kv_positions=kv_pos, **opts)
+  checks.check_scale(options.get("scale"))
+  scale = options.get("scale")
+  scale = 1.0 / math.sqrt(k_dim) if scale is None else float(scale)
+  refused = triton_decode.reason(query_BTHK, keys.shape[1], k_dim, values.shape[-1], mods,
+                                 mask=mask, dropout_rate=options.get("dropout_rate", 0.0))
+  kernel = lambda q, *_: triton_decode.cache_attention(q, keys, values, mods, scale)
+  return triton_decode.on_cuda(refused, kernel, dense, *operands)
+
+
+def _with_chunk(cache_kv, extra_kv):
+  """(keys, values, positions) of the cache, with a rolling cache's chunk after its slots."""
+  if extra_kv is None:
+    return cache_kv
+  return tuple(jnp.concatenate([a, b], axis=axis) for a, b, axis in zip(cache_kv, extra_kv,
+                                                                       (2, 2, 1)))
+
+
+def _dense_step(query_BTHK, keys, values, kv_pos, *, positions_BT, extra_kv, mask, options):
+  """The step dense over the smallest prefix of slots holding every filled one (a lax.switch
+  over static prefixes; a rolling cache with its chunk: all of it)."""
+  capacity = keys.shape[2]
+
   def over(size):
-    def attend(q, k, v, kv_pos, mask):
-      k, v, kv_pos = k[:, :, :size], v[:, :, :size], kv_pos[:, :size]
-      if extra_kv is not None:
-        k, v, kv_pos = (jnp.concatenate([a, b], axis=axis)
-                        for a, b, axis in zip((k, v, kv_pos), extra_kv, (2, 2, 1)))
-      mask = None if mask is None else mask[..., :size]
-      return attention_head_major(q, k, v, mask, is_causal=True, q_positions=positions_BT,
-                                  kv_positions=kv_pos, **options)
+    def attend(q, k, v, kv_pos):
+      k, v, kv_pos = _with_chunk((k[:, :, :size], v[:, :, :size], kv_pos[:, :size]), extra_kv)
+      return attention_head_major(q, k, v, None if mask is None else mask[..., :size],
+                                  is_causal=True, q_positions=positions_BT, kv_positions=kv_pos,
+                                  **options)
     return attend
 
-  mask = options.pop("mask", None)
-  sizes = _prefixes(cache.capacity) if extra_kv is None else [cache.capacity]
-  filled = jnp.max(jnp.where(cache.positions >= 0, jnp.arange(cache.capacity) + 1, 0))
-  index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), filled), len(sizes) - 1)
-  operands = (query_BTHK, cache.key.astype(query_BTHK.dtype),
-              cache.value.astype(query_BTHK.dtype), cache.positions, mask)
+  sizes = _prefixes(capacity) if extra_kv is None else [capacity]
+  operands = (query_BTHK, keys, values, kv_pos)
   if len(sizes) == 1:
     return over(sizes[0])(*operands)
+  filled = jnp.max(jnp.where(kv_pos >= 0, jnp.arange(capacity) + 1, 0))
+  index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), filled), len(sizes) - 1)
   return jax.lax.switch(index, [over(size) for size in sizes], *operands)
 
 

@@ -9,12 +9,14 @@ last T of them, at positions lengths[b] - T .. lengths[b] - 1, causal by default
 JAX's TPU `paged_attention`, the layout of `dot_product_attention`: pages replace S). A batch of
 sequences of very different lengths then holds memory for the tokens it has, rounded up to
 pages, not B x the longest. For a few queries the decode kernel walks each row's pages in
-place (`flax_mha.kernels.decode`); other implementations see the rows' pages gathered into a
+place (`flax_mha.kernels.decode`; on 'cuda' the Triton decode kernel,
+`flax_mha.kernels.triton_decode`); other implementations see the rows' pages gathered into a
 contiguous cache. Equal to `dot_product_attention` over that contiguous cache.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -25,6 +27,7 @@ from flax_mha import _options
 from flax_mha import checks
 from flax_mha.attention import dot_product_attention
 from flax_mha.kernels import decode
+from flax_mha.kernels import triton_decode
 
 # Up to this many queries per row, the decode kernel walks the pages in place; beyond (a long
 # prefill), the pages are gathered and the chunked kernel runs.
@@ -49,7 +52,8 @@ def paged_attention(query, k_pages, v_pages, lengths, page_indices, *, is_causal
     is_causal, scale, local_window_size, logit_soft_cap, sinks, sink_tokens, return_residual:
       as in `dot_product_attention` (positions: the rows' own).
     implementation: None (the decode kernel over the pages for up to PAGED_MAX_QUERIES queries,
-      else the pages gathered and the chunked kernel), "decode", or any implementation of
+      on 'cuda' the Triton decode kernel where it takes them; else the pages gathered and the
+      chunked kernel), "decode" (the XLA decode kernel everywhere), or any implementation of
       `dot_product_attention` over the gathered pages.
 
   Returns:
@@ -85,8 +89,12 @@ def attend_pages(query, k_pages, v_pages, page_indices, q_positions, kv_lengths,
     checks.check_scale(scale)
     scale = 1.0 / math.sqrt(k_dim) if scale is None else float(scale)
     cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, block_k=page)
-    out, lse_BHT = decode.paged(query, k_pages, v_pages, page_indices, kv_lengths, mods, cfg,
-                                cfg_bwd, decode.SPLITS)
+    refused = triton_decode.reason(query, k_pages.shape[2], k_dim, v_pages.shape[-1], mods,
+                                   block=page) if implementation is None else "decode asked"
+    out, lse_BHT = triton_decode.on_cuda(
+        refused, functools.partial(triton_decode.paged_attention, cfg=cfg, cfg_bwd=cfg_bwd),
+        functools.partial(decode.paged, cfg=cfg, cfg_bwd=cfg_bwd, splits=decode.SPLITS),
+        query, k_pages, v_pages, page_indices, kv_lengths, mods)
     lse_BTH = jax.lax.stop_gradient(lse_BHT.transpose(0, 2, 1))
     return (out, lse_BTH) if return_residual else out
   # Slots past a row's length are hidden; their values are zeroed too, so that whatever a

@@ -179,28 +179,38 @@ def make_attention(block_k: int | None = None, splits: int | None = None):
 attention = make_attention()
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def paged(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, splits):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def paged(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, splits,
+          paged_forward=None):
   """(out [B, T, H, V], lse [B, H, T]) over paged keys and values (see `forward`; cfg.block_k
   is the page size); the lse carries no gradient. Gradients reach the query, the pages and the
-  float leaves of `mods` (sinks, score tables)."""
+  float leaves of `mods` (sinks, score tables). `paged_forward`: another forward with
+  `forward`'s paged contract (a platform's kernel), None for this one."""
   del cfg_bwd
-  out, lse = forward(query, k_pages, v_pages, None, None, None, mods, cfg, splits, page_indices,
-                     lengths)
+  return _paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits,
+                        paged_forward)
+
+
+def _paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits,
+                   paged_forward):
+  if paged_forward is None:
+    paged_forward = lambda q, k, v, table, lengths, mods, cfg, splits: forward(
+        q, k, v, None, None, None, mods, cfg, splits, table, lengths)
+  out, lse = paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits)
   return out.astype(query.dtype), lse
 
 
-def _paged_fwd(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, splits):
+def _paged_fwd(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, splits,
+               paged_forward):
   del cfg_bwd
-  out, lse = forward(query, k_pages, v_pages, None, None, None, mods, cfg, splits, page_indices,
-                     lengths)
-  out = out.astype(query.dtype)
+  out, lse = _paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits,
+                            paged_forward)
   return (out, lse), (query, k_pages, v_pages, page_indices, lengths, mods, out, lse)
 
 
-def _paged_bwd(cfg, cfg_bwd, splits, residuals, cotangents):
+def _paged_bwd(cfg, cfg_bwd, splits, paged_forward, residuals, cotangents):
   """The chunked backward over the rows' pages gathered in order, scattered back to the pools."""
-  del cfg, splits
+  del cfg, splits, paged_forward
   query, k_pages, v_pages, page_indices, lengths, mods, out, lse = residuals
   b, n = page_indices.shape
   held = (jnp.arange(n * k_pages.shape[1]) < lengths[:, None])[:, :, None, None]

@@ -1,0 +1,288 @@
+"""The KV cache's decode step on NVIDIA GPUs: a split-key ("flash decoding") Pallas kernel on the
+Triton backend that reads the cache where it lies, what `flax_mha.cache` and
+`flax_mha.paged` stage for 'cuda'.
+
+One kernel instance takes one (row b, key/value head g, partition p): the T new queries of the
+H/G query heads that read head g form one tile of T·H/G rows (GQA: the cache is read once per
+key/value head, never repeated), and the row's key blocks up to its last filled slot are
+split into SPLITS contiguous partitions, each walked with an online softmax; the partitions
+(and the sinks, a partition of their own) are merged by log-sum-exp outside the kernel. The
+keys are read in place in either layout:
+  - a contiguous cache, head-major [B, G, S, K]: blocks of BLOCK slots of the row's head;
+  - pages [P, page, G, K] with a page table [B, n]: one page per block, found in the table.
+Visibility compares positions (one `mods.Positions` term: causality, a window, sink tokens;
+an empty slot holds -1 and is hidden, its value read as 0); the logit soft cap and the sinks
+are applied too. Anything else (a dense mask, `mask_mod`/`score_mod`, segment ids, dropout)
+is refused by `reason`, and the caller keeps its XLA step.
+
+The backward (a custom VJP) is the chunked kernel's from the output and its lse, over the
+keys in the API layout; decoding rarely needs it, so it is simple rather than fast. The
+settings (BLOCK, SPLITS) are not tuned: no GPU has run this code. `interpret=True` runs the
+kernel in Pallas interpret mode on any platform (the tests' CPU check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flax_mha import mods as mods_lib
+from flax_mha.kernels import _shared
+from flax_mha.kernels import _triton_tiles as tiles
+from flax_mha.kernels import chunked
+from flax_mha.kernels import decode
+from flax_mha.kernels import triton
+
+BLOCK = 64  # slots per key block of a contiguous cache (a setting, not tuned)
+SPLITS = 8  # partitions of each row's keys, run in parallel (a setting, not tuned)
+MAX_ROWS = 256  # T · H/G query rows of one key/value head: one tile
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """The static facts of one call (hashable)."""
+  rows: int  # query rows per key/value head, T · H/G padded to a power of two >= 16
+  bk: int  # keys per block (a page when paged)
+  scale: float
+  positions: tuple  # (causal, window, sink_tokens) of the Positions term
+  scores: tuple  # mods.SoftCap terms
+  paged: bool
+  splits: int
+  interpret: bool
+
+
+def reason(query_BTHK, g: int, k_dim: int, v_dim: int, mods, *, mask=None, dropout_rate=0.0,
+           block: int | None = None) -> str | None:
+  """Why the decode kernel cannot take this step of queries [B, T, H, K] over G key/value heads
+  (None: it can). `block`: the page size of a paged cache, None for a contiguous one."""
+  query = query_BTHK
+  if query.dtype not in triton.DTYPES:
+    return f"the Triton decode kernel takes float32, bfloat16 or float16, got {query.dtype}"
+  if max(k_dim, v_dim) > triton.MAX_HEAD_DIM:
+    return f"the Triton decode kernel takes head dims up to {triton.MAX_HEAD_DIM}"
+  if mask is not None or dropout_rate:
+    return "the Triton decode kernel takes no dense mask and no dropout"
+  t, h = query.shape[1:3]
+  if t * (h // g) > MAX_ROWS:
+    return f"the Triton decode kernel takes T·H/G <= {MAX_ROWS} query rows, got {t * (h // g)}"
+  if block is not None and (block < triton.MIN_BLOCK or block & (block - 1)):
+    return f"the Triton decode kernel takes pages of a power of two >= 16 tokens, got {block}"
+  positions = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
+  others = [m for m in (*mods.masks, *mods.scores)
+            if not isinstance(m, (mods_lib.Positions, mods_lib.SoftCap))]
+  if len(positions) != 1 or others:
+    return ("the Triton decode kernel takes one set of positions, a soft cap and sinks, not "
+            + ", ".join(type(m).__name__ for m in others or positions))
+  return None
+
+
+def _kernel(*refs, spec: Spec):
+  """One (b, g, partition): an online softmax over the partition's share of the row's blocks."""
+  if spec.paged:
+    q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, count_ref, table_ref, o_ref, lse_ref = refs
+  else:
+    q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, count_ref, o_ref, lse_ref = refs
+  bk, part = spec.bk, pl.program_id(2)
+  count = count_ref[0]
+  per = tiles._ceil_div(count, spec.splits)
+  lo = part * per
+  hi = jnp.minimum(lo + per, count)
+  q, q_pos = q_ref[...], q_pos_ref[...]
+  term = mods_lib.Positions(None, None, *spec.positions)
+  terms = mods_lib.Mods(scores=spec.scores)
+
+  def load(j):
+    if spec.paged:
+      page = table_ref[pl.ds(j, 1)]
+      return (k_ref[page].reshape(bk, k_ref.shape[-1]),
+              v_ref[page].reshape(bk, v_ref.shape[-1]))
+    keys = pl.ds(j * bk, bk)
+    return k_ref[keys, :], v_ref[keys, :]
+
+  def step(j, carry):
+    acc, m, l = carry
+    k, v = load(j)
+    kv_pos = kv_pos_ref[pl.ds(j * bk, bk)]
+    v = jnp.where((kv_pos >= 0)[:, None], v, 0)  # an empty slot's stale value never reaches a row
+    logits = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * spec.scale
+    scores = terms.score(logits, None, None, None, None)
+    visible = term.visible_at(q_pos[:, None], kv_pos[None, :]) & (scores > -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, tiles.LOWEST), axis=1))
+    p = tiles._weights(scores, visible, m_new)
+    correction = jnp.exp(m - m_new)
+    acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+    return acc, m_new, l * correction + jnp.sum(p, axis=1)
+
+  init = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full((spec.rows,), tiles.LOWEST, jnp.float32),
+          jnp.zeros((spec.rows,), jnp.float32))
+  acc, m, l = lax.fori_loop(lo, hi, step, init)
+  seen = l > 0
+  o_ref[...] = acc / jnp.where(seen, l, 1.0)[:, None]
+  lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), tiles.LOWEST)
+
+
+def _partitions(spec: Spec, q_BGRK, k, v, q_pos_BR, kv_pos_BS, count_B, table=None):
+  """(out [B, G, splits, R, V] float32, lse [B, G, splits, R]) of every partition."""
+  b, g, r, kp = q_BGRK.shape
+  vp, s = v.shape[-1], kv_pos_BS.shape[1]
+  row = lambda n: pl.BlockSpec((None, n), lambda b, g, p: (b, 0))
+  if spec.paged:  # the whole pool of head g: the kernel picks its pages from the table
+    pool = lambda dim: pl.BlockSpec((k.shape[0], spec.bk, None, dim), lambda b, g, p: (0, 0, g, 0))
+    kv_specs = [pool(kp), pool(vp)]
+  else:  # the row's head g, every slot: the kernel reads only the blocks it visits
+    cache = lambda dim: pl.BlockSpec((None, None, s, dim), lambda b, g, p: (b, g, 0, 0))
+    kv_specs = [cache(kp), cache(vp)]
+  in_specs = [pl.BlockSpec((None, None, r, kp), lambda b, g, p: (b, g, 0, 0)), *kv_specs,
+              row(r), row(s), row(1)]
+  operands = [q_BGRK, k, v, q_pos_BR, kv_pos_BS, count_B[:, None]]
+  if spec.paged:
+    in_specs.append(row(table.shape[1]))
+    operands.append(table)
+  return pl.pallas_call(
+      functools.partial(_kernel, spec=spec), grid=(b, g, spec.splits), in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, None, None, r, vp), lambda b, g, p: (b, g, p, 0, 0)),
+                 pl.BlockSpec((None, None, None, r), lambda b, g, p: (b, g, p, 0))],
+      out_shape=[jax.ShapeDtypeStruct((b, g, spec.splits, r, vp), jnp.float32),
+                 jax.ShapeDtypeStruct((b, g, spec.splits, r), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=spec.interpret, name="flax_mha_flash_decode")(*operands)
+
+
+def _merge(out_p, lse_p, sinks, t: int, h: int):
+  """The partitions (and the sinks) merged: (out [B, T, H, V] float32, lse [B, H, T])."""
+  b, g, _, r, vp = out_p.shape
+  rep = h // g
+  if sinks is not None:  # one more partition: one entry, value 0 (row t·rep + i: head g·rep + i)
+    sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(g, 1, rep), (1, r // rep, 1))
+    sink_rows = jnp.pad(sink_rows.reshape(g, -1), ((0, 0), (0, r - r // rep * rep)),
+                        constant_values=tiles.LOWEST)
+    lse_p = jnp.concatenate([lse_p, jnp.broadcast_to(sink_rows[None, :, None], (b, g, 1, r))], 2)
+    out_p = jnp.concatenate([out_p, jnp.zeros_like(out_p[:, :, :1])], 2)
+  top = jnp.max(lse_p, axis=2)
+  lse = top + jnp.log(jnp.sum(jnp.exp(lse_p - top[:, :, None]), axis=2))
+  lse = jnp.where(top == tiles.LOWEST, tiles.LOWEST, lse)  # a row that saw nothing
+  out = jnp.sum(jnp.exp(lse_p - lse[:, :, None])[..., None] * out_p, axis=2)  # [B, G, R, V]
+  out = out[:, :, :t * rep].reshape(b, g, t, rep, vp).transpose(0, 2, 1, 3, 4)
+  lse = lse[:, :, :t * rep].reshape(b, g, t, rep).transpose(0, 1, 3, 2).reshape(b, h, t)
+  return out.reshape(b, t, h, vp), lse
+
+
+def _rows(query_BTHK, q_pos_BT, g: int):
+  """The queries as [B, G, R, Kp] tiles (row t·rep + i: head g·rep + i at step t) and their
+  positions [B, R] (-1 on the padding rows)."""
+  b, t, h, k = query_BTHK.shape
+  rep = h // g
+  r = triton._pow2(t * rep)
+  q = query_BTHK.reshape(b, t, g, rep, k).transpose(0, 2, 1, 3, 4).reshape(b, g, t * rep, k)
+  q = triton._pad(triton._pad(q, 2, r), 3, triton._pow2(k))
+  q_pos = jnp.repeat(jnp.broadcast_to(q_pos_BT, (b, t)).astype(jnp.int32), rep, axis=1)
+  return q, triton._pad(q_pos, 1, r, -1)
+
+
+def _spec(mods, scale, rows: int, bk: int, paged: bool, interpret: bool) -> Spec:
+  (term,) = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
+  return Spec(rows, bk, float(scale), (term.causal, term.window, term.sink_tokens),
+              tuple(mods.scores), paged, SPLITS, interpret)
+
+
+def _visited_blocks(kv_pos_BS, bk: int):
+  """Key blocks per row up to its last filled slot [B] (empty slots: -1)."""
+  s = kv_pos_BS.shape[1]
+  filled = jnp.max(jnp.where(kv_pos_BS >= 0, jnp.arange(s, dtype=jnp.int32) + 1, 0), axis=1)
+  return ((filled + bk - 1) // bk).astype(jnp.int32)
+
+
+def _cache_forward(query, key_BGSK, value_BGSV, mods, scale, interpret):
+  b, t, h, k_dim = query.shape
+  (term,) = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
+  g, s = key_BGSK.shape[1], key_BGSK.shape[2]
+  bk = min(BLOCK, triton._pow2(s))
+  sp = -(-s // bk) * bk
+  dims = lambda x: triton._pad(triton._pad(x, 2, sp), 3, triton._pow2(x.shape[-1]))
+  kv_pos = triton._pad(jnp.broadcast_to(term.kv_pos, (b, s)).astype(jnp.int32), 1, sp, -1)
+  q, q_pos = _rows(query, term.q_pos, g)
+  spec = _spec(mods, scale, q.shape[2], bk, False, interpret)
+  out_p, lse_p = _partitions(spec, q, dims(key_BGSK), dims(value_BGSV), q_pos, kv_pos,
+                             _visited_blocks(kv_pos, bk))
+  out, lse = _merge(out_p, lse_p, mods.sinks, t, h)
+  return out[..., :value_BGSV.shape[-1]].astype(query.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _cache_attention(query, key_BGSK, value_BGSV, mods, scale, cfg_bwd, interpret):
+  return _cache_forward(query, key_BGSK, value_BGSV, mods, scale, interpret)
+
+
+def _cache_fwd(query, key_BGSK, value_BGSV, mods, scale, cfg_bwd, interpret):
+  out, lse = _cache_forward(query, key_BGSK, value_BGSV, mods, scale, interpret)
+  return (out, lse), (query, key_BGSK, value_BGSV, mods, out, lse)
+
+
+def _cache_bwd(scale, cfg_bwd, interpret, residuals, cotangents):
+  """The chunked backward over the keys in the API layout, given back head-major."""
+  del scale, interpret
+  query, key_BGSK, value_BGSV, mods, out, lse = residuals
+  api = lambda x: x.transpose(0, 2, 1, 3)
+  dq, dk, dv, _, _, _, dmods = chunked.attention_bwd(
+      cfg_bwd, (query, api(key_BGSK), api(value_BGSV), None, None, None, mods, out, lse),
+      cotangents)
+  return dq, api(dk), api(dv), dmods
+
+
+_cache_attention.defvjp(_cache_fwd, _cache_bwd)
+
+
+def cache_attention(query_BTHK, key_BGSK, value_BGSV, mods, scale: float, *,
+                    interpret: bool = False):
+  """A few queries [B, T, H, K] over a contiguous head-major cache ([B, G, S, K], [B, G, S, V])
+  whose positions are `mods`' Positions term (see the module docstring): [B, T, H, V]. The
+  cache is read in place when S is a multiple of the block and K, V are powers of two >= 16,
+  otherwise padded (a copy)."""
+  t, s, k_dim = query_BTHK.shape[1], key_BGSK.shape[2], query_BTHK.shape[-1]
+  _, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, BLOCK)
+  out, _ = _cache_attention(query_BTHK, key_BGSK, value_BGSV, mods, float(scale), cfg_bwd,
+                            interpret)
+  return out
+
+
+def _paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits,
+                   interpret=False):
+  """`decode.forward`'s paged contract by the kernel: (out [B, T, H, V], lse [B, H, T])."""
+  del splits
+  b, t, h, _ = query.shape
+  g, page = k_pages.shape[2], k_pages.shape[1]
+  s = page_indices.shape[1] * page
+  kv_pos = jnp.where(jnp.arange(s) < lengths[:, None], jnp.arange(s), -1).astype(jnp.int32)
+  (term,) = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
+  q, q_pos = _rows(query, term.q_pos, g)
+  spec = _spec(mods, cfg.scale, q.shape[2], page, True, interpret)
+  dims = lambda x: triton._pad(x, 3, triton._pow2(x.shape[-1]))
+  out_p, lse_p = _partitions(spec, q, dims(k_pages), dims(v_pages), q_pos, kv_pos,
+                             _visited_blocks(kv_pos, page), page_indices.astype(jnp.int32))
+  out, lse = _merge(out_p, lse_p, mods.sinks, t, h)
+  return out[..., :v_pages.shape[-1]], lse
+
+
+def paged_attention(query_BTHK, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, *,
+                    interpret: bool = False):
+  """`decode.paged` (same arguments, results and backward) with the kernel's forward: each
+  row's pages read in place through its page table."""
+  forward = functools.partial(_paged_forward, interpret=interpret)
+  return decode.paged(query_BTHK, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd,
+                      SPLITS, forward)
+
+
+def on_cuda(refused: str | None, kernel, xla, *operands):
+  """`kernel(*operands)` on 'cuda' and `xla(*operands)` elsewhere, staged by
+  `lax.platform_dependent` as `implementation=None` stages the Triton kernel (a process with a
+  CUDA GPU, or `flax_mha.stage_accelerator_kernels()`); just `xla` when the kernel `refused`
+  (a reason) or is not staged."""
+  if refused is not None or not _shared.stages_for("cuda"):
+    return xla(*operands)
+  return lax.platform_dependent(*operands, default=xla, cuda=kernel)
