@@ -6,6 +6,8 @@ layout and fusion choices for XLA:CPU (the oracle-vs-xla speed is a column of
 - the scale multiplies the query [T, K] rather than the logits [T, S] when nothing else touches
   the logits (XLA:CPU fuses a logit scale into a mask or bias pass, not into the product);
 - plain multi-head attention (G == H) uses a 4-d product rather than the grouped 5-d one;
+- the plain softmax has its own JVP, from the weights alone (jax.nn.softmax's keeps exp(x - max)
+  and its sum for the backward, which splits the forward into four passes over the logits);
 - the masked softmax has its own JVP and zeroes hidden entries and empty rows inside its passes;
 - the weights-times-values product keeps the weights' head-major order, transposed after.
 Good for small problems; memory is quadratic in T·S (`flax_mha.kernels.chunked` is linear).
@@ -54,6 +56,22 @@ def attention_logits(query_BTHK, key, bias, scale, *, scale_query: bool = False,
   if bias is not None:
     logits_BHTS = logits_BHTS + bias.astype(dtype)
   return logits_BHTS
+
+
+@jax.custom_jvp
+def plain_softmax(logits):
+  """The softmax over the last axis with nothing hidden: one pass XLA:CPU fuses with the
+  product before it (max, exp, sum, scale), and a JVP from the weights alone (jax.nn.softmax
+  differentiates exp(x - max) / sum, which keeps both for the backward and splits the pass)."""
+  unnormalised = jnp.exp(logits - lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+  return unnormalised / jnp.sum(unnormalised, axis=-1, keepdims=True)
+
+
+@plain_softmax.defjvp
+def _plain_softmax_jvp(primals, tangents):
+  weights = plain_softmax(*primals)
+  (dot,) = tangents
+  return weights, weights * (dot - jnp.sum(weights * dot, axis=-1, keepdims=True))
 
 
 @jax.custom_jvp
@@ -113,7 +131,7 @@ def _weights_and_lse(query, key, bias, mask, *, is_causal, scale, dropout_rate, 
     mods, plain = mods_lib.with_causal(mods, is_causal), False
     logits_BHTS, visible = mods_lib.dense(logits(), mask, mods)
   if plain:
-    weights_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
+    weights_BHTS = plain_softmax(logits_BHTS)
     lse_BHT = jax.nn.logsumexp(logits_BHTS, axis=-1) if return_residual else None
   else:
     sinks_col = None if sinks is None else sinks.astype(logits_BHTS.dtype)[:, None, None]

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.test_util import check_grads
 
+from flax_mha.kernels import xla
 from flax_mha.kernels.xla import masked_softmax
 
 
@@ -32,3 +33,18 @@ def test_masked_softmax_equals_softmax_of_visible_entries_and_zeroes_hidden_rows
     sinks = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float64)[:, None, None]  # one per head
     check_grads(lambda x, s: masked_softmax(x, visible, s), (logits64, sinks), order=2,
                 modes=["fwd", "rev"])
+
+
+def test_plain_softmax_equals_jax_nn_with_its_own_jvp():
+  """The plain path's softmax (its JVP from the weights alone, so the forward stays one pass):
+  jax.nn.softmax's values and gradients, to second order in both modes; large logits finite."""
+  logits = jax.random.normal(jax.random.key(5), (2, 3, 5, 7)) * 3
+  np.testing.assert_allclose(xla.plain_softmax(logits), jax.nn.softmax(logits, axis=-1),
+                             rtol=1e-6)
+  assert np.all(np.isfinite(xla.plain_softmax(logits.at[0, 0, 0].set(1e30))))
+  with jax.enable_x64(True):
+    fn = lambda x: xla.plain_softmax(x) * jnp.arange(7.0)
+    check_grads(fn, (logits.astype(jnp.float64),), order=2, modes=["fwd", "rev"])
+    want = jax.grad(lambda x: jnp.sum(jnp.sin(jax.nn.softmax(x, axis=-1))))(logits)
+    got = jax.grad(lambda x: jnp.sum(jnp.sin(xla.plain_softmax(x))))(logits)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
