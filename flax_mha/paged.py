@@ -88,7 +88,7 @@ def attend_pages(query, k_pages, v_pages, page_indices, q_positions, kv_lengths,
                              kv_positions=kv_positions, **options)
     checks.check_scale(scale)
     scale = 1.0 / math.sqrt(k_dim) if scale is None else float(scale)
-    cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, block_k=page)
+    cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, block_k=decode.paged_block(page, n))
     refused = triton_decode.reason(query, k_pages.shape[2], k_dim, v_pages.shape[-1], mods,
                                    block=page) if implementation is None else "decode asked"
     out, lse_BHT = triton_decode.on_cuda(
@@ -157,4 +157,5 @@ def _check_pages(query, k_pages, v_pages, page_indices) -> None:
     raise ValueError(f"page_indices must be integer [B, n] with B={query.shape[0]}, got "
                      f"{getattr(page_indices, 'dtype', None)} "
                      f"{tuple(getattr(page_indices, 'shape', ()))}")
+
 

@@ -11,11 +11,13 @@ Parts:
              step (experiments.lm.generate_by_recompute); tokens/s, and the tokens must agree.
   eval       with --workdir (a trained `configs/lm.py` run): the held-out evaluation's greedy
              answers by each path, their exact match and seconds.
-  serving    16 prompts of 16 to 2048 tokens (geometric) asking 16 to 256 new tokens each:
-             continuous batching over a paged cache (flax_mha.models.serving.serve, 4 rows,
-             pages of 16 tokens) against static batching (groups of 4 padded to their
-             longest); tokens/s, and the cache's bytes: the pages in use at the peak against
-             the tokens held then, and against 4 rows x the longest request.
+  serving    16 prompts of 16 to 2048 tokens (geometric, in order) asking 16 to 256 new tokens
+             each: continuous batching over a paged cache (flax_mha.models.serving.serve, 4
+             rows, pages of 16 tokens, its on-device loop with chunked prefill) against static
+             batching (groups of 4 padded to their longest); tokens/s, and the cache's bytes:
+             the pages in use at the peak against the tokens held then, and against 4 rows x
+             the longest request. Then 12 prompts of 16 to 2048 tokens, shuffled, asking 16 to
+             512 new tokens: lengths that differ within a static group.
 Each path runs once untimed (compilation), then the timed runs alternate; medians.
 """
 
@@ -131,38 +133,58 @@ def _recompute_decoder(runner):
   return decode
 
 
-def serving_part(smoke: bool, runs: int) -> list[str]:
-  vocab, rows, page = 64, 4, 16
-  model, params = _model(vocab, smoke)
-  rng = np.random.default_rng(0)
-  count, longest = (6, 64) if smoke else (16, 2048)
+def _mix(vocab: int, count: int, longest: int, most_new: int, shuffle: bool, seed: int):
+  """Prompts of 16 to `longest` tokens (geometric, in order or shuffled) asking 16 to
+  `most_new` new tokens each (shuffled)."""
+  rng = np.random.default_rng(seed)
   lengths = np.geomspace(16, longest, count).astype(int)
-  limits = np.geomspace(16, 16 if smoke else 256, count).astype(int)[rng.permutation(count)]
-  prompts = [rng.integers(3, vocab, n).astype(np.int32) for n in lengths]
-  per_row = -(-(lengths.max() + limits.max()) // page)
-  num_pages = rows * per_row
+  lengths = lengths[rng.permutation(count)] if shuffle else lengths
+  limits = np.geomspace(16, most_new, count).astype(int)[rng.permutation(count)]
+  return [rng.integers(3, vocab, n).astype(np.int32) for n in lengths], [int(n) for n in limits]
+
+
+def _batched(model, params, prompts, limits, rows: int, page: int, runs: int):
+  """(lines of the timing table, ServeStats) of continuous against static batching."""
+  per_row = -(-max(len(p) + n for p, n in zip(prompts, limits)) // page)
   fns = {"continuous (paged)": lambda: serving.serve(
-             model, params, prompts, list(limits), batch_size=rows, page_size=page,
-             num_pages=num_pages),
+             model, params, prompts, limits, batch_size=rows, page_size=page,
+             num_pages=rows * per_row),
          "static (padded groups)": lambda: serving.serve_static(
-             model, params, prompts, list(limits), batch_size=rows)}
+             model, params, prompts, limits, batch_size=rows)}
   out = _timed(fns, runs)
   (t_cont, (got_cont, stats)), (t_static, (got_static, _)) = out.values()
   assert got_cont == got_static, "continuous and static batching answered differently"
   new_tokens = sum(map(len, got_cont))
+  lengths = [len(p) for p in prompts]
+  return [f"{len(prompts)} prompts of {min(lengths)} to {max(lengths)} tokens, {min(limits)} "
+          f"to {max(limits)} new tokens each ({new_tokens} in all), {rows} rows:", "",
+          "| batching | seconds (median) | tokens/s |", "|---|---|---|",
+          f"| continuous, paged | {t_cont:.2f} | {new_tokens / t_cont:.1f} |",
+          f"| static | {t_static:.2f} | {new_tokens / t_static:.1f} |", "",
+          f"Continuous / static tokens/s: {t_static / t_cont:.2f}x.", ""], stats
+
+
+def serving_part(smoke: bool, runs: int) -> list[str]:
+  vocab, rows, page = 64, 4, 16
+  model, params = _model(vocab, smoke)
+  prompts, limits = _mix(vocab, 6 if smoke else 16, 64 if smoke else 2048,
+                         16 if smoke else 256, False, 0)
+  lines, stats = _batched(model, params, prompts, limits, rows, page, runs)
+  varied = _mix(vocab, 6 if smoke else 12, 64 if smoke else 2048, 16 if smoke else 512, True,
+                1)
+  lines += ["The same with the prompts shuffled, so that a static group pads to a long prompt and "
+            "runs to its longest request:", "",
+            *_batched(model, params, *varied, rows, page, runs)[0]]
   cfg = model.config
   bytes_per_token = 2 * cfg.num_kv_heads * (cfg.d_model // cfg.num_heads) * 4
   global_layers = sum(not cfg.is_local(i) for i in range(cfg.num_layers))
   peak_bytes = stats.peak_pages * page * bytes_per_token * global_layers
   held = stats.peak_tokens * bytes_per_token * global_layers
   in_pages = stats.peak_tokens_in_pages * bytes_per_token * global_layers
-  contiguous = rows * (lengths.max() + limits.max()) * bytes_per_token * global_layers
-  return [f"{count} prompts of {lengths.min()} to {lengths.max()} tokens, {limits.min()} to "
-          f"{limits.max()} new tokens each ({new_tokens} in all), {rows} rows:", "",
-          "| batching | seconds (median) | tokens/s |", "|---|---|---|",
-          f"| continuous, paged | {t_cont:.2f} | {new_tokens / t_cont:.1f} |",
-          f"| static | {t_static:.2f} | {new_tokens / t_static:.1f} |", "",
-          f"Continuous / static tokens/s: {t_static / t_cont:.2f}x.", "",
+  longest = max(len(p) + n for p, n in zip(prompts, limits))
+  contiguous = rows * longest * bytes_per_token * global_layers
+  return [*lines,
+          "The first mix's cache, at the peak of pages in use:", "",
           "| global layers' cache at the peak | bytes | vs tokens held, rounded up to pages "
           "| vs tokens held |", "|---|---|---|---|",
           f"| pages in use ({stats.peak_pages} x {page} tokens) | {peak_bytes:,} | "
@@ -187,8 +209,8 @@ def main():
   sections = {"cached": lambda: cached(*sizes, runs, args.smoke),
               "eval": lambda: evaluation(args.workdir, runs, args.smoke),
               "serving": lambda: serving_part(args.smoke, runs)}
-  timing.write_report("Generation (CPU, float32)", "python -m experiments.bench.generation", parts, sections,
-                      args.out, args.smoke)
+  timing.write_report("Generation (CPU, float32)", "python -m experiments.bench.generation",
+                      parts, sections, args.out, args.smoke)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ from flax_mha.kernels import registry
 # 2-core CPU in float32 (`python -m experiments.bench.decode --part sweep` re-runs it).
 BLOCK_K = 512
 SPLITS = 2
+# Keys per block over pages (whole pages): a loop trip per page of 16 tokens made serving's
+# decode steps 1.25x slower on `python -m experiments.bench.generation --part serving` than
+# blocks of 64-256 keys (level with each other there).
+PAGED_BLOCK_K = 64
 
 
 def _visit_order(ctx):
@@ -55,7 +59,8 @@ def forward(q, k, v, bias, mask, rng, mods, cfg: chunked.Config, splits: int,
 
   k, v: the cache [B, S, G, K] and [B, S, G, V]; or, with `page_indices` [B, n] (paged: row b's
   positions j·page .. (j+1)·page - 1 live in page page_indices[b, j]) and `lengths` [B], the
-  page pools [pages, page, G, K] and [pages, page, G, V], cfg.block_k being the page size.
+  page pools [pages, page, G, K] and [pages, page, G, V], cfg.block_k a multiple of the page
+  size (`paged_block`).
   """
   if page_indices is None:
     b, s, g, _ = k.shape
@@ -75,11 +80,17 @@ def forward(q, k, v, bias, mask, rng, mods, cfg: chunked.Config, splits: int,
       return x.reshape(b, tl.n_k, tl.bk, g, x.shape[-1])
     k_blocks, v_blocks = blocked(k), blocked(v)
     fetch = lambda j: (k_blocks[:, j], v_blocks[:, j])
-  else:  # a block is a page: each row's j-th page, gathered from the pools; values past a
-    # row's length zeroed (hidden already: whatever a reused page holds cannot leak as 0 · NaN)
+  else:  # a block is cfg.block_k / page pages: each row's j-th run of pages, gathered from the
+    # pools; values past a row's length zeroed (hidden already: whatever a reused page holds
+    # cannot leak as 0 · NaN)
+    per_block = tl.bk // page
+    table = jnp.pad(page_indices, ((0, 0), (0, tl.n_k * per_block - n_pages)))
+
     def fetch(j):
+      pages = lax.dynamic_slice_in_dim(table, j * per_block, per_block, axis=1)  # [B, m]
+      gather = lambda pool: pool[pages].reshape(b, tl.bk, *pool.shape[2:])
       held = (j * tl.bk + jnp.arange(tl.bk) < lengths[:, None])[:, :, None, None]
-      return k[page_indices[:, j]], jnp.where(held, v[page_indices[:, j]], 0)
+      return gather(k), jnp.where(held, gather(v), 0)
   order, count = _visit_order(ctx)
 
   def one(carry, j, live):
@@ -143,6 +154,12 @@ def _attention_bwd(cfg, cfg_bwd, splits, residuals, cotangents):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def paged_block(page: int, n_pages: int) -> int:
+  """The key block of a paged call: whole pages, as many as fit BLOCK_K (at least one; a block
+  of one small page costs a loop trip for a few keys)."""
+  return page * max(1, min(n_pages, PAGED_BLOCK_K // page))
 
 
 def configs(scale, dropout_rate, t: int, s: int, k: int, block_k: int, is_causal: bool = False,

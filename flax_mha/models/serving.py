@@ -1,12 +1,15 @@
 """Serving many prompts of different lengths: continuous batching over a paged KV cache.
 
-`serve` keeps `batch_size` rows busy: a prompt is admitted into a free row as soon as one frees
-up, prefilled alone (its own length, no padding to the longest), and then generates with the
-other rows one token a step. The global layers' keys and values live in a shared pool of pages
-(`flax_mha.cache.PagedKVCache`): a row takes a page when its length crosses a page boundary and
-gives its pages back when it finishes, so the pool holds what the live rows hold, rounded up to
-pages; the local layers keep rolling caches of their window. The host does the bookkeeping
-(which row owns which pages) between jitted steps.
+`serve` keeps `batch_size` rows busy, as one compiled program: a `lax.while_loop` whose every
+trip admits waiting prompts into free rows, feeds one row's prompt a piece (chunked prefill:
+at most `prefill_chunk` tokens, the last piece in the smallest of a few sizes that holds it),
+and runs one decode step for every row past its prompt. So a long prompt enters between decode
+steps and no running row waits for a whole prefill, and the host hands over the prompts and
+takes the tokens once, with no round trip per token. The global layers' keys and values live
+in a shared pool of pages (`flax_mha.cache.PagedKVCache`): a row takes pages off a free stack
+(on the device) as its length crosses page boundaries and puts them back when it finishes, so
+the pool holds what the live rows hold, rounded up to pages; the local layers keep rolling
+caches of their window.
 
 `serve_static`, the baseline: groups of `batch_size` prompts padded to the group's longest,
 each group running until its longest request is done (`flax_mha.models.decoding.generate`).
@@ -19,11 +22,11 @@ refuse an empty prompt and ids outside the vocabulary [0, C), C the size of the 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,14 +62,6 @@ def _with_table(cache, table):
   return _map_layers(lambda c: c, lambda c: dataclasses.replace(c, page_indices=table), cache)
 
 
-def _reset_row(cache, row):
-  """Row `row` emptied: no position held, length 0 (its old pages are the host's to reuse)."""
-  def kv(c):
-    return dataclasses.replace(c, positions=c.positions.at[row].set(-1),
-                               length=c.length.at[row].set(0))
-  return _map_layers(kv, lambda c: dataclasses.replace(c, length=c.length.at[row].set(0)), cache)
-
-
 def _take_row(cache, row):
   """The batch-1 view of row `row` (the paged layers keep the whole pool)."""
   one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)
@@ -91,45 +86,200 @@ def _put_row(cache, row, row_cache):
   return tuple(one(c, r) for c, r in zip(cache, row_cache))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(2,))
-@cache_lib.caller_makes_room  # serve checks the pool and hands out the pages
-def _prefill(model, params, cache, table, tokens_1L, length, row, sampler, rng, request):
-  """Row `row` takes a prompt (tokens [1, L] padded past `length`): its first new token."""
-  cache = _reset_row(_with_table(cache, table), row)
-  ar = jnp.arange(tokens_1L.shape[1], dtype=jnp.int32)
-  positions = jnp.where(ar < length, ar, -1)[None]
-  logits, row_cache = model.apply(params, tokens_1L, _take_row(cache, row), positions,
-                                  method="logits")
-  token = sampler(logits[:, length - 1], jax.random.fold_in(rng, 2 * request))[0]
-  return token, _put_row(cache, row, row_cache)
+def _reset_rows(cache, rows_B):
+  """The rows `rows_B` (bool [B]) emptied: no position held, length 0 (their old pages are
+  back on the free stack)."""
+  zero = lambda length: jnp.where(rows_B, 0, length)
+  def kv(c):
+    return dataclasses.replace(c, positions=jnp.where(rows_B[:, None], -1, c.positions),
+                               length=zero(c.length))
+  return _map_layers(kv, lambda c: dataclasses.replace(c, length=zero(c.length)), cache)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2,))
-@cache_lib.caller_makes_room
-def _step(model, params, cache, table, tokens_B, active_B, sampler, rng, step):
-  """One token for every active row (inactive rows: position -1, nothing written)."""
-  cache = _with_table(cache, table)
-  positions = jnp.where(active_B, cache_lib.next_positions(cache[0], 1)[:, 0], -1)[:, None]
-  logits, cache = model.apply(params, tokens_B[:, None], cache, positions,
-                              method="logits")
-  return sampler(logits[:, 0], jax.random.fold_in(rng, 2 * step + 1)), cache
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """The static facts of a serving program."""
+  model: Any
+  sampler: Any
+  stop_tokens: tuple
+  chunk: int  # prompt tokens a prefill step feeds
+  page_size: int
+  batch_size: int
+  num_pages: int
+  pages_per_row: int  # the table's width
+  max_new_tokens: int  # the output buffer's width
 
 
-def _bucket(length: int) -> int:
-  """The padded prompt length a prefill compiles for: the next power of two (few shapes)."""
-  return 1 << max(4, (length - 1).bit_length())
+def _pop_pages(s, want_BP):
+  """Each True of want_BP [B, pages per row] takes a page off the free stack into the table."""
+  flat = want_BP.reshape(-1)
+  rank = (jnp.cumsum(flat) - 1).reshape(want_BP.shape)
+  pages = s["free"][jnp.clip(s["n_free"] - 1 - rank, 0, s["free"].shape[0] - 1)]
+  return dict(s, table=jnp.where(want_BP, pages, s["table"]), n_free=s["n_free"] - flat.sum())
+
+
+def _push_pages(s, give_BP):
+  """Each True of give_BP [B, pages per row] puts that table entry back on the free stack."""
+  flat = give_BP.reshape(-1)
+  slot = jnp.where(flat, s["n_free"] + jnp.cumsum(flat) - 1, s["free"].shape[0])
+  free = s["free"].at[slot].set(s["table"].reshape(-1), mode="drop")
+  return dict(s, free=free, n_free=s["n_free"] + flat.sum())
+
+
+def _owning(s, page: int, held_B):
+  """[B, pages per row]: the table entries that rows holding held_B tokens own."""
+  return jnp.arange(s["table"].shape[1]) < -(-held_B[:, None] // page)
+
+
+def _note_peak(s, page: int):
+  """The peak of pages in use, and the tokens held then."""
+  in_use = s["free"].shape[0] - s["n_free"]
+  held = jnp.where(s["req"] >= 0, s["length"], 0)
+  higher = in_use > s["peak"][0]
+  now = jnp.stack([in_use, held.sum(), (-(-held // page) * page).sum()])
+  return dict(s, peak=jnp.where(higher, now, s["peak"]))
+
+
+def _emit(s, rows_B, tokens_B, limits, stop, page: int):
+  """Rows rows_B emit tokens_B: written out, counted; a row at its limit or a stop token ends
+  and gives its pages back."""
+  req = jnp.where(rows_B, s["req"], s["out"].shape[0])
+  out = s["out"].at[req, s["gen"]].set(tokens_B, mode="drop")
+  gen = s["gen"] + rows_B
+  done = rows_B & ((gen >= limits[jnp.maximum(s["req"], 0)]) | jnp.isin(tokens_B, stop))
+  s = dict(s, out=out, gen=gen, token=jnp.where(rows_B, tokens_B, s["token"]))
+  s = _push_pages(s, _owning(s, page, s["length"]) & done[:, None])
+  return dict(s, req=jnp.where(done, -1, s["req"]))
+
+
+def _admit(s, n_requests):
+  """Every free row takes the next waiting request (in order)."""
+  idle = s["req"] < 0
+  new = s["next"] + jnp.cumsum(idle) - 1
+  take = idle & (new < n_requests)
+  zero = lambda x: jnp.where(take, 0, x)
+  return dict(s, req=jnp.where(take, new, s["req"]), next=s["next"] + take.sum(),
+              fed=zero(s["fed"]), length=zero(s["length"]), gen=zero(s["gen"]),
+              cache=_reset_rows(s["cache"], take))
+
+
+def _chunks(chunk: int) -> tuple:
+  """The prefill step's sizes: `chunk` and the powers of 4 from 16 below it (a prompt's last
+  piece takes the smallest that holds it, so short prompts are not padded to `chunk`)."""
+  sizes, size = [], 16
+  while size < chunk:
+    sizes.append(size)
+    size *= 4
+  return (*sizes, chunk)
+
+
+def _prefill(plan, params, s, prompts, lengths, limits, stop, rng):
+  """The oldest row still reading its prompt feeds its next piece (at most `chunk` tokens); a
+  row that reads its last one samples its first new token."""
+  reading = (s["req"] >= 0) & (s["fed"] < lengths[jnp.maximum(s["req"], 0)])
+  row = jnp.argmin(jnp.where(reading, s["req"], jnp.iinfo(jnp.int32).max))
+  req, start = s["req"][row], s["fed"][row]
+  count = jnp.minimum(plan.chunk, lengths[req] - start)
+  is_row = jnp.arange(s["req"].shape[0]) == row
+  s = _pop_pages(s, is_row[:, None] & _owning(s, plan.page_size, start + count * is_row)
+                 & ~_owning(s, plan.page_size, s["length"]))
+
+  def feed(size):
+    def run(cache):
+      tokens = jax.lax.dynamic_slice_in_dim(prompts[req], start, size)[None]
+      ar = jnp.arange(size, dtype=jnp.int32)
+      positions = jnp.where(ar < count, start + ar, -1)[None]
+      logits, row_cache = plan.model.apply(params, tokens, _take_row(cache, row), positions,
+                                           method="logits")
+      return logits[:, count - 1], _put_row(cache, row, row_cache)
+    return run
+
+  sizes = _chunks(plan.chunk)
+  index = jnp.searchsorted(jnp.asarray(sizes), count)  # the smallest size >= count
+  last, cache = jax.lax.switch(index, [feed(size) for size in sizes],
+                               _with_table(s["cache"], s["table"]))
+  s = dict(s, cache=cache, fed=s["fed"] + count * is_row, length=s["length"] + count * is_row)
+  s = _note_peak(s, plan.page_size)
+  first = plan.sampler(last, jax.random.fold_in(rng, 2 * req))[0]
+  read = is_row & (s["fed"] >= lengths[req])
+  return _emit(s, read, jnp.full_like(s["token"], first), limits, stop, plan.page_size)
+
+
+def _decode(plan, params, s, lengths, limits, stop, rng):
+  """One token for every row past its prompt (the others: position -1, nothing written)."""
+  writing = (s["req"] >= 0) & (s["fed"] >= lengths[jnp.maximum(s["req"], 0)])
+  s = _pop_pages(s, writing[:, None] & _owning(s, plan.page_size, s["length"] + 1)
+                 & ~_owning(s, plan.page_size, s["length"]))
+  cache = _with_table(s["cache"], s["table"])
+  positions = jnp.where(writing, s["length"], -1)[:, None]
+  logits, cache = plan.model.apply(params, s["token"][:, None], cache, positions,
+                                   method="logits")
+  s = dict(s, cache=cache, length=s["length"] + writing, step=s["step"] + 1)
+  s = _note_peak(s, plan.page_size)
+  new = plan.sampler(logits[:, 0], jax.random.fold_in(rng, 2 * s["step"] + 1))
+  return _emit(s, writing, new, limits, stop, plan.page_size)
+
+
+def _start(plan, params, n_requests_padded: int):
+  """The loop's state before the first request: an empty pool, every page free, rows idle."""
+  rows = lambda value: jnp.full((plan.batch_size,), value, jnp.int32)
+  return dict(
+      cache=plan.model.apply(params, plan.batch_size, plan.num_pages, plan.page_size,
+                             plan.pages_per_row, method="init_paged_cache"),
+      table=jnp.zeros((plan.batch_size, plan.pages_per_row), jnp.int32),
+      free=jnp.arange(plan.num_pages, dtype=jnp.int32)[::-1], n_free=jnp.int32(plan.num_pages),
+      req=rows(-1), fed=rows(0), length=rows(0), gen=rows(0), token=rows(0),
+      next=jnp.int32(0), step=jnp.int32(0),
+      out=jnp.zeros((n_requests_padded, plan.max_new_tokens), jnp.int32),
+      peak=jnp.zeros((3,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+@cache_lib.caller_makes_room  # the pool holds every live row's pages (checked by serve)
+def _serve(plan, params, prompts, lengths, limits, n_requests, rng):
+  """The whole continuous-batching loop as one program: admit, one prefill chunk, one decode
+  step, until every request is done; (tokens [R, N], peak [3])."""
+  stop = jnp.asarray(plan.stop_tokens, jnp.int32)
+  s = _start(plan, params, prompts.shape[0])
+
+  def body(s):
+    s = _admit(s, n_requests)
+    reading = (s["req"] >= 0) & (s["fed"] < lengths[jnp.maximum(s["req"], 0)])
+    s = jax.lax.cond(reading.any(), lambda s: _prefill(plan, params, s, prompts, lengths,
+                                                       limits, stop, rng), lambda s: s, s)
+    writing = (s["req"] >= 0) & (s["fed"] >= lengths[jnp.maximum(s["req"], 0)])
+    return jax.lax.cond(writing.any(), lambda s: _decode(plan, params, s, lengths, limits, stop,
+                                                         rng), lambda s: s, s)
+
+  s = jax.lax.while_loop(lambda s: (s["next"] < n_requests) | (s["req"] >= 0).any(), body, s)
+  return s["out"], s["peak"]
+
+
+# The most prompt tokens one trip of the loop feeds: the faster of 256, 512 and 1024 on
+# `python -m experiments.bench.generation --part serving` (512 and 1024 level; 256 slower).
+PREFILL_CHUNK = 512
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
 
 
 def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size: int,
-          num_pages: int, stop_tokens=(), sampler=decoding.Greedy(), rng=None):
+          num_pages: int, prefill_chunk: int = PREFILL_CHUNK, stop_tokens=(),
+          sampler=decoding.Greedy(), rng=None):
   """Continuous batching (see the module docstring): (new tokens per prompt, ServeStats).
 
   prompts: sequences of token ids; max_new_tokens: an int or one per prompt. The pool must
-  hold the live rows: num_pages >= batch_size · pages of the longest request.
+  hold the live rows: num_pages >= batch_size · pages of the longest request. prefill_chunk:
+  the most prompt tokens one trip feeds between two decode steps (larger: faster prefill,
+  longer waits for the running rows). Greedy tokens equal `decoding.generate`'s; a sampler
+  draws with keys folded from `rng` by request (first token) and by step (the others).
+  The stats' seconds include compilation on a first call with new shapes.
   """
   model, params = decoding.decodable(model, params)
-  checks.check_int("batch_size", batch_size)
-  checks.check_int("page_size", page_size)
+  for name, value in (("batch_size", batch_size), ("page_size", page_size),
+                      ("num_pages", num_pages), ("prefill_chunk", prefill_chunk)):
+    checks.check_int(name, value)
   prompts = _prompts(prompts, decoding.vocabulary(model, params, "init_paged_cache",
                                                   static=(1, 1, 1, 1)))
   limits = _limits(max_new_tokens, len(prompts))
@@ -138,59 +288,29 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
     raise ValueError(f"num_pages={num_pages} cannot hold {batch_size} rows of up to "
                      f"{pages_per_row} pages: pass at least {batch_size * pages_per_row}")
   rng = jax.random.key(0) if rng is None else rng
-  cache = model.apply(params, batch_size, num_pages, page_size, pages_per_row,
-                      method="init_paged_cache")
-  table = np.zeros((batch_size, pages_per_row), np.int32)
-  free = collections.deque(range(num_pages))
-  queue = collections.deque(range(len(prompts)))
-  rows = [None] * batch_size  # the request each row serves
-  outputs = [[] for _ in prompts]
-  tokens, active = np.zeros(batch_size, np.int32), np.zeros(batch_size, bool)
-  lengths = np.zeros(batch_size, np.int64)  # tokens each row holds
-  peak, peak_held, steps, start = 0, (0, 0), 0, time.perf_counter()
-
-  def finish(row, token):
-    request = rows[row]
-    outputs[request].append(int(token))
-    done = len(outputs[request]) >= limits[request] or int(token) in stop_tokens
-    if done:
-      owned = math.ceil(lengths[row] / page_size)
-      free.extend(int(p) for p in table[row, :owned])
-      rows[row], active[row] = None, False
-    return done
-
-  while queue or active.any():
-    for row in range(batch_size):  # admit into every free row
-      if rows[row] is not None or not queue:
-        continue
-      request = queue.popleft()
-      prompt = prompts[request]
-      owned = math.ceil(len(prompt) / page_size)
-      table[row, :owned] = [free.popleft() for _ in range(owned)]
-      padded = np.zeros((1, _bucket(len(prompt))), np.int32)
-      padded[0, :len(prompt)] = prompt
-      token, cache = _prefill(model, params, cache, table, padded, len(prompt), row, sampler,
-                              rng, request)
-      rows[row], lengths[row] = request, len(prompt)
-      if not finish(row, token):
-        tokens[row], active[row] = int(token), True
-    if not active.any():
-      continue
-    for row in np.flatnonzero(active):  # a row about to start a new page takes one
-      if lengths[row] % page_size == 0:
-        table[row, lengths[row] // page_size] = free.popleft()
-    if num_pages - len(free) > peak:  # the step writes one token per active row
-      held = lengths[active] + 1
-      peak = num_pages - len(free)
-      peak_held = int(held.sum()), int(np.sum(-(-held // page_size) * page_size))
-    new, cache = _step(model, params, cache, table, tokens, active, sampler, rng, steps)
-    new, steps = np.asarray(new), steps + 1
-    for row in np.flatnonzero(active):
-      lengths[row] += 1
-      if not finish(row, new[row]):
-        tokens[row] = new[row]
+  padded, lengths, limit_arr = _requests(prompts, limits, prefill_chunk)
+  plan = _Plan(model, sampler, tuple(int(t) for t in stop_tokens), prefill_chunk, page_size,
+               batch_size, num_pages, pages_per_row, _pow2(max(limits)))
+  start = time.perf_counter()
+  out, peak = (np.asarray(x) for x in _serve(plan, params, padded, lengths, limit_arr,
+                                              len(prompts), rng))
   seconds = time.perf_counter() - start
-  return outputs, ServeStats(sum(map(len, outputs)), seconds, peak, page_size, *peak_held)
+  outputs = [_until_stop(out[i, :limit], stop_tokens) for i, limit in enumerate(limits)]
+  return outputs, ServeStats(sum(map(len, outputs)), seconds, int(peak[0]), page_size,
+                             int(peak[1]), int(peak[2]))
+
+
+def _requests(prompts, limits, chunk: int):
+  """(prompts [R', W], lengths [R'], limits [R']) as the loop reads them: R' the number of
+  requests and W the prompt chunks rounded up to powers of two (few compiled shapes), plus one
+  chunk of room (a row's last piece may run past its prompt); the padding requests are empty."""
+  n, longest = len(prompts), max(map(len, prompts))
+  padded = np.zeros((_pow2(n), (_pow2(-(-longest // chunk)) + 1) * chunk), np.int32)
+  for i, prompt in enumerate(prompts):
+    padded[i, :len(prompt)] = prompt
+  pad = [0] * (len(padded) - n)
+  return (padded, np.array([len(p) for p in prompts] + pad, np.int32),
+          np.array(list(limits) + pad, np.int32))
 
 
 def serve_static(model, params, prompts, max_new_tokens, *, batch_size: int, stop_tokens=(),
