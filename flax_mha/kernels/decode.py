@@ -34,7 +34,7 @@ from flax_mha.kernels import registry
 BLOCK_K = 512
 SPLITS = 2
 # Keys per block over pages (whole pages): a loop trip per page of 16 tokens made serving's
-# decode steps 1.25x slower on `python -m experiments.bench.generation --part serving` than
+# decode steps 1.24x slower on `python -m experiments.bench.generation --part serving` than
 # blocks of 64-256 keys (level with each other there).
 PAGED_BLOCK_K = 64
 
@@ -157,8 +157,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def paged_block(page: int, n_pages: int) -> int:
-  """The key block of a paged call: whole pages, as many as fit BLOCK_K (at least one; a block
-  of one small page costs a loop trip for a few keys)."""
+  """The key block of a paged call: whole pages, as many as fit PAGED_BLOCK_K (at least one; a
+  block of one small page costs a loop trip for a few keys)."""
   return page * max(1, min(n_pages, PAGED_BLOCK_K // page))
 
 
@@ -200,7 +200,7 @@ attention = make_attention()
 def paged(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, splits,
           paged_forward=None):
   """(out [B, T, H, V], lse [B, H, T]) over paged keys and values (see `forward`; cfg.block_k
-  is the page size); the lse carries no gradient. Gradients reach the query, the pages and the
+  whole pages, `paged_block`); the lse carries no gradient. Gradients reach the query, the pages and the
   float leaves of `mods` (sinks, score tables). `paged_forward`: another forward with
   `forward`'s paged contract (a platform's kernel), None for this one."""
   del cfg_bwd

@@ -152,6 +152,11 @@ def _emit(s, rows_B, tokens_B, limits, stop, page: int):
   return dict(s, req=jnp.where(done, -1, s["req"]))
 
 
+def _reading(s, lengths):
+  """[B]: the rows still reading their prompts."""
+  return (s["req"] >= 0) & (s["fed"] < lengths[jnp.maximum(s["req"], 0)])
+
+
 def _admit(s, n_requests):
   """Every free row takes the next waiting request (in order)."""
   idle = s["req"] < 0
@@ -176,7 +181,7 @@ def _chunks(chunk: int) -> tuple:
 def _prefill(plan, params, s, prompts, lengths, limits, stop, rng):
   """The oldest row still reading its prompt feeds its next piece (at most `chunk` tokens); a
   row that reads its last one samples its first new token."""
-  reading = (s["req"] >= 0) & (s["fed"] < lengths[jnp.maximum(s["req"], 0)])
+  reading = _reading(s, lengths)
   row = jnp.argmin(jnp.where(reading, s["req"], jnp.iinfo(jnp.int32).max))
   req, start = s["req"][row], s["fed"][row]
   count = jnp.minimum(plan.chunk, lengths[req] - start)
@@ -207,7 +212,7 @@ def _prefill(plan, params, s, prompts, lengths, limits, stop, rng):
 
 def _decode(plan, params, s, lengths, limits, stop, rng):
   """One token for every row past its prompt (the others: position -1, nothing written)."""
-  writing = (s["req"] >= 0) & (s["fed"] >= lengths[jnp.maximum(s["req"], 0)])
+  writing = ~_reading(s, lengths) & (s["req"] >= 0)
   s = _pop_pages(s, writing[:, None] & _owning(s, plan.page_size, s["length"] + 1)
                  & ~_owning(s, plan.page_size, s["length"]))
   cache = _with_table(s["cache"], s["table"])
@@ -244,10 +249,10 @@ def _serve(plan, params, prompts, lengths, limits, n_requests, rng):
 
   def body(s):
     s = _admit(s, n_requests)
-    reading = (s["req"] >= 0) & (s["fed"] < lengths[jnp.maximum(s["req"], 0)])
+    reading = _reading(s, lengths)
     s = jax.lax.cond(reading.any(), lambda s: _prefill(plan, params, s, prompts, lengths,
                                                        limits, stop, rng), lambda s: s, s)
-    writing = (s["req"] >= 0) & (s["fed"] >= lengths[jnp.maximum(s["req"], 0)])
+    writing = ~_reading(s, lengths) & (s["req"] >= 0)
     return jax.lax.cond(writing.any(), lambda s: _decode(plan, params, s, lengths, limits, stop,
                                                          rng), lambda s: s, s)
 
