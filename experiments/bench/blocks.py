@@ -7,6 +7,7 @@ behind `flax_mha.kernels.chunked.default_blocks`, `flax_mha.kernels.rows`' TILE_
   python -m experiments.bench.blocks --masked [--quick] # rows vs chunked vs xla, masked
   python -m experiments.bench.blocks --sparse [--quick] # chunked vs xla, windows and caps
   python -m experiments.bench.blocks --windows [--quick] # rows' bands vs chunked, windows
+  python -m experiments.bench.blocks --products          # product speed by tile shape
 
 Float32, H=8, B·N = 4096, on this machine's CPU: for each (D, N, causal) the chunked kernel with
 square blocks of 128, 256 and 512 rows (forward+backward), or "rows" with forward tile budgets
@@ -20,7 +21,10 @@ and a soft cap (D = 32, 64, 128; N = 256, 384, 512), beside the share of its til
 visits (`flax_mha.kernels.chunked.visited_fraction`) and what None runs: the evidence for
 SMALL_LOGITS_SPARSE. --windows times, for causal and two-sided windows at N up to 16384 (B=1),
 rows with bands of 64, 128 and 256 query rows against chunked, forward+backward: the evidence
-for `rows.WINDOW_ROWS` and for where None runs rows under a window.
+for `rows.WINDOW_ROWS` and for where None runs rows under a window. --products times the
+logits product alone (Q·Kᵀ of [8, Q, 64] by [8, E, 64], in a loop of the same total logits) for
+the tiles rows' bands make (Q=128 rows over 128 + w keys) and for the square tiles chunked runs
+full and causal attention in: the throughput a window's share is measured against.
 """
 
 from __future__ import annotations
@@ -159,6 +163,28 @@ def window_sweep(ns, variants, runs=5, tokens=4096):
             f"{ms['rows 128'] / ms['chunked']:.2f}; None runs {picked}", flush=True)
 
 
+# (rows, keys) of the products: rows' bands for windows 128, 512 and 2048, chunked's 512² tile.
+PRODUCTS = ((128, 256), (128, 640), (128, 2176), (256, 512), (512, 512))
+
+
+def product_sweep(shapes, runs=5, logits=2**27, units=8, d=64):
+  """GFLOP/s of the logits product per tile shape, each in a scan over `logits` logits."""
+  for q_rows, keys in shapes:
+    trips = max(1, logits // (units * q_rows * keys))
+    rng = jax.random.split(jax.random.key(0))
+    q = jax.random.normal(rng[0], (trips, units, q_rows, d))
+    k = jax.random.normal(rng[1], (trips, units, keys, d))
+
+    def products(q, k):
+      step = lambda c, x: (c + jnp.einsum("uqd,usd->uqs", *x)[0, 0, 0], None)
+      return jax.lax.scan(step, jnp.zeros(()), (q, k))[0]
+
+    seconds = timing.median_seconds({"p": timing.blocking(products, q, k)}, runs)["p"]
+    flops = 2 * trips * units * q_rows * keys * d
+    print(f"[{units}, {q_rows}, {d}] x [{units}, {keys}, {d}]: {flops / seconds / 1e9:.1f} "
+          f"GFLOP/s ({trips} products)", flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   size = parser.add_mutually_exclusive_group()
@@ -170,7 +196,12 @@ def main():
   group.add_argument("--masked", action="store_true", help="rows/chunked/xla with mask and bias")
   group.add_argument("--sparse", action="store_true", help="chunked/xla with windows and caps")
   group.add_argument("--windows", action="store_true", help="rows' bands vs chunked, windows")
+  group.add_argument("--products", action="store_true", help="product speed by tile shape")
   args = parser.parse_args()
+  if args.products:
+    product_sweep(PRODUCTS[:1] if args.smoke else PRODUCTS, runs=1 if args.smoke else 9,
+                  logits=2**16 if args.smoke else 2**27)
+    return
   if args.windows:
     window_sweep((512,) if args.smoke else (1024, 4096) if args.quick else (1024, 4096, 16384),
                  ["causal window 128"] if args.smoke else list(WINDOWS),
