@@ -474,11 +474,14 @@ def test_unknown_config_key_raises(tmp_path):
 
 @pytest.mark.slow
 def test_copy_is_learned(tmp_path):
-  config = tiny_config(steps=400)
+  """The copy task is learned end to end. Its loss sits on a plateau (~0.54) before the model
+  finds the copy: seed 0 leaves it between steps 300 and 800 (exact match 0.80 at 400, 0.98 at
+  800; seeds 1 and 2: 0.98 and 0.91 at 400), so the run takes 800 steps."""
+  config = tiny_config(steps=800)
   config.model.update(d_model=64, d_ff=128)
   config.train.update(batch_size=64, peak_lr=3e-3, warmup_steps=50, log_every=100,
-                      checkpoint_every=400)
-  config.eval.update(every=400, num_examples=64, batch_size=64)
+                      checkpoint_every=800)
+  config.eval.update(every=800, num_examples=64, batch_size=64)
   summary = train.train_and_evaluate(config, str(tmp_path))
   assert summary["eval_exact_match"] > 0.9
   np.testing.assert_array_less(0.95, summary["eval_token_accuracy"])
