@@ -121,6 +121,43 @@ def test_paged_attention_equals_the_xla_decode(options, kernel_runs):
   chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-6)
 
 
+def _over_layers(fn):
+  """fn(q, k_pages, v_pages) summed over layers: a lax.scan over stacked [layers, ...] pools."""
+  def layers(q, k_layers, v_layers):
+    step = lambda total, kv: (total + fn(q, *kv), None)
+    zeros = jnp.zeros(q.shape[:-1] + (v_layers.shape[-1],), q.dtype)
+    return jax.lax.scan(step, zeros, (k_layers, v_layers))[0]
+  return layers
+
+
+# name -> (transform of fn(q, k_pages, v_pages), how its arguments are built from one case's)
+PAGED_TRANSFORMS = {
+    "vmap": (lambda f: jax.vmap(f, in_axes=(0, None, None)),
+             lambda q, k, v: (jnp.stack([q, -q]), k, v)),
+    "scan_over_layers": (_over_layers,
+                         lambda q, k, v: (q, jnp.stack([k, 0.5 * k]), jnp.stack([v, 2.0 * v]))),
+    "checkpoint": (jax.checkpoint, lambda q, k, v: (q, k, v)),
+}
+
+
+@pytest.mark.integration  # the kernel in interpret mode: ~3 s a case
+@pytest.mark.parametrize("transform", sorted(PAGED_TRANSFORMS))
+def test_paged_attention_under_transforms(transform, kernel_runs):
+  """The kernel under vmap (two queries over one pool), a scan over layers (a pool per layer)
+  and jax.checkpoint, jitted with gradients: as the XLA decode under the same transform."""
+  q, k_pages, v_pages, lengths, table = _paged_case()
+  wrap, arguments = PAGED_TRANSFORMS[transform]
+  fn = wrap(lambda q, k, v: flax_mha.paged_attention(q, k, v, lengths, table,
+                                                     local_window_size=(20, 0)))
+  args = arguments(q, k_pages, v_pages)
+  got = output_and_grads(fn, *args)
+  assert kernel_runs and set(kernel_runs) == {None}
+  with flax_mha.stage_accelerator_kernels(False):
+    want = output_and_grads(fn, *args)
+  assert bool(jnp.isfinite(got[0]).all())
+  chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.integration
 def test_bfloat16_pages():
   q, k_pages, v_pages, lengths, table = _paged_case(dtype=jnp.bfloat16, t=1)
