@@ -88,16 +88,19 @@ def _module(command: str) -> str:
   return command.split("python -m ")[1].split()[0]
 
 
-def _tiny(args: list[str], workdir: pathlib.Path) -> list[str]:
-  """`--config configs/x.py[:arg]` -> the config's tiny variant (`:tiny`, `:arg,tiny`);
-  `--workdir` -> `workdir`."""
+def _tiny(args: list[str], scratch: pathlib.Path) -> list[str]:
+  """`--config configs/x.py[:arg]` -> the config's tiny variant (`:tiny`, `:arg,tiny`; a
+  cited tiny one stays);
+  `--workdir W` -> a folder of `scratch` named after W (commands citing one workdir share it,
+  as a resumed run does; different ones do not)."""
   out = list(args)
   for i, word in enumerate(out[:-1]):
     if word == "--config":
       path, _, arg = out[i + 1].partition(":")
-      out[i + 1] = f"{path}:{arg},tiny" if arg else f"{path}:tiny"
+      if "tiny" not in arg.split(","):
+        out[i + 1] = f"{path}:{arg},tiny" if arg else f"{path}:tiny"
     elif word == "--workdir":
-      out[i + 1] = str(workdir)
+      out[i + 1] = str(scratch / "runs" / re.sub(r"\W", "_", out[i + 1]))
   return out
 
 
@@ -106,7 +109,7 @@ def smoke_argv(command: str, scratch: pathlib.Path) -> tuple[dict, list[str]]:
   words = shlex.split(command)
   env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S+", w))
   words = words[len(env):]
-  module, args = words[2], _tiny(words[3:], scratch / "run")
+  module, args = words[2], _tiny(words[3:], scratch)
   if module == "experiments.train":
     args += TRAIN_SMOKE
   else:
@@ -119,9 +122,11 @@ MODULES = sorted({_module(c) for c in COMMANDS} - set(TESTED_ELSEWHERE))
 
 
 def test_every_benchmark_is_cited():
-  """Each module of experiments/bench (but the timing and HLO helpers) has a cited command."""
+  """Each module of experiments/bench (but the timing, HLO and report helpers) has a cited
+  command."""
   bench = {f"experiments.bench.{p.stem}" for p in (REPO / "experiments" / "bench").glob("*.py")}
-  helpers = {"experiments.bench.__init__", "experiments.bench.timing", "experiments.bench.hlo_bytes"}
+  helpers = {"experiments.bench.__init__", "experiments.bench.timing",
+             "experiments.bench.hlo_bytes", "experiments.bench.attention_report"}
   missing = bench - helpers - set(MODULES)
   assert not missing, f"no command cited in README.md, docs/ or flax_mha/: {sorted(missing)}"
 
