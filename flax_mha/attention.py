@@ -340,7 +340,7 @@ def _checked(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
   the implementation)."""
   checks.check_qkv(query, key, value)
   checks.check_is_causal(is_causal)
-  checks.check_scale(scale)
+  scale = checks.checked_scale(scale, query.shape[-1])
   checks.check_dropout(dropout_rate, dropout_rng)
   *batch, t, h, k = query.shape
   s = key.shape[-3]
@@ -349,12 +349,9 @@ def _checked(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
     checks.check_broadcast("bias", bias, target, boolean=False)
   if mask is not None:
     checks.check_broadcast("mask", mask, target, boolean=True)
-  if scale is None:
-    scale = 1.0 / math.sqrt(k) if k else 1.0  # K = 0: every logit is 0 whatever the scale
   _options.check_names(options)
   mods, is_causal = _options.build(tuple(batch), t, s, h, query.dtype, is_causal, **options)
-  return (_flatten_batch(bias, batch), _flatten_batch(mask, batch), float(scale), mods,
-          is_causal)
+  return _flatten_batch(bias, batch), _flatten_batch(mask, batch), scale, mods, is_causal
 
 
 def attention_head_major(query_BTHK, key_BGSK, value_BGSV, mask=None, *, is_causal: bool = False,

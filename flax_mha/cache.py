@@ -40,7 +40,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -213,9 +212,7 @@ def _attend_step(query_BTHK, cache: KVCache, positions_BT, extra_kv=None, **opti
   b, t, h, k_dim = query_BTHK.shape
   mods, _ = _options.build((b,), t, kv_pos.shape[1], h, dtype, True, q_positions=positions_BT,
                            kv_positions=kv_pos, **opts)
-  checks.check_scale(options.get("scale"))
-  scale = options.get("scale")
-  scale = 1.0 / math.sqrt(k_dim) if scale is None else float(scale)
+  scale = checks.checked_scale(options.get("scale"), k_dim)
   refused = triton_decode.reason(query_BTHK, keys.shape[1], k_dim, values.shape[-1], mods,
                                  mask=mask, dropout_rate=options.get("dropout_rate", 0.0))
   kernel = lambda q, *_: triton_decode.cache_attention(q, keys, values, mods, scale)

@@ -167,6 +167,15 @@ def check_scale(scale) -> None:
     check_real("scale", scale)
 
 
+def checked_scale(scale, head_dim: int) -> float:
+  """`scale` checked (`check_scale`) as a float; None gives 1/sqrt(head_dim) (1.0 when
+  head_dim is 0: every logit is 0 whatever the scale)."""
+  check_scale(scale)
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+  return float(scale)
+
+
 def check_is_causal(is_causal) -> None:
   """is_causal is static: a Python bool."""
   if not isinstance(is_causal, (bool, np.bool_)):

@@ -17,7 +17,6 @@ contiguous cache. Equal to `dot_product_attention` over that contiguous cache.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -86,8 +85,7 @@ def attend_pages(query, k_pages, v_pages, page_indices, q_positions, kv_lengths,
     options.pop("dropout_rng", None)
     mods, _ = _options.build((b,), t, s, h, query.dtype, is_causal, q_positions=q_positions,
                              kv_positions=kv_positions, **options)
-    checks.check_scale(scale)
-    scale = 1.0 / math.sqrt(k_dim) if scale is None else float(scale)
+    scale = checks.checked_scale(scale, k_dim)
     cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, block_k=decode.paged_block(page, n))
     refused = triton_decode.reason(query, k_pages.shape[2], k_dim, v_pages.shape[-1], mods,
                                    block=page) if implementation is None else "decode asked"

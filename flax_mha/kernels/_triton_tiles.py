@@ -61,9 +61,9 @@ class Spec:
     lo, hi = _i32(0), _i32(nk)
     row_lo, row_end = i * self.bq, (i + 1) * self.bq
     if self.causal:
-      hi = jnp.minimum(hi, _ceil_div(row_end, self.bk))
+      hi = jnp.minimum(hi, ceil_div(row_end, self.bk))
     for left, right, sink_tokens in self.windows:  # keys below sink_tokens: seen by every row
-      hi = jnp.minimum(hi, _ceil_div(jnp.maximum(row_end + right, sink_tokens), self.bk))
+      hi = jnp.minimum(hi, ceil_div(jnp.maximum(row_end + right, sink_tokens), self.bk))
       if not sink_tokens:
         lo = jnp.maximum(lo, _div(jnp.maximum(row_lo - left, 0), self.bk))
     return lo, hi
@@ -78,7 +78,7 @@ class Spec:
       first = _div(jnp.maximum(key_lo - right, 0), self.bq)
       lo = jnp.maximum(lo, jnp.where(key_lo < sink_tokens, 0, first))
       if not sink_tokens:
-        hi = jnp.minimum(hi, _ceil_div(key_end + left, self.bq))
+        hi = jnp.minimum(hi, ceil_div(key_end + left, self.bq))
     return lo, hi
 
 
@@ -91,7 +91,8 @@ def _div(a, n: int):
   return lax.div(_i32(a), _i32(n))
 
 
-def _ceil_div(a, n: int):
+def ceil_div(a, n: int):
+  """ceil(a / n) of int32 scalars inside a kernel."""
   return _div(_i32(a) + (n - 1), n)
 
 
@@ -137,7 +138,7 @@ class _Tile:
     return (scores, visible, slope) if with_derivative else (scores, visible)
 
 
-def _weights(scores, visible, lse):
+def tile_weights(scores, visible, lse):
   """exp(score - lse) where visible, 0 elsewhere (no inf on either branch)."""
   return jnp.where(visible, jnp.exp(jnp.where(visible, scores - lse[:, None], 0.0)), 0.0)
 
@@ -165,7 +166,7 @@ def _forward_kernel(*refs, spec: Spec):
     k, v = k_ref[keys, :], v_ref[keys, :]
     scores, visible = tile.scores(q, k, i * bq, j * bk, slice(None), keys)
     m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, LOWEST), axis=1))
-    p = _weights(scores, visible, m_new)
+    p = tile_weights(scores, visible, m_new)
     correction = jnp.exp(m - m_new)
     acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
     return acc, m_new, l * correction + jnp.sum(p, axis=1)
@@ -191,7 +192,7 @@ def _dq_kernel(*refs, spec: Spec):
     keys = pl.ds(j * bk, bk)
     k, v = k_ref[keys, :], v_ref[keys, :]
     scores, visible, slope = tile.scores(q, k, i * bq, j * bk, slice(None), keys, True)
-    p = _weights(scores, visible, lse)
+    p = tile_weights(scores, visible, lse)
     dp = plgpu.dot(do, v, trans_b=True).astype(jnp.float32)
     ds = p * (dp - delta[:, None])
     ds = ds if slope is None else jnp.where(visible, ds * slope, 0.0)
@@ -220,7 +221,7 @@ def _dkv_kernel(*refs, spec: Spec):
     rows = pl.ds(i * bq, bq)
     q, do = q_ref[rows, :], do_ref[rows, :]
     scores, visible, slope = tile.scores(q, k, i * bq, j * bk, rows, slice(None), True)
-    p = _weights(scores, visible, lse_ref[rows])
+    p = tile_weights(scores, visible, lse_ref[rows])
     dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True).astype(jnp.float32)
     dp = plgpu.dot(do, v, trans_b=True).astype(jnp.float32)
     ds = p * (dp - delta_ref[rows][:, None])

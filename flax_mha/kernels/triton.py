@@ -95,11 +95,13 @@ def refuses(call: registry.Call) -> str | None:
   return reason
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+  """The smallest power of two >= n, at least MIN_BLOCK: a Triton block or head dim."""
   return max(MIN_BLOCK, 1 << (n - 1).bit_length())
 
 
-def _pad(x, axis: int, size: int, value=0):
+def pad_axis(x, axis: int, size: int, value=0):
+  """x padded with `value` at the end of `axis` to `size`."""
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, size - x.shape[axis])
   return jnp.pad(x, widths, constant_values=value)
@@ -135,19 +137,19 @@ def _layout(query, key, value, bias, mask, *, is_causal, scale, mods, interpret,
             block_kv) -> _Padded:
   mods = mods_lib.Mods() if mods is None else mods
   (b, t, h, kd), (s, g, vd) = query.shape, value.shape[1:]
-  bq, bk = block_q or min(BLOCK, _pow2(t)), block_kv or min(BLOCK, _pow2(s))
+  bq, bk = block_q or min(BLOCK, pow2(t)), block_kv or min(BLOCK, pow2(s))
   tp, sp = _shared.round_up(t, bq), _shared.round_up(s, bk)
   additive, bias_grad = _additive_bias(bias, mask)
   ids = _shared.segment_ids_with_lengths(mods, b, t, s, tp, sp)
   extras = []
   if additive is not None:
     additive = jnp.broadcast_to(additive, (*additive.shape[:2], t, s))
-    extras.append(_pad(_pad(additive, 2, tp), 3, sp))
+    extras.append(pad_axis(pad_axis(additive, 2, tp), 3, sp))
   extras += [] if ids is None else list(ids)
   positions = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
   for term in positions:  # padding: position -1, which sees and is seen by nothing
-    extras += [_pad(term.q_pos.astype(jnp.int32), 1, tp, -1),
-               _pad(term.kv_pos.astype(jnp.int32), 1, sp, -1)]
+    extras += [pad_axis(term.q_pos.astype(jnp.int32), 1, tp, -1),
+               pad_axis(term.kv_pos.astype(jnp.int32), 1, sp, -1)]
   spec = tiles.Spec(
       t=t, s=s, bq=bq, bk=bk, rep=h // g, scale=float(scale),
       causal=is_causal or any(isinstance(m, mods_lib.Causal) for m in mods.masks),
@@ -159,7 +161,7 @@ def _layout(query, key, value, bias, mask, *, is_causal, scale, mods, interpret,
       bias_grad=bias_grad, mask_mods=tuple(m for m in mods.masks
                                            if isinstance(m, mods_lib.MaskMod)),
       scores=tuple(mods.scores), interpret=interpret)
-  pad_heads = lambda x, length, dim: _pad(_pad(x, 1, length), 3, _pow2(dim))
+  pad_heads = lambda x, length, dim: pad_axis(pad_axis(x, 1, length), 3, pow2(dim))
   return _Padded(spec, pad_heads(query, tp, kd), pad_heads(key, sp, kd),
                  pad_heads(value, sp, vd), extras)
 
@@ -252,9 +254,9 @@ def make_block(*, interpret: bool = False):
     del unused
     padded = layout(query, key, value, is_causal, scale, mask, mods)
     tp, vp = padded.q.shape[1], padded.v.shape[-1]
-    pad_rows = lambda x: _pad(_pad(x, 1, tp), 3, vp)
+    pad_rows = lambda x: pad_axis(pad_axis(x, 1, tp), 3, vp)
     dq, dk, dv, _ = _grads(padded.spec, padded.q, padded.k, padded.v, padded.extras,
-                           pad_rows(out), _pad(lse.astype(jnp.float32), 2, tp, tiles.LOWEST),
+                           pad_rows(out), pad_axis(lse.astype(jnp.float32), 2, tp, tiles.LOWEST),
                            pad_rows(dout))
     s = key.shape[1]
     return (padded.unpad_rows(dq, query.shape[-1]).astype(jnp.float32),

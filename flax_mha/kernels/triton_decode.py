@@ -61,14 +61,14 @@ def reason(query_BTHK, g: int, k_dim: int, v_dim: int, mods, *, mask=None, dropo
            block: int | None = None) -> str | None:
   """Why the decode kernel cannot take this step of queries [B, T, H, K] over G key/value heads
   (None: it can). `block`: the page size of a paged cache, None for a contiguous one."""
-  query = query_BTHK
-  if query.dtype not in triton.DTYPES:
-    return f"the Triton decode kernel takes float32, bfloat16 or float16, got {query.dtype}"
+  if query_BTHK.dtype not in triton.DTYPES:
+    return ("the Triton decode kernel takes float32, bfloat16 or float16, got "
+            f"{query_BTHK.dtype}")
   if max(k_dim, v_dim) > triton.MAX_HEAD_DIM:
     return f"the Triton decode kernel takes head dims up to {triton.MAX_HEAD_DIM}"
   if mask is not None or dropout_rate:
     return "the Triton decode kernel takes no dense mask and no dropout"
-  t, h = query.shape[1:3]
+  t, h = query_BTHK.shape[1:3]
   if t * (h // g) > MAX_ROWS:
     return f"the Triton decode kernel takes T·H/G <= {MAX_ROWS} query rows, got {t * (h // g)}"
   if block is not None and (block < triton.MIN_BLOCK or block & (block - 1)):
@@ -90,7 +90,7 @@ def _kernel(*refs, spec: Spec):
     q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, count_ref, o_ref, lse_ref = refs
   bk, part = spec.bk, pl.program_id(2)
   count = count_ref[0]
-  per = tiles._ceil_div(count, spec.splits)
+  per = tiles.ceil_div(count, spec.splits)
   lo = part * per
   hi = jnp.minimum(lo + per, count)
   q, q_pos = q_ref[...], q_pos_ref[...]
@@ -114,7 +114,7 @@ def _kernel(*refs, spec: Spec):
     scores = terms.score(logits, None, None, None, None)
     visible = term.visible_at(q_pos[:, None], kv_pos[None, :]) & (scores > -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, tiles.LOWEST), axis=1))
-    p = tiles._weights(scores, visible, m_new)
+    p = tiles.tile_weights(scores, visible, m_new)
     correction = jnp.exp(m - m_new)
     acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
     return acc, m_new, l * correction + jnp.sum(p, axis=1)
@@ -178,11 +178,11 @@ def _rows(query_BTHK, q_pos_BT, g: int):
   positions [B, R] (-1 on the padding rows)."""
   b, t, h, k = query_BTHK.shape
   rep = h // g
-  r = triton._pow2(t * rep)
+  r = triton.pow2(t * rep)
   q = query_BTHK.reshape(b, t, g, rep, k).transpose(0, 2, 1, 3, 4).reshape(b, g, t * rep, k)
-  q = triton._pad(triton._pad(q, 2, r), 3, triton._pow2(k))
+  q = triton.pad_axis(triton.pad_axis(q, 2, r), 3, triton.pow2(k))
   q_pos = jnp.repeat(jnp.broadcast_to(q_pos_BT, (b, t)).astype(jnp.int32), rep, axis=1)
-  return q, triton._pad(q_pos, 1, r, -1)
+  return q, triton.pad_axis(q_pos, 1, r, -1)
 
 
 def _spec(mods, scale, rows: int, bk: int, paged: bool, interpret: bool) -> Spec:
@@ -202,10 +202,10 @@ def _cache_forward(query, key_BGSK, value_BGSV, mods, scale, interpret):
   b, t, h, k_dim = query.shape
   (term,) = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
   g, s = key_BGSK.shape[1], key_BGSK.shape[2]
-  bk = min(BLOCK, triton._pow2(s))
+  bk = min(BLOCK, triton.pow2(s))
   sp = -(-s // bk) * bk
-  dims = lambda x: triton._pad(triton._pad(x, 2, sp), 3, triton._pow2(x.shape[-1]))
-  kv_pos = triton._pad(jnp.broadcast_to(term.kv_pos, (b, s)).astype(jnp.int32), 1, sp, -1)
+  dims = lambda x: triton.pad_axis(triton.pad_axis(x, 2, sp), 3, triton.pow2(x.shape[-1]))
+  kv_pos = triton.pad_axis(jnp.broadcast_to(term.kv_pos, (b, s)).astype(jnp.int32), 1, sp, -1)
   q, q_pos = _rows(query, term.q_pos, g)
   spec = _spec(mods, scale, q.shape[2], bk, False, interpret)
   out_p, lse_p = _partitions(spec, q, dims(key_BGSK), dims(value_BGSV), q_pos, kv_pos,
@@ -262,7 +262,7 @@ def _paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, sp
   (term,) = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
   q, q_pos = _rows(query, term.q_pos, g)
   spec = _spec(mods, cfg.scale, q.shape[2], page, True, interpret)
-  dims = lambda x: triton._pad(x, 3, triton._pow2(x.shape[-1]))
+  dims = lambda x: triton.pad_axis(x, 3, triton.pow2(x.shape[-1]))
   out_p, lse_p = _partitions(spec, q, dims(k_pages), dims(v_pages), q_pos, kv_pos,
                              _visited_blocks(kv_pos, page), page_indices.astype(jnp.int32))
   out, lse = _merge(out_p, lse_p, mods.sinks, t, h)
