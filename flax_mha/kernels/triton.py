@@ -185,13 +185,22 @@ def _flash(spec, q, k, v, extras):
 
 
 def _flash_fwd(spec, q, k, v, extras):
+  """Inputs arrive as CustomVJPPrimal (symbolic zeros): a bias nothing differentiates (not
+  perturbed: a constant, say) gets no gradient computed, since dBias is [B, H, T, S]."""
+  q, k, v = (x.value for x in (q, k, v))
+  wants_dbias = spec.bias_grad and extras[0].perturbed
+  extras = [x.value for x in extras]
   out, lse = tiles.forward(spec, q, k, v, extras)
-  return (out, lse), (q, k, v, extras, out, lse)
+  return (out, lse), (q, k, v, extras, out, lse, () if wants_dbias else None)
 
 
 def _flash_bwd(spec, saved, cotangents):
-  q, k, v, extras, out, lse = saved
-  dq, dk, dv, dbias = _grads(spec, q, k, v, extras, out, lse, *cotangents)
+  q, k, v, extras, out, lse, dbias_wanted = saved
+  spec = dataclasses.replace(spec, bias_grad=dbias_wanted is not None)
+  d_out, d_lse = (None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c
+                  for c in cotangents)
+  d_out = jnp.zeros(out.shape, out.dtype) if d_out is None else d_out
+  dq, dk, dv, dbias = _grads(spec, q, k, v, extras, out, lse, d_out, d_lse)
   d_extras = [None] * len(extras)
   if dbias is not None:
     bias = extras[0]
@@ -200,7 +209,7 @@ def _flash_bwd(spec, saved, cotangents):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_extras
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 
 def make_attention(*, interpret: bool = False, block_q: int | None = None,

@@ -90,6 +90,23 @@ def test_interpreted_gqa_causal_segments_bias_matches_oracle():
          dict(bias=BIAS))
 
 
+@pytest.mark.integration  # interpret mode: two compiles
+def test_a_bias_without_gradient_gets_none_computed():
+  """A bias nothing differentiates (a constant here) costs no dBias [B, H, T, S] in the
+  backward, which still gives the oracle's q, k and v gradients; a graded one gets it."""
+  fn = lambda q, k, v, bias=BIAS: INTERPRETED(q, k, v, bias, None, is_causal=True, scale=0.3,
+                                               dropout_rate=0.0, dropout_rng=None)
+  args = _inputs(S)
+  dbias = f"f32[{B},{H},16,16]"  # the padded [B, H, T, S] the kernel would write
+  loss = lambda *a: jnp.sum(jnp.sin(fn(*a)))
+  assert dbias not in str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
+  assert dbias in str(jax.make_jaxpr(jax.grad(loss, argnums=3))(*args, BIAS))
+  oracle = lambda q, k, v: flax_mha.dot_product_attention(
+      q, k, v, BIAS, is_causal=True, scale=0.3, implementation="reference")
+  chex.assert_trees_all_close(output_and_grads(fn, *args),
+                              output_and_grads(oracle, *args, jit=False), atol=5e-6, rtol=5e-6)
+
+
 @pytest.mark.integration  # each case compiles three Pallas kernels in interpret mode: 1-4 s
 @pytest.mark.parametrize("return_residual", [False, True])
 @pytest.mark.parametrize("name", OPTIONS)
