@@ -5,7 +5,10 @@
 
 Both models are the same `flax_mha.models.transformer.Transformer`, once with the default
 `flax_mha.MultiHeadAttention` and once with `flax.linen.MultiHeadDotProductAttention` swapped in
-(`TransformerConfig.attention_cls`). They train on the same batches with the same jitted step,
+(`TransformerConfig.attention_cls`), and a third time with the attention core replaced by a
+stand-in that costs next to nothing (`free_core`: projections kept, no logits): the step's
+floor, what any attention core could gain at most. They train on the same batches with the
+same jitted step,
 each in a process of its own: the processes take turns, the order reversed every other turn
 (see experiments.bench.timing), and each times --windows windows after a compiling one. Prints
 a markdown table of tokens/s (the runner's count: non-pad source + target tokens): the median
@@ -22,6 +25,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
@@ -54,8 +58,23 @@ class LinenAttention(nn.Module):
                                           deterministic=deterministic, sow_weights=sow_weights)
 
 
-VARIANTS = {"flax_mha.MultiHeadAttention": None,
-            "flax.linen.MultiHeadDotProductAttention": LinenAttention}
+def free_core(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, dropout_rng,
+              mods=None, return_residual=False):
+  """A stand-in for the attention core that costs next to nothing: each query position gets
+  the mean value (plus a term of the query and key means, so that every projection keeps its
+  gradient). Not attention: the floor of a step whose core were free."""
+  del bias, mask, is_causal, scale, dropout_rate, dropout_rng, mods, return_residual
+  reps = query.shape[2] // key.shape[2]
+  per_head = lambda x: jnp.repeat(x, reps, axis=1)  # [B, G, ...] -> [B, H, ...]
+  values = per_head(value.mean(axis=1))[:, None]  # [B, 1, H, V]
+  keys = per_head(key.mean(axis=(1, 3))[..., None])[:, None]  # [B, 1, H, 1]
+  return values + query.mean(axis=-1, keepdims=True) * keys
+
+
+# name -> (attention_cls or None for the default, attention_implementation or None)
+VARIANTS = {"flax_mha.MultiHeadAttention": (None, None),
+            "flax.linen.MultiHeadDotProductAttention": (LinenAttention, None),
+            "flax_mha.MultiHeadAttention, core free (a floor)": (None, free_core)}
 
 
 def time_case(config, name: str, windows: int, steps_per_window: int) -> dict:
@@ -65,8 +84,11 @@ def time_case(config, name: str, windows: int, steps_per_window: int) -> dict:
   runner = Seq2SeqRunner(config)
   batches = [runner.train_batch(step) for step in range(steps_per_window)]
   tx = train.make_optimizer(config.train)
-  variant = runner if VARIANTS[name] is None else Seq2SeqRunner(config, model=Transformer(
-      runner.model.config.replace(attention_cls=VARIANTS[name])))
+  attention_cls, implementation = VARIANTS[name]
+  swaps = {**({} if attention_cls is None else dict(attention_cls=attention_cls)),
+           **({} if implementation is None else dict(attention_implementation=implementation))}
+  variant = runner if not swaps else Seq2SeqRunner(config, model=Transformer(
+      runner.model.config.replace(**swaps)))
   initial = train.init_state(variant, tx)
   step_fn = jax.jit(functools.partial(train.train_step, runner=variant, model=variant.model,
                                       tx=tx, label_smoothing=config.train.label_smoothing))
