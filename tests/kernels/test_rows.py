@@ -152,6 +152,7 @@ def test_windows_match_oracle(window, is_causal, dense):
   chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.integration  # two compiles of forward+backward: ~5 s each
 @pytest.mark.parametrize("window, is_causal", [((30, 10), False), ((40, 0), True)])
 def test_window_band_in_trips_with_sinks_and_t_not_s(window, is_causal):
   """The band path in several trips (one batch element each: small tiles), T != S, sinks, a
