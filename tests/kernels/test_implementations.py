@@ -121,7 +121,7 @@ def test_values_and_grads_match_oracle(name, use_bias, use_mask, is_causal, drop
 
 
 @pytest.mark.parametrize("implementation", [None, *SINGLE_DEVICE])
-@pytest.mark.parametrize("n", [8, 600])  # None runs "xla" at 8 x 8 and "rows" at 600 x 600
+@pytest.mark.parametrize("n", [8, pytest.param(600, marks=pytest.mark.integration)])  # None: "xla" at 8², "rows" at 600²
 def test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation, n):
   rng = np.random.default_rng(n)
   q, k, v = (jnp.asarray(x) for x in qkv(rng, t=n, s=n, h=2, g=1, k=4, v=3))
@@ -149,7 +149,7 @@ def test_finite_lowest_logits_are_a_uniform_row_not_a_hidden_one(implementation)
 
 
 @pytest.mark.parametrize("implementation", SINGLE_DEVICE)
-@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("is_causal", [pytest.param(False, marks=pytest.mark.integration), True])
 def test_float64_in_float64_accuracy_out(implementation, is_causal):
   with jax.enable_x64(True):
     q, k, v, bias, mask = _inputs(2, dtype=np.float64)

@@ -27,7 +27,8 @@ def _call(fn, q, k, v, is_causal, scale=0.37):
 
 @pytest.mark.parametrize("fn", [rows.attention, SMALL_TILES], ids=["default_tiles", "small"])
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("t,s,h,g", [(7, 11, 6, 3), (11, 7, 6, 6), (37, 37, 4, 1), (40, 24, 2, 2)])
+@pytest.mark.parametrize("t,s,h,g", [(7, 11, 6, 3), pytest.param(11, 7, 6, 6, marks=pytest.mark.integration),
+                                     (37, 37, 4, 1), pytest.param(40, 24, 2, 2, marks=pytest.mark.integration)])
 def test_values_and_grads_match_oracle(fn, is_causal, t, s, h, g):
   rng = np.random.default_rng(t * s)
   q, k, v = (jnp.asarray(x) for x in qkv(rng, t=t, s=s, h=h, g=g, k=5, v=3))
@@ -134,7 +135,8 @@ def test_unsupported_reason_reads_mods():
 
 @pytest.mark.parametrize("window", [(5, 3), (64, 0), (0, 0), (200, 17), (900, 900)])
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("dense", [False, True], ids=["plain", "bias_and_mask"])
+@pytest.mark.parametrize("dense", [  # half in the integration part: each window and causality
+    pytest.param(False, marks=pytest.mark.integration), True], ids=["plain", "bias_and_mask"])
 def test_windows_match_oracle(window, is_causal, dense):
   """A window visits one band of keys per block of rows (a band wider than S falls back to
   the full extent): values and gradients, with bias and mask read at the band's keys, GQA, T

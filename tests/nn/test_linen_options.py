@@ -126,7 +126,7 @@ def _by_hand(params, x, **options):
   return jnp.einsum("...hv,hvd->...d", out, p["out"]["kernel"]) + p["out"]["bias"]
 
 
-@pytest.mark.parametrize("g", [G, 1])
+@pytest.mark.parametrize("g", [G, pytest.param(1, marks=pytest.mark.integration)])
 @pytest.mark.parametrize("cap,window,is_causal", [
     (None, 2, False), (3.0, None, False), (1.7, (3, 0), False), (2.3, (2, 4), True),
     (0.9, 1, True)])
