@@ -340,9 +340,9 @@ def _checked(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
   the implementation)."""
   checks.check_qkv(query, key, value)
   checks.check_is_causal(is_causal)
-  scale = checks.checked_scale(scale, query.shape[-1])
-  checks.check_dropout(dropout_rate, dropout_rng)
   *batch, t, h, k = query.shape
+  scale = checks.checked_scale(scale, k)
+  checks.check_dropout(dropout_rate, dropout_rng)
   s = key.shape[-3]
   target = (*batch, h, t, s)
   if bias is not None:

@@ -85,8 +85,9 @@ def time_case(config, name: str, windows: int, steps_per_window: int) -> dict:
   batches = [runner.train_batch(step) for step in range(steps_per_window)]
   tx = train.make_optimizer(config.train)
   attention_cls, implementation = VARIANTS[name]
-  swaps = {**({} if attention_cls is None else dict(attention_cls=attention_cls)),
-           **({} if implementation is None else dict(attention_implementation=implementation))}
+  swaps = {field: x for field, x in (("attention_cls", attention_cls),
+                                      ("attention_implementation", implementation))
+           if x is not None}
   variant = runner if not swaps else Seq2SeqRunner(config, model=Transformer(
       runner.model.config.replace(**swaps)))
   initial = train.init_state(variant, tx)
