@@ -8,7 +8,8 @@ The package is layered, each folder importing only from the ones above it:
                        `cache` (the KV cache as data), `paged` (paged_attention), `checks`
                        (the argument checks every layer shares), `interop` (torch weights),
                        `sharding` (meshes, placement, FSDP), `remat` (what a training step
-                       recomputes)
+                       recomputes), `platforms` (what this process has, what None stages,
+                       which platform an accelerator kernel is for)
   flax_mha/kernels/    the implementations behind `implementation=`: reference (the oracle),
                        xla, rows, chunked, decode, cudnn, seq_parallel (ring, all-gather,
                        Ulysses), helpers
@@ -44,6 +45,7 @@ from flax_mha import interop
 from flax_mha import masks
 from flax_mha import mods
 from flax_mha import paged
+from flax_mha import platforms
 from flax_mha import remat
 from flax_mha import rotary
 from flax_mha import sharding

@@ -17,14 +17,15 @@ on 'cuda' the step is the Triton decode kernel (`flax_mha.kernels.triton_decode`
 A long prefill goes through `dot_product_attention`'s dispatch (chunked skips empty tiles).
 
 Two layouts, by what a layer attends to:
-- full (window None): slot = position; writing at or past the capacity raises, never
-  overwrites. A chunk at the rows' next positions (the default) longer than the capacity is a
-  ValueError while tracing (static sizes), inside `jit` too, as is any overflow eagerly; inside
-  `jit` a position past the capacity that only the data shows (the cache's length is traced)
-  fails at run time, as a `JaxRuntimeError` whose text ends with the overflow message (XLA's
-  callback error leads it). That check is a host callback per write: a decoding loop that sizes
-  its cache for every token it writes (as `flax_mha.models.decoding` and `serving` do) traces
-  inside `room_made_by_caller()`, which drops it.
+- full (window None): slot = position; writing at or past the capacity never overwrites. A
+  chunk at the rows' next positions (the default) longer than the capacity is a ValueError
+  while tracing (static sizes), inside `jit` too, as is any overflow eagerly. Inside `jit` a
+  position past the capacity that only the data shows (the cache's length is traced) is not
+  written, and the row's length passes the capacity: from then on every output of that row
+  is NaN (loud, as an out-of-range token id is). That check is data, not a host callback, so a
+  step exported with `jax.export` keeps it; a decoding loop that sizes its cache for every
+  token it writes (as `flax_mha.models.decoding` and `serving` do) traces inside
+  `room_made_by_caller()`, which drops it.
 - rolling (a local layer, window w): the first `sink_tokens` positions keep their slots
   (StreamingLLM's attention sinks) and the rest share w slots round-robin, so memory stays
   sink_tokens + w whatever the generated length. A chunk attends over the cache and itself
@@ -36,19 +37,20 @@ Shapes: B batch, C capacity, T new tokens, G key/value heads, K, V head dims, H 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
+import json
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+# jax's own config states are the one way to make a setting part of jit's trace cache key.
+from jax._src import config as jax_config
 
 from flax_mha import _options
 from flax_mha import checks
 from flax_mha import paged
-from flax_mha.kernels import _shared
+from flax_mha import platforms
 from flax_mha.kernels import triton_decode
 from flax_mha.attention import attention_head_major, dot_product_attention
 
@@ -118,21 +120,23 @@ def _slots(cache: KVCache, positions_BT):
   return jnp.where(kept, slot, c)
 
 
-_ROOM_MADE_BY_CALLER = contextvars.ContextVar("room_made_by_caller", default=False)
+# Whether traced writes skip the overflow check (see `room_made_by_caller`); part of jit's
+# trace cache key, so a function traced on one side of it is traced again on the other.
+ROOM_MADE_BY_CALLER = jax_config.bool_state(
+    name="flax_mha_room_made_by_caller", default=False,
+    help="flax_mha: KV-cache writes traced with this on skip the in-graph capacity check",
+    include_in_jit_key=True, include_in_trace_context=True)
 
 
-@contextlib.contextmanager
-def room_made_by_caller():
-  """Writes traced inside skip the in-graph capacity check (eager writes are still checked).
-
-  For decoding loops that size their caches, or hand out pages, for every token they will
-  write: the check under `jit` is a host callback, which per token costs more than a small
-  model's whole step (5-7x on a 2-core CPU) and keeps `jit` off its fast dispatch path."""
-  token = _ROOM_MADE_BY_CALLER.set(True)
-  try:
-    yield
-  finally:
-    _ROOM_MADE_BY_CALLER.reset(token)
+def room_made_by_caller(made: bool = True):
+  """A context manager: writes traced inside skip the in-graph capacity check (eager writes
+  are still checked), for decoding loops that size their caches, or hand out pages, for every
+  token they will write. The check is a compare and a select per step, cheap but not free in
+  a small model's step. The setting is part of jit's trace cache key: a function traced
+  outside it is traced anew inside it, and the other way round."""
+  if not isinstance(made, bool):
+    raise TypeError(f"made must be a bool, got {type(made).__name__}")
+  return ROOM_MADE_BY_CALLER(made)
 
 
 def caller_makes_room(fn):
@@ -145,24 +149,23 @@ def caller_makes_room(fn):
 
 
 def _check_room(cache, positions_BT) -> None:
-  """A full or paged cache refuses positions at or beyond its capacity: a ValueError when the
-  positions are known (eagerly), an error raised from inside the computation otherwise, unless
-  traced inside `room_made_by_caller()`."""
-  if getattr(cache, "window", None) is not None:
+  """A full or paged cache refuses concrete positions at or beyond its capacity (an eager
+  write) with a ValueError; traced ones are judged by `_overflow_is_nan` after the write."""
+  if getattr(cache, "window", None) is not None or isinstance(positions_BT, jax.core.Tracer):
     return
-  c = cache.capacity
+  last, c = int(jnp.max(positions_BT)), cache.capacity
+  if last >= c:
+    raise ValueError(f"KV cache overflow: writing position {last} into a cache of capacity "
+                     f"{c}; make the cache larger (capacity >= prompt + new tokens)")
 
-  def check(last):
-    if int(last) >= c:
-      raise ValueError(f"KV cache overflow: writing position {int(last)} into a cache of "
-                       f"capacity {c}; make the cache larger (capacity >= prompt + new tokens)")
 
-  last = jnp.max(positions_BT)
-  if isinstance(last, jax.core.Tracer):
-    if not _ROOM_MADE_BY_CALLER.get():
-      jax.debug.callback(check, last)
-  else:
-    check(last)
+def _overflow_is_nan(out_BTHV, cache):
+  """`out` with NaN in every row whose length has passed the capacity (a traced write beyond
+  it was dropped), unless traced inside `room_made_by_caller()`: the check survives export."""
+  if getattr(cache, "window", None) is not None or ROOM_MADE_BY_CALLER.value:
+    return out_BTHV
+  over_B = cache.length > cache.capacity
+  return jnp.where(over_B[:, None, None, None], jnp.nan, out_BTHV)
 
 
 def update(cache: KVCache, key_BTGK, value_BTGV, positions_BT) -> KVCache:
@@ -196,16 +199,18 @@ def _prefixes(capacity: int) -> list[int]:
   return sizes + [capacity]
 
 
-def _attend_step(query_BTHK, cache: KVCache, positions_BT, extra_kv=None, **options):
-  """A few tokens over the cache, head-major: on 'cuda' the Triton decode kernel where it takes
-  the step (it reads the filled blocks in place), elsewhere dense over the filled prefix (see
-  above); `extra_kv` = (keys [B, G, T, K], values, positions [B, T]) of a rolling cache's chunk."""
+def _attend_step(query_BTHK, cache: KVCache, positions_BT, extra_kv=None, *, kernel=None,
+                 **options):
+  """A few tokens over the cache, head-major: the Triton decode kernel where `kernel` names it,
+  or with None on 'cuda' where it takes the step (it reads the filled blocks in place);
+  elsewhere dense over the filled prefix (see above); `extra_kv` = (keys [B, G, T, K], values,
+  positions [B, T]) of a rolling cache's chunk."""
   mask = options.pop("mask", None)
   dtype = query_BTHK.dtype
   operands = (query_BTHK, cache.key.astype(dtype), cache.value.astype(dtype), cache.positions)
   dense = functools.partial(_dense_step, positions_BT=positions_BT, extra_kv=extra_kv, mask=mask,
                             options=options)
-  if not _shared.stages_for("cuda"):
+  if kernel is None and not platforms.stages_for("cuda"):
     return dense(*operands)
   keys, values, kv_pos = _with_chunk(operands[1:], extra_kv)
   opts = {k: v for k, v in options.items() if k not in ("scale", "dropout_rate", "dropout_rng")}
@@ -215,8 +220,11 @@ def _attend_step(query_BTHK, cache: KVCache, positions_BT, extra_kv=None, **opti
   scale = checks.checked_scale(options.get("scale"), k_dim)
   refused = triton_decode.reason(query_BTHK, keys.shape[1], k_dim, values.shape[-1], mods,
                                  mask=mask, dropout_rate=options.get("dropout_rate", 0.0))
-  kernel = lambda q, *_: triton_decode.cache_attention(q, keys, values, mods, scale)
-  return triton_decode.on_cuda(refused, kernel, dense, *operands)
+  if kernel is not None:
+    triton_decode.require(kernel, refused)
+    return kernel.cache_attention(query_BTHK, keys, values, mods, scale)
+  run = lambda q, *_: triton_decode.KERNEL.cache_attention(q, keys, values, mods, scale)
+  return triton_decode.on_cuda(refused, run, dense, *operands)
 
 
 def _with_chunk(cache_kv, extra_kv):
@@ -261,6 +269,9 @@ def attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT=None, **options
   prompt in the batch): not written, seeing and seen by nothing. `options` are
   `dot_product_attention`'s (scale, logit_soft_cap, sinks, local_window_size for a full cache,
   implementation, ...); a rolling cache brings its own window (cache.window, 0) and sink tokens.
+  `implementation` may also name the Triton decode kernel for the step: "triton_decode"
+  (compiled: 'cuda' only) or `flax_mha.kernels.triton_decode.make_attention(interpret=True)`
+  (Pallas interpret mode, any platform); a step it cannot take is refused by name.
   A `PagedKVCache` writes into its rows' pages and reads them in place (`flax_mha.paged`).
   """
   if positions_BT is None:
@@ -269,20 +280,25 @@ def attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT=None, **options
     cache = update_pages(cache, key_BTGK, value_BTGV, positions_BT)
     out = paged.attend_pages(query_BTHK, cache.k_pages.astype(query_BTHK.dtype),
                              cache.v_pages.astype(query_BTHK.dtype), cache.page_indices,
-                             positions_BT, cache.length, **options)
-    return out, cache
-  step = (query_BTHK.shape[1] <= STEP_MAX_TOKENS and options.get("implementation") is None
-          and not options.get("return_residual", False))
+                             positions_BT, jnp.minimum(cache.length, cache.capacity), **options)
+    return _overflow_is_nan(out, cache), cache
+  kernel = triton_decode.named(options.get("implementation"))
+  step = kernel is not None or (query_BTHK.shape[1] <= STEP_MAX_TOKENS
+                                and options.get("implementation") is None
+                                and not options.get("return_residual", False))
   options.pop("implementation", None) if step else None
+  options = dict(options, kernel=kernel) if step else options
   dtype = query_BTHK.dtype
   if cache.window is None:  # write first: the cache then holds every key the chunk may see
     cache = update(cache, key_BTGK, value_BTGV, positions_BT)
     if step:
-      return _attend_step(query_BTHK, cache, positions_BT, **options), cache
-    out = dot_product_attention(
-        query_BTHK, _api_layout(cache.key).astype(dtype), _api_layout(cache.value).astype(dtype),
-        is_causal=True, q_positions=positions_BT, kv_positions=cache.positions, **options)
-    return out, cache
+      out = _attend_step(query_BTHK, cache, positions_BT, **options)
+    else:
+      out = dot_product_attention(
+          query_BTHK, _api_layout(cache.key).astype(dtype),
+          _api_layout(cache.value).astype(dtype), is_causal=True, q_positions=positions_BT,
+          kv_positions=cache.positions, **options)
+    return _overflow_is_nan(out, cache), cache
   # A rolling cache: see the cache and the chunk, then keep what the window needs.
   options = dict(options, local_window_size=(cache.window, 0), sink_tokens=cache.sink_tokens)
   chunk_pos = jnp.where(positions_BT >= 0, positions_BT, -1)
@@ -333,10 +349,11 @@ class PagedKVCache:
 
 def update_pages(cache: PagedKVCache, key_BTGK, value_BTGV, positions_BT) -> PagedKVCache:
   """`cache` with the new keys and values written into their rows' pages (negative positions:
-  padding, not written); a position past a row's pages raises."""
+  padding, not written); a position past a row's pages raises eagerly, and under `jit` is
+  dropped, the row's length passing the capacity (its outputs then NaN, see `attend`)."""
   _check_room(cache, positions_BT)
   page = cache.k_pages.shape[1]
-  valid = positions_BT >= 0
+  valid = (positions_BT >= 0) & (positions_BT < cache.capacity)  # beyond: dropped
   safe = jnp.where(valid, positions_BT, 0)
   rows = jnp.arange(positions_BT.shape[0])[:, None]
   pages = jnp.where(valid, cache.page_indices[rows, safe // page], cache.k_pages.shape[0])
@@ -344,3 +361,16 @@ def update_pages(cache: PagedKVCache, key_BTGK, value_BTGV, positions_BT) -> Pag
   length = jnp.maximum(cache.length, jnp.max(positions_BT, axis=1) + 1)
   return dataclasses.replace(cache, k_pages=write(cache.k_pages, key_BTGK),
                              v_pages=write(cache.v_pages, value_BTGV), length=length)
+
+
+def _register_for_export(cls) -> None:
+  """Let `jax.export` serialize functions that take or return `cls` (its static fields, the
+  pytree's auxiliary data, as JSON)."""
+  jax.export.register_pytree_node_serialization(
+      cls, serialized_name=f"flax_mha.cache.{cls.__name__}",
+      serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
+      deserialize_auxdata=lambda data: tuple(json.loads(data)))
+
+
+_register_for_export(KVCache)
+_register_for_export(PagedKVCache)

@@ -55,7 +55,7 @@ import dataclasses
 from typing import Mapping
 
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import _shared
+from flax_mha import platforms
 from flax_mha.kernels import chunked
 from flax_mha.kernels import cudnn
 from flax_mha.kernels import registry
@@ -155,13 +155,13 @@ def stage_accelerator_kernels(enabled: bool = True):
   """
   if not isinstance(enabled, bool):
     raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-  return _shared.STAGE_ACCELERATOR_KERNELS(enabled)
+  return platforms.STAGE_ACCELERATOR_KERNELS(enabled)
 
 
 def check_platform(platform) -> str:
   """`platform`, or the default backend's for None; a name in PLATFORMS."""
   if platform is None:
-    return _shared.backend_platform()
+    return platforms.backend_platform()
   if not isinstance(platform, str):
     raise TypeError(f"platform must be None or a str, got {type(platform).__name__}")
   if platform not in PLATFORMS:

@@ -52,8 +52,10 @@ def paged_attention(query, k_pages, v_pages, lengths, page_indices, *, is_causal
       as in `dot_product_attention` (positions: the rows' own).
     implementation: None (the decode kernel over the pages for up to PAGED_MAX_QUERIES queries,
       on 'cuda' the Triton decode kernel where it takes them; else the pages gathered and the
-      chunked kernel), "decode" (the XLA decode kernel everywhere), or any implementation of
-      `dot_product_attention` over the gathered pages.
+      chunked kernel), "decode" (the XLA decode kernel everywhere), "triton_decode" (the Triton
+      decode kernel compiled: 'cuda' only) or
+      `flax_mha.kernels.triton_decode.make_attention(interpret=True)` (it, interpreted, on any
+      platform), or any implementation of `dot_product_attention` over the gathered pages.
 
   Returns:
     [B, T, H, V] (and with `return_residual` the lse [B, T, H]).
@@ -79,20 +81,27 @@ def attend_pages(query, k_pages, v_pages, page_indices, q_positions, kv_lengths,
   s = n * page
   slot = jnp.arange(s, dtype=jnp.int32)
   kv_positions = jnp.where(slot < kv_lengths[:, None], slot, -1)
-  in_place = implementation == "decode" or (implementation is None and t <= PAGED_MAX_QUERIES)
-  if in_place and options.get("dropout_rate", 0.0) == 0.0:
-    options.pop("dropout_rate", None)
+  kernel = triton_decode.named(implementation)
+  in_place = (implementation == "decode" or kernel is not None
+              or (implementation is None and t <= PAGED_MAX_QUERIES))
+  if in_place and (kernel is not None or options.get("dropout_rate", 0.0) == 0.0):
+    dropout_rate = options.pop("dropout_rate", 0.0)
     options.pop("dropout_rng", None)
     mods, _ = _options.build((b,), t, s, h, query.dtype, is_causal, q_positions=q_positions,
                              kv_positions=kv_positions, **options)
     scale = checks.checked_scale(scale, k_dim)
     cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, block_k=decode.paged_block(page, n))
     refused = triton_decode.reason(query, k_pages.shape[2], k_dim, v_pages.shape[-1], mods,
-                                   block=page) if implementation is None else "decode asked"
-    out, lse_BHT = triton_decode.on_cuda(
-        refused, functools.partial(triton_decode.paged_attention, cfg=cfg, cfg_bwd=cfg_bwd),
-        functools.partial(decode.paged, cfg=cfg, cfg_bwd=cfg_bwd, splits=decode.SPLITS),
-        query, k_pages, v_pages, page_indices, kv_lengths, mods)
+                                   block=page, dropout_rate=dropout_rate)
+    xla = functools.partial(decode.paged, cfg=cfg, cfg_bwd=cfg_bwd, splits=decode.SPLITS)
+    operands = (query, k_pages, v_pages, page_indices, kv_lengths, mods)
+    if kernel is not None:
+      triton_decode.require(kernel, refused)
+      out, lse_BHT = kernel.paged_attention(*operands, cfg, cfg_bwd)
+    else:
+      run = functools.partial(triton_decode.KERNEL.paged_attention, cfg=cfg, cfg_bwd=cfg_bwd)
+      out, lse_BHT = triton_decode.on_cuda(
+          refused if implementation is None else "decode asked", run, xla, *operands)
     lse_BTH = jax.lax.stop_gradient(lse_BHT.transpose(0, 2, 1))
     return (out, lse_BTH) if return_residual else out
   # Slots past a row's length are hidden; their values are zeroed too, so that whatever a

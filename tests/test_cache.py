@@ -1,7 +1,7 @@
 """The KV cache as data (flax_mha.cache) through both front ends: prefill in one call or in
 chunks, then steps, equal to attention over the whole sequence recomputed; rolling caches for
 local layers (with sink tokens) stay the window's size; rows of different lengths; capacity
-overflow is an error; the front ends' bad arguments."""
+overflow is an error (NaN rows under jit); the front ends' bad arguments."""
 
 from __future__ import annotations
 
@@ -118,15 +118,42 @@ def test_rows_of_different_lengths_need_no_left_padding():
 
 
 def test_writing_past_the_capacity_is_an_error():
-  cache = cache_lib.KVCache.create(1, 4, G, 8)
-  k = jnp.zeros((1, 3, G, 8))
+  """Eagerly a ValueError; under jit (positions traced) the write is dropped, the row's length
+  passes the capacity and its outputs are NaN from then on, the other rows untouched."""
+  cache = cache_lib.KVCache.create(2, 4, G, 8)
+  k = jnp.ones((2, 3, G, 8))
   cache = cache_lib.update(cache, k, k, cache_lib.next_positions(cache, 3))
   with pytest.raises(ValueError, match="KV cache overflow: writing position 5 into a cache of "
                                        "capacity 4"):
     cache_lib.update(cache, k, k, cache_lib.next_positions(cache, 3))
-  jitted = jax.jit(lambda c: cache_lib.update(c, k, k, cache_lib.next_positions(c, 3)))
-  with pytest.raises(Exception, match="KV cache overflow"):
-    jax.block_until_ready(jitted(cache))
+  step = jax.jit(lambda c, pos: cache_lib.attend(k[:, :1], k[:, :1], k[:, :1], c, pos))
+  out, after = step(cache, jnp.array([[3], [4]], jnp.int32))  # row 1 writes past the end
+  np.testing.assert_array_equal(after.length, [4, 5])
+  assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()
+  out, _ = step(after, jnp.array([[-1], [-1]], jnp.int32))  # padding only: still NaN
+  assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()
+
+
+def test_room_made_by_caller_is_part_of_the_trace_key():
+  """One jitted function called before, inside and after `room_made_by_caller()`: traced
+  anew each time the setting changes, so the check is in the program exactly outside it."""
+  cache = cache_lib.KVCache.create(1, 4, G, 8)
+  k = jnp.ones((1, 1, G, 8))
+  traces = []
+
+  @jax.jit
+  def step(cache, positions):
+    traces.append(cache_lib.ROOM_MADE_BY_CALLER.value)
+    return cache_lib.attend(k, k, k, cache, positions)[0]
+
+  past_the_end = jnp.array([[9]], jnp.int32)
+  assert np.isnan(step(cache, past_the_end)).all()
+  with cache_lib.room_made_by_caller():
+    assert np.isfinite(step(cache, past_the_end)).all()
+  assert np.isnan(step(cache, past_the_end)).all()
+  assert traces == [False, True]  # the third call reuses the first trace
+  with pytest.raises(TypeError, match="made must be a bool"):
+    cache_lib.room_made_by_caller("yes")
 
 
 def test_a_step_under_scan_and_grad():

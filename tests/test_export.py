@@ -100,3 +100,43 @@ def test_none_runs_the_cpu_choice_here(rng):
   jax.tree.map(close, fwd_bwd(None, is_causal=True)(*x), fwd_bwd("rows", is_causal=True)(*x))
   close(flax_mha.dot_product_attention(*x, is_causal=True),
         flax_mha.dot_product_attention(*x, is_causal=True, implementation="rows"))
+
+
+@pytest.mark.integration  # lowering forward+backward for two platforms: ~5 s a case
+@pytest.mark.parametrize("name, platform", [("splash", "tpu"), ("triton", "cuda")])
+def test_an_accelerator_kernel_is_refused_by_name_here(name, platform):
+  """Named on this CPU, a compiled Pallas kernel is refused while tracing with the ways to run
+  it (interpreted) or export it; exported for several platforms at once with a CPU among them,
+  through None inside stage_accelerator_kernels(), it is refused while lowering, forward and
+  backward alike, never with Pallas's own "Only interpret mode" error."""
+  q, k, v = (jnp.ones(s.shape) for s in shapes(64))
+  with pytest.raises(ValueError, match=(
+      rf"implementation '{name}' is a '{platform}' kernel and this process has no "
+      rf"'{platform}' device .*make_attention\(interpret=True\).*stage_accelerator_kernels")):
+    flax_mha.dot_product_attention(q, k, v, implementation=name)
+  for fn in (jax.jit(lambda q, k, v: flax_mha.dot_product_attention(q, k, v, is_causal=True)),
+             fwd_bwd(None, is_causal=True)):
+    with flax_mha.stage_accelerator_kernels(), pytest.raises(ValueError, match=(
+        rf"implementation '{name}' is a '{platform}' kernel and cannot be lowered for 'cpu'"
+        rf".* platforms=\('{platform}',\)")):
+      export(fn, ("cpu", platform), 64)
+
+
+def test_the_decode_kernel_is_refused_by_name_here():
+  """The Triton decode kernel named for a cache step or paged_attention: refused here compiled,
+  run interpreted; a step it cannot take is refused with its reason."""
+  from flax_mha import cache as cache_lib
+  from flax_mha.kernels import triton_decode
+  cache = cache_lib.KVCache.create(B, 32, G, K)
+  q, k = jnp.ones((B, 1, H, K)), jnp.ones((B, 1, G, K))
+  with pytest.raises(ValueError, match="'triton_decode' is a 'cuda' kernel and this process "
+                                       r"has no 'cuda' device .*make_attention\(interpret"):
+    cache_lib.attend(q, k, k, cache, implementation="triton_decode")
+  interpreted = triton_decode.make_attention(interpret=True)
+  np.testing.assert_allclose(cache_lib.attend(q, k, k, cache, implementation=interpreted)[0],
+                             cache_lib.attend(q, k, k, cache)[0], atol=1e-6)
+  with pytest.raises(ValueError, match="implementation='triton_decode' cannot run: .*not MaskMod"):
+    cache_lib.attend(q, k, k, cache, implementation=interpreted,
+                     mask_mod=lambda b, h, i, j: i >= j)
+  with pytest.raises(TypeError, match="interpret must be a bool"):
+    triton_decode.make_attention(interpret="yes")

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-# jax's own config states are the one way to make a setting part of jit's trace cache key
-# (include_in_trace_context): a function traced before the setting changed is traced again.
-from jax._src import config as jax_config
 
 from flax_mha import masks as masks_lib
 from flax_mha import mods as mods_lib
@@ -93,38 +90,3 @@ def without_forward_mode(name: str, fn, *args):
         "jax.linearize of a custom_vjp function): its backward is a custom VJP. Use "
         "implementation='xla' or 'reference' for forward mode, or reverse mode (jax.grad, "
         f"jax.vjp, jax.jacrev) with {name!r}.") from e
-
-
-def backend_platform() -> str:
-  """The default backend as `lax.platform_dependent` names platforms: 'cpu', 'cuda', 'rocm' or
-  'tpu' (jax.default_backend() says 'gpu' for both GPU kinds)."""
-  backend = jax.default_backend()
-  if backend != "gpu":
-    return backend
-  return "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
-
-
-def has_platform(platform: str) -> bool:
-  """Whether this process has devices of `platform` ('cuda', ...): what tracing needs when a
-  library reads the hardware while it traces (jax.nn's cuDNN path does)."""
-  try:
-    return bool(jax.devices(platform))
-  except RuntimeError:
-    return False
-
-
-# Whether `implementation=None` stages, for an accelerator this process does not have, the kernels
-# that are otherwise staged only where that hardware is (splash for 'tpu', the Triton kernel for
-# 'cuda'): set by `flax_mha.stage_accelerator_kernels()`, the FLAX_MHA_STAGE_ACCELERATOR_KERNELS
-# environment variable or `jax.config.update("flax_mha_stage_accelerator_kernels", True)`.
-STAGE_ACCELERATOR_KERNELS = jax_config.bool_state(
-    name="flax_mha_stage_accelerator_kernels", default=False,
-    help="flax_mha: implementation=None stages accelerator kernels (splash, triton) in a "
-         "process without that accelerator, for jax.export",
-    include_in_trace_context=True)
-
-
-def stages_for(platform: str) -> bool:
-  """Whether None may stage for `platform` a kernel it otherwise stages only where that hardware
-  is: this process has devices of `platform`, or STAGE_ACCELERATOR_KERNELS is on."""
-  return STAGE_ACCELERATOR_KERNELS.value or has_platform(platform)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from flax_mha import masks
-from flax_mha.kernels import _shared
+from flax_mha import platforms
 from flax_mha.kernels import registry
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -28,10 +28,10 @@ def unsupported_reason(query, key, value, dropout_rate, mods=None,
   None when it can. Reads static facts only."""
   if _terms_reason(mods) is not None:
     return _terms_reason(mods)
-  platform = _shared.backend_platform() if platform is None else platform
+  platform = platforms.backend_platform() if platform is None else platform
   if platform != "cuda":
     return f"cuDNN needs an NVIDIA GPU (platform 'cuda'), not {platform!r}"
-  if not _shared.has_platform("cuda"):
+  if not platforms.has_platform("cuda"):
     return NO_GPU_HERE
   return _inputs_reason(query, key, value, dropout_rate)
 

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flax_mha import platforms
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import _seqmods
 from flax_mha.kernels import _shared
@@ -57,7 +58,7 @@ class Block:
 
 CHUNKED = Block("chunked", chunked_forward, chunked_backward)
 # platform -> the step kernel it runs where that kernel takes the step (and this process may
-# stage it: `_shared.stages_for`), chunked's tiles elsewhere.
+# stage it: `platforms.stages_for`), chunked's tiles elsewhere.
 PLATFORM_BLOCKS = {"cuda": Block("triton", *triton.make_block(), triton.options_reason)}
 
 
@@ -91,7 +92,7 @@ def _step_kernel(plan: _seqmods.Plan, which: str, q, k, v, mask, leaves):
   mask_0, mods_0 = _step_terms(plan, 0, q, k, mask, leaves, plan.of_side(leaves, KV))
   call = registry.Call.of(q, k, v, None, mask_0, mods=mods_0, platform="cpu")
   picks = {platform: block for platform, block in PLATFORM_BLOCKS.items()
-           if _shared.stages_for(platform) and block.options_reason(call) is None}
+           if platforms.stages_for(platform) and block.options_reason(call) is None}
   static = dict(scale=plan.scale, is_causal=False, block_q=plan.block(q.shape[1]),
                 block_k=plan.block(k.shape[1]))
   def run(block):

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 
+from flax_mha import platforms
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import _shared
 from flax_mha.kernels import registry
@@ -97,7 +98,7 @@ def refuses(call: registry.Call) -> str | None:
   if call.platform != "tpu":
     return f"splash attention is a TPU kernel (platform 'tpu'), not {call.platform!r}"
   reason = options_reason(call)
-  if reason is None and not _shared.stages_for("tpu"):
+  if reason is None and not platforms.stages_for("tpu"):
     reason = NOT_STAGED
   return reason
 
@@ -267,7 +268,7 @@ def make_attention(*, interpret: bool = False, block_q: int | None = None,
       lse_BTH = jnp.where(lse_BTH > NO_KEY_SINK / 2, lse_BTH, jnp.finfo(jnp.float32).min)
     return out_BTHV, lse_BTH
 
-  return attention
+  return platforms.kernel_for("tpu", "splash", interpret, attention)
 
 
 attention = make_attention()

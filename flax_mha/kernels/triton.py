@@ -38,6 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from flax_mha import platforms
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import _shared
 from flax_mha.kernels import _triton_tiles as tiles
@@ -90,7 +91,7 @@ def refuses(call: registry.Call) -> str | None:
   if call.platform != "cuda":
     return f"the Triton kernel is for NVIDIA GPUs (platform 'cuda'), not {call.platform!r}"
   reason = options_reason(call)
-  if reason is None and not _shared.stages_for("cuda"):
+  if reason is None and not platforms.stages_for("cuda"):
     reason = NOT_STAGED
   return reason
 
@@ -236,7 +237,7 @@ def make_attention(*, interpret: bool = False, block_q: int | None = None,
     out = out.astype(value.dtype)
     return (out, lse_BTH) if return_residual else out
 
-  return attention
+  return platforms.kernel_for("cuda", "triton", interpret, attention)
 
 
 def make_block(*, interpret: bool = False):

@@ -17,8 +17,9 @@ is refused by `reason`, and the caller keeps its XLA step.
 
 The backward (a custom VJP) is the chunked kernel's from the output and its lse, over the
 keys in the API layout; decoding rarely needs it, so it is simple rather than fast. The
-settings (BLOCK, SPLITS) are not tuned: no GPU has run this code. `interpret=True` runs the
-kernel in Pallas interpret mode on any platform (the tests' CPU check).
+settings (BLOCK, SPLITS) are not tuned: no GPU has run this code. `make_attention(interpret=True)`
+is the kernel in Pallas interpret mode on any platform, for `implementation=` of a cache step
+or `paged_attention` (the tests' CPU check); "triton_decode" names it compiled.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import _shared
+from flax_mha import platforms
 from flax_mha.kernels import _triton_tiles as tiles
 from flax_mha.kernels import chunked
 from flax_mha.kernels import decode
@@ -278,11 +279,59 @@ def paged_attention(query_BTHK, k_pages, v_pages, page_indices, lengths, mods, c
                       SPLITS, forward)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeKernel:
+  """The kernel as the `implementation=` of a cache step (`flax_mha.cache.attend`) or of
+  `flax_mha.paged_attention`: what `make_attention` returns. Compiled, it runs on 'cuda' only
+  and is refused by name elsewhere (see `flax_mha.platforms`); interpreted, anywhere."""
+  interpret: bool = False
+  name: str = "triton_decode"
+
+  def cache_attention(self, query_BTHK, key_BGSK, value_BGSV, mods, scale: float):
+    """`cache_attention` in this kernel's mode."""
+    run = functools.partial(cache_attention, interpret=self.interpret)
+    return platforms.kernel_for("cuda", self.name, self.interpret, run)(
+        query_BTHK, key_BGSK, value_BGSV, mods, scale)
+
+  def paged_attention(self, query_BTHK, k_pages, v_pages, page_indices, lengths, mods, cfg,
+                      cfg_bwd):
+    """`paged_attention` in this kernel's mode."""
+    run = functools.partial(paged_attention, cfg=cfg, cfg_bwd=cfg_bwd, interpret=self.interpret)
+    return platforms.kernel_for("cuda", self.name, self.interpret, run)(
+        query_BTHK, k_pages, v_pages, page_indices, lengths, mods)
+
+
+def make_attention(*, interpret: bool = False) -> DecodeKernel:
+  """The decode kernel for `implementation=` of a cache step or `paged_attention`;
+  `interpret=True` runs it in Pallas interpret mode on any platform (a CPU check of what a
+  CUDA process runs), as `triton.make_attention(interpret=True)` does for the flash kernel."""
+  if not isinstance(interpret, bool):
+    raise TypeError(f"interpret must be a bool, got {type(interpret).__name__}")
+  return DecodeKernel(interpret)
+
+
+KERNEL = make_attention()
+
+
+def named(implementation) -> DecodeKernel | None:
+  """The decode kernel that `implementation` asks for ("triton_decode" or a DecodeKernel), or
+  None when it asks for something else."""
+  if isinstance(implementation, DecodeKernel):
+    return implementation
+  return KERNEL if implementation == KERNEL.name else None
+
+
+def require(kernel: DecodeKernel, refused: str | None) -> None:
+  """Refuse by name a call that the decode kernel asked for by name cannot take."""
+  if refused is not None:
+    raise ValueError(f"implementation={kernel.name!r} cannot run: {refused}")
+
+
 def on_cuda(refused: str | None, kernel, xla, *operands):
   """`kernel(*operands)` on 'cuda' and `xla(*operands)` elsewhere, staged by
   `lax.platform_dependent` as `implementation=None` stages the Triton kernel (a process with a
   CUDA GPU, or `flax_mha.stage_accelerator_kernels()`); just `xla` when the kernel `refused`
-  (a reason) or is not staged."""
-  if refused is not None or not _shared.stages_for("cuda"):
+  (a reason) or is not staged. (Asked for by name, the kernel runs alone: see `named`.)"""
+  if refused is not None or not platforms.stages_for("cuda"):
     return xla(*operands)
   return lax.platform_dependent(*operands, default=xla, cuda=kernel)

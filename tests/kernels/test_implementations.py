@@ -20,7 +20,7 @@ import pytest
 from jax.test_util import check_grads
 
 import flax_mha
-from flax_mha.kernels import _shared
+from flax_mha import platforms
 from flax_mha.kernels import chunked
 from flax_mha.kernels import reference
 from flax_mha.kernels import registry
@@ -41,7 +41,7 @@ def runs_here(name: str, dropout_rate: float = 0.0, h: int = H, g: int = G) -> b
   (cuDNN needs a GPU, ring a mesh: their own files test them)."""
   spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   call = registry.Call.of(spec(B, T, h, K), spec(B, S, g, K), spec(B, S, g, V),
-                          dropout_rate=dropout_rate, platform=_shared.backend_platform())
+                          dropout_rate=dropout_rate, platform=platforms.backend_platform())
   return registry.get(name).refuses(call) is None
 
 

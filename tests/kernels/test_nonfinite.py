@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import flax_mha
+from flax_mha import platforms
 from flax_mha.kernels import _confine
-from flax_mha.kernels import _shared
 from flax_mha.kernels import reference
 from flax_mha.kernels import registry
 from conftest import np_attention, qkv
@@ -34,7 +34,7 @@ def _runs_here(name: str) -> bool:
   a GPU, ring a mesh: 'cudnn's marking' below runs cuDNN's way of marking on the oracle)."""
   spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   call = registry.Call.of(spec(B, T, H, K), spec(B, T, G, K), spec(B, T, G, V),
-                          platform=_shared.backend_platform())
+                          platform=platforms.backend_platform())
   return registry.get(name).refuses(call) is None
 
 

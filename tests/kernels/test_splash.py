@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import flax_mha
+from flax_mha import platforms
 from flax_mha.kernels import splash
 from conftest import output_and_grads
 
@@ -212,6 +213,23 @@ def test_staging_is_part_of_the_trace_cache_key():
     flax_mha.stage_accelerator_kernels("tpu")
 
 
+def test_staging_is_part_of_the_dispatch_cache_key():
+  """A jitted function called (not exported) before, inside and after the setting: jit's fast
+  dispatch path keeps no program traced for the other setting."""
+  traces = []
+
+  @jax.jit
+  def fn(x):
+    traces.append(platforms.STAGE_ACCELERATOR_KERNELS.value)
+    return x + 1
+
+  fn(1.0)
+  with flax_mha.stage_accelerator_kernels():
+    fn(1.0)
+  fn(1.0)
+  assert traces == [False, True]
+
+
 def test_refuses_x64_mode_by_name():
   """Under jax_enable_x64 jax's splash kernel fails to trace (int64 Python ints in its index
   maps): refused by name, float32 inputs and all."""
@@ -219,6 +237,7 @@ def test_refuses_x64_mode_by_name():
   with jax.enable_x64(True):
     said = flax_mha.explain(q, k, v, platform="tpu").alternatives["splash"]
     assert "jax_enable_x64" in said
-    with pytest.raises(ValueError, match="splash does not trace under jax_enable_x64"):
+    with (flax_mha.stage_accelerator_kernels(),  # staged: else refused for want of a TPU
+          pytest.raises(ValueError, match="splash does not trace under jax_enable_x64")):
       jax.eval_shape(lambda q, k, v: flax_mha.dot_product_attention(
           q, k, v, implementation="splash"), q, k, v)
