@@ -204,7 +204,8 @@ def check_dropout(dropout_rate, dropout_rng, *, needs_rng: bool = True) -> None:
 def check_token_ids(name: str, tokens, vocab_size: int) -> None:
   """Host-side check that every id of `tokens` (NumPy or a concrete jax array) is in
   [0, vocab_size): inside `jit` an out-of-range id is not an error but an embedding of NaN
-  (flax's nn.Embed) or, when negative, of another row. Names the first bad id and where it is."""
+  in the models (flax_mha.models), while flax's nn.Embed alone reads a negative one as another
+  row. Names the first bad id and where it is."""
   ids = np.asarray(tokens)
   bad = (ids < 0) | (ids >= vocab_size)
   if bad.any():

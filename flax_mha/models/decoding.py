@@ -15,10 +15,11 @@ encodes once) are decodable.
 
 Token ids (the prompts, and integer arrays of the context such as the source) must lie in
 [0, C), C the size of the logits: when they are concrete, a ValueError names the first one
-outside; inside `jit` they are traced and not checked (an id >= C embeds as NaN in flax's
-`nn.Embed`, a negative one reads another row). Generation prefills the prompts in one call, each row at its
-own positions (rows of different lengths, right-padded, waste nothing: padding has position -1),
-then feeds one token a step. Everything is jitted with the model, sizes and sampler static;
+outside; inside `jit` they are traced and not checked (the models of `flax_mha.models` embed
+an id outside [0, C), negative or >= C, as NaN; flax's `Embed` alone reads a negative one as
+row C + id). Generation prefills the prompts in one call, each row at its own positions (rows
+of different lengths, right-padded, waste nothing: padding has position -1), then feeds one
+token a step. Everything is jitted with the model, sizes and sampler static;
 the loop stops once every row has emitted a stop token (later tokens are `pad_id`).
 
 Shapes: B batch, L prompt length, N new tokens (max_new_tokens), W beam width, C vocabulary.
@@ -156,7 +157,8 @@ def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_to
     context: tuple of `init_cache`'s positional arguments (the prompts for an LM, the source
       for the Transformer).
     prompts: [B, L] int, right-padded; prompt_lengths [B] (default: all L). Ids outside the
-      vocabulary raise a ValueError when concrete (not inside `jit`).
+      vocabulary raise a ValueError when concrete (not inside `jit`); padding, past a row's
+      length, is never read, whatever its ids.
     max_new_tokens: static; sampler: `Greedy()` or `Sampling(temperature, top_k, top_p)`.
     stop_tokens: ids that end a row (emitted, then pad_id); rng: a key, for sampling (the
       same key gives the same tokens).
@@ -196,8 +198,12 @@ def _prefill(model, params, context, prompts, lengths, max_new_tokens):
   cache = model.apply(params, *context, max_length=length + max_new_tokens - 1,
                       method="init_cache")
   ar = jnp.arange(length, dtype=jnp.int32)
-  positions = jnp.where(ar < lengths[:, None], ar, -1)
-  logits, cache = model.apply(params, prompts, cache, positions, method="logits")
+  real = ar < lengths[:, None]
+  positions = jnp.where(real, ar, -1)
+  # Padding is never read, whatever its ids (`check_ids` skips it too): fed as id 0, so that
+  # an id outside the vocabulary there does not embed as NaN and spread through attention.
+  tokens = jnp.where(real, prompts, 0)
+  logits, cache = model.apply(params, tokens, cache, positions, method="logits")
   return cache, jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 

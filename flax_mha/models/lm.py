@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha import remat as remat_lib
+from flax_mha.models import _tokens as tokens_lib
 from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
 from flax_mha.nn.linen import SelfAttention
 from flax_mha.nn.options import AttentionOptions
@@ -153,12 +154,13 @@ class DecoderLM(Decodable, nn.Module):
   row's next ones; -1 marks padding) and returns (logits [B, T, C], cache).
 
   Token ids must lie in [0, vocab_size): an eager call with concrete ids refuses an id outside
-  by name (ValueError); inside `jit` ids are traced and not checked: an id >= vocab_size embeds
-  as NaN (flax's `nn.Embed`) and a negative id silently reads row vocab_size + id. Check ids on
-  the host with `flax_mha.checks.check_token_ids` (the experiment runner, generation and
-  serving do). A NaN in the activations (a bad id's, or one born in the network) spreads by
-  default through attention's weights-times-values product (a hidden key's 0 · NaN = NaN) to
-  every logit of its row, other documents included; with
+  by name (ValueError); inside `jit` ids are traced and not checked: an id outside, negative or
+  >= vocab_size, embeds as NaN, so its row's logits are NaN (flax's `nn.Embed` alone would read
+  a negative id as row vocab_size + id, finite and wrong). Check ids on the host with
+  `flax_mha.checks.check_token_ids` (the experiment runner, generation and serving do). A NaN
+  in the activations (a bad id's, or one born in the network) spreads by default through
+  attention's weights-times-values product (a hidden key's 0 · NaN = NaN) to every logit of
+  its row, other documents included; with
   `attention_implementation=flax_mha.confine_nonfinite()` it stays in the rows that read it,
   at the cost `python -m experiments.bench.confine` measures (docs/benchmark_cpu_confine.md).
   """
@@ -179,7 +181,8 @@ class DecoderLM(Decodable, nn.Module):
                          f"{tokens.shape}, {segment_ids.shape} and {positions.shape}")
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed",
                      embedding_init=nn.initializers.normal(stddev=1.0))
-    x = embed(tokens).astype(cfg.dtype) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
+    x = tokens_lib.embed(embed, tokens, cfg.vocab_size).astype(cfg.dtype) * jnp.sqrt(
+        jnp.asarray(cfg.d_model, cfg.dtype))
     caches = []
     # `train` is Block's 4th argument (`self` is 0): static under nn.remat.
     block_cls = remat_lib.layer_class(cfg.remat if cache is None else "none", Block, (4,))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_mha import checks
+from flax_mha.models import _tokens as tokens_lib
 from flax_mha.models import lm
 from flax_mha.models.lm import LMConfig
 from flax_mha.nn.nnx import SelfAttention
@@ -66,7 +67,7 @@ class DecoderLM(lm.Decodable, nnx.Module):
     if cache is None:
       segment_ids, positions = lm.one_document(tokens, segment_ids, positions)
     scale = jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
-    x = self.embed(tokens).astype(cfg.dtype) * scale
+    x = tokens_lib.embed(self.embed, tokens, cfg.vocab_size).astype(cfg.dtype) * scale
     caches = []
     for i in range(cfg.num_layers):
       x, layer_cache = getattr(self, f"block_{i}")(

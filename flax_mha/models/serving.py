@@ -279,15 +279,19 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
   the most prompt tokens one trip feeds between two decode steps (larger: faster prefill,
   longer waits for the running rows). Greedy tokens equal `decoding.generate`'s; a sampler
   draws with keys folded from `rng` by request (first token) and by step (the others).
-  The stats' seconds include compilation on a first call with new shapes.
+  The stats' seconds include compilation on a first call with new shapes. No prompts: no
+  outputs, ([], ServeStats) of 0 tokens and 0 pages, after the same checks and nothing run.
   """
   model, params = decoding.decodable(model, params)
   for name, value in (("batch_size", batch_size), ("page_size", page_size),
                       ("num_pages", num_pages), ("prefill_chunk", prefill_chunk)):
     checks.check_int(name, value)
+  started = time.perf_counter()
   prompts = _prompts(prompts, decoding.vocabulary(model, params, "init_paged_cache",
                                                   static=(1, 1, 1, 1)))
   limits = _limits(max_new_tokens, len(prompts))
+  if not prompts:
+    return [], ServeStats(0, time.perf_counter() - started, 0, page_size)
   pages_per_row = max(math.ceil((len(p) + n) / page_size) for p, n in zip(prompts, limits))
   if num_pages < batch_size * pages_per_row:
     raise ValueError(f"num_pages={num_pages} cannot hold {batch_size} rows of up to "

@@ -27,6 +27,7 @@ from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha import masks as masks_lib
 from flax_mha import remat as remat_lib
+from flax_mha.models import _tokens as tokens_lib
 from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
 from flax_mha.nn.linen import MultiHeadAttention
 
@@ -216,7 +217,8 @@ class Stack(nn.Module):
                positions=None):
     """The stack's output [B, L, D]; with `caches` (one per layer): (output, caches)."""
     cfg = self.config
-    x = self.embed(tokens).astype(cfg.dtype) * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
+    x = tokens_lib.embed(self.embed, tokens, cfg.vocab_size).astype(cfg.dtype) * jnp.sqrt(
+        jnp.asarray(cfg.d_model, cfg.dtype))
     x = AddPositions(cfg, name="positions")(x, positions)
     x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
     new_caches = []
@@ -240,8 +242,9 @@ class Transformer(nn.Module):
   """Encoder-decoder Transformer: `__call__(src [B, S], tgt_in [B, T]) -> logits [B, T, C]`.
 
   Token ids must lie in [0, vocab_size): an eager call with concrete ids refuses an id outside
-  by name (ValueError); inside `jit` they are not checked: an id >= vocab_size embeds as NaN
-  (flax's `nn.Embed`), a negative id reads row vocab_size + id. `flax_mha.models.decoding` and
+  by name (ValueError); inside `jit` they are not checked: an id outside, negative or >=
+  vocab_size, embeds as NaN (flax's `nn.Embed` alone would read a negative id as row
+  vocab_size + id, finite and wrong). `flax_mha.models.decoding` and
   the experiment runner check ids on the host (`flax_mha.checks.check_token_ids`). A NaN in
   the activations reaches, by default, every position of its row through attention (a masked
   key's 0 · NaN = NaN); `attention_implementation=flax_mha.confine_nonfinite()` keeps it

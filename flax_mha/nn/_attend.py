@@ -204,19 +204,33 @@ def flax_decode_step(query_THK, key_SGK, value_SGV, cached_key, cached_value, in
 def as_bool_mask(mask):
   """A boolean mask; numeric masks mean what they mean in flax.linen: nonzero = attend.
 
-  A float mask holding anything but 0 and 1 (torch's additive `attn_mask`, 0 = attend and
-  -inf = hide, which would read inverted here) is refused when its values are concrete. Under
-  `jit` they are traced and cannot be read: such a mask then means nonzero = attend, unchecked.
+  When its values are concrete, a numeric mask that reads as torch's additive `attn_mask`
+  (0 = attend, -inf = hide, which would read inverted here) is refused: a float mask holding
+  anything but 0 and 1, and a numeric mask of zeros alone, which hides every key from every
+  query (torch's additive mask of a batch without padding). A boolean mask says what it means
+  and is taken as it is, all False included (the padding mask of a batch of padding alone,
+  such as a Transformer initialised with zeros: every query's output is that of a fully
+  masked row). Under `jit` the values are traced and cannot be read: a numeric mask then means
+  nonzero = attend, unchecked, and an all-zero one gives every query a fully masked row's
+  output (zeros before the output projection).
   """
   if mask is None or not hasattr(mask, "dtype") or mask.dtype == jnp.bool_:
     return mask  # None, bool, or not an array: the pure function's checks name the problem
+  _check_numeric(mask)
+  if not isinstance(mask, jax.core.Tracer):
+    _check_sees_a_key(np.asarray(mask))
+  return mask != 0
+
+
+def _check_numeric(mask) -> None:
+  """Raise unless the numeric mask is integer or float, a float one holding only 0 and 1 when
+  concrete."""
   if not (jnp.issubdtype(mask.dtype, jnp.integer) or jnp.issubdtype(mask.dtype, jnp.floating)):
     raise TypeError(
         "mask must be boolean (True = attend) or integer/float (nonzero = attend, as in "
         f"flax.linen), got dtype {mask.dtype}")
   if jnp.issubdtype(mask.dtype, jnp.floating) and not isinstance(mask, jax.core.Tracer):
     _check_zero_one(np.asarray(mask))
-  return mask != 0
 
 
 def _check_zero_one(mask) -> None:
@@ -229,6 +243,23 @@ def _check_zero_one(mask) -> None:
         "like torch's additive attn_mask (0 = attend, -inf = hide), which as a mask would "
         "attend where torch hides. Pass it as `bias` (added to the logits), or a boolean mask "
         "(True = attend)")
+
+
+def _check_sees_a_key(mask) -> None:
+  """Raise when the concrete numeric mask hides every key from every query (zeros alone).
+
+  Judged on the whole mask, not row by row: a query that sees nothing (a padded one) is
+  legitimate, a mask under which no query of any batch row or head sees anything is torch's
+  additive convention read as flax's.
+  """
+  if mask.size and not mask.any():
+    raise ValueError(
+        f"mask hides every key from every query: it holds only zeros, shape "
+        f"{tuple(mask.shape)}, so every query would attend to nothing (output zero). "
+        "flax's masks mean True/1 = attend; torch's additive attn_mask means 0 = attend, "
+        "-inf = hide, so its mask of a batch without padding is all zeros: pass an additive "
+        "mask as `bias` (added to the logits), or a boolean mask with True = attend (None "
+        "attends everywhere)")
 
 
 def attend(query_THK, key_SGK, value_SGV, bias, mask, *, implementation, sow: bool,

@@ -90,8 +90,11 @@ class MultiHeadAttention(nn.Module):
     per-example [B, T, S] mask needs `mask[:, None]` (else B lands on the heads: an error when
     B != H, silently wrong when B == H). A torch-style additive float mask (0 / -inf) is not a
     mask: pass it as `bias`, which is added to the logits and broadcasts to [..., H, T, S] too.
-    A float mask holding values other than 0 and 1 is refused when they are concrete; under
-    `jit` they are traced and unchecked (nonzero = attend). torch's boolean masks mean the
+    When its values are concrete, a float mask holding values other than 0 and 1 is refused,
+    and so is a mask that hides every key from every query (all False/0, which torch's additive
+    mask of a batch without padding is). Under `jit` they are traced and unchecked: nonzero
+    = attend, and an all-zero mask leaves every query fully masked, output zero (before the
+    output projection's bias) like any fully masked row. torch's boolean masks mean the
     opposite of ours (True = hide): pass `~mask` (docs/tour_modules.md has the table).
 
     q_segment_ids [..., T], kv_segment_ids [..., S]: ints; a query sees only keys of its own

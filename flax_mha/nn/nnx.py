@@ -166,9 +166,11 @@ class MultiHeadAttention(nnx.Module):
     mask (bool, True = attend; or numeric, nonzero = attend, as in flax) and bias (added to the
     logits) broadcast to [..., H, T, S], as `flax_mha.MultiHeadAttention`'s: a rank-3 mask is
     [H, T, S], a float mask of values other than 0/1 (torch's additive one: pass it as `bias`)
-    is refused when concrete, unchecked under `jit`. `deterministic` and `decode` default to
-    the attributes; `rngs` (an `nnx.Rngs`, an `nnx.RngStream` or one key) to the stream kept
-    at construction.
+    and a mask that hides every key from every query (all False/0, as torch's additive mask of
+    a batch without padding is) are refused when concrete; unchecked under `jit`, where an
+    all-zero mask leaves every query fully masked, output zero (before the output projection's
+    bias). `deterministic` and `decode` default to the attributes; `rngs` (an `nnx.Rngs`, an
+    `nnx.RngStream` or one key) to the stream kept at construction.
     With `decode`, the T new tokens are appended to the cache and query t sees cached positions
     <= index + t. q_segment_ids [..., T], kv_segment_ids [..., S] and q_positions [..., T],
     kv_positions [..., S] mean what they mean in `flax_mha.MultiHeadAttention` (segment ids

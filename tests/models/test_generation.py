@@ -14,6 +14,7 @@ import pytest
 
 from flax import nnx
 
+from flax_mha import cache as cache_lib
 from flax_mha.models import decoding, lm_nnx, serving
 from flax_mha.models.lm import DecoderLM, LMConfig
 
@@ -174,19 +175,24 @@ def test_bad_generation_arguments_are_named(kwargs, error, match):
     decoding.generate(model, params, (PROMPTS,), PROMPTS, **args)
 
 
-def test_decoding_loops_trace_no_host_callback():
+def test_decoding_loops_trace_no_overflow_check(monkeypatch):
   """generate and beam search size their caches for every token they write, so their loops
-  trace no capacity callback (one per token cost 5-7x a small model's step, and takes jit off
-  its fast path); the same cache write of a user's own under jit keeps its check."""
+  trace every cache write inside room_made_by_caller() (no overflow select, no host callback);
+  the same cache write of a user's own under jit keeps its check."""
   model, params = _lm()
+  checked = []
+  judge = cache_lib._overflow_is_nan
+  monkeypatch.setattr(cache_lib, "_overflow_is_nan", lambda out, cache: (
+      checked.append(not cache_lib.ROOM_MADE_BY_CALLER.value), judge(out, cache))[1])
   for fn in (decoding.generate, decoding.generate_beam):
     jaxpr = jax.make_jaxpr(lambda p, fn=fn: fn(model, p, (PROMPTS,), PROMPTS, LENGTHS,
                                                max_new_tokens=3))(params)
     assert "callback" not in str(jaxpr)
+  assert checked and not any(checked)
   cache = model.apply(params, PROMPTS, max_length=8, method=DecoderLM.init_cache)
-  user_step = jax.make_jaxpr(lambda c: model.apply(params, PROMPTS[:, :1], c,
-                                                   method=DecoderLM.logits))(cache)
-  assert "callback" in str(user_step)
+  checked.clear()
+  jax.make_jaxpr(lambda c: model.apply(params, PROMPTS[:, :1], c, method=DecoderLM.logits))(cache)
+  assert checked and all(checked)
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
@@ -231,10 +237,13 @@ def test_ids_outside_the_vocabulary_are_refused_by_every_entry_point(entry, bad)
     _decoders(model, params, prompts)[entry]()
 
 
-def test_padding_past_a_prompts_length_is_not_checked():
+@pytest.mark.parametrize("pad", [-1, VOCAB])
+def test_padding_past_a_prompts_length_is_not_checked(pad):
+  """Nor read: any id there (one outside the vocabulary embeds as NaN in the models) gives
+  the tokens of zero padding."""
   model, params = _lm()
   padded = PROMPTS.copy()
-  padded[1, LENGTHS[1]:] = -1
+  padded[1, LENGTHS[1]:] = pad
   np.testing.assert_array_equal(
       decoding.generate(model, params, (PROMPTS,), padded, LENGTHS, max_new_tokens=3),
       decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=3))
@@ -250,3 +259,25 @@ def test_serving_refuses_an_empty_prompt_by_name(entry):
   with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty sequence of integer "
                                        r"token ids, got shape \(0,\)"):
     call()
+
+
+@pytest.mark.parametrize("front", ["linen", "nnx"])
+def test_serving_no_prompts_gives_no_outputs(front):
+  """No requests: an empty list of outputs and stats of nothing, as a run of requests gives a
+  list and stats (it was `max() arg is an empty sequence`); the arguments are still checked."""
+  model, params = _lm()
+  if front == "nnx":
+    model = lm_nnx.load_linen_params(lm_nnx.DecoderLM(model.config, rngs=nnx.Rngs(1)), params)
+    params = None
+  for limits in (3, []):
+    served, stats = serving.serve(model, params, [], limits, batch_size=2, page_size=4,
+                                  num_pages=8)
+    assert served == [] and isinstance(stats, serving.ServeStats)
+    assert (stats.new_tokens, stats.peak_pages, stats.page_size, stats.peak_tokens) == (0, 0, 4, 0)
+    assert stats.tokens_per_second == 0.0
+    static, static_stats = serving.serve_static(model, params, [], limits, batch_size=2)
+    assert static == [] and static_stats.new_tokens == 0
+  with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+    serving.serve(model, params, [], 3, batch_size=0, page_size=4, num_pages=8)
+  with pytest.raises(ValueError, match=r"max_new_tokens must be an int or one per prompt \(0\)"):
+    serving.serve(model, params, [], [3], batch_size=2, page_size=4, num_pages=8)

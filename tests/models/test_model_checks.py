@@ -9,8 +9,10 @@ packed rows is refused before anything runs; the NNX constructor checks the soft
 
 from __future__ import annotations
 
+import functools
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,7 @@ from experiments.tasks import PAD, get_task
 from flax_mha import sharding
 from flax_mha.models.decoding import beam_search, greedy_decode
 from flax_mha.models import lm as lm_model
+from flax_mha.models import _tokens as tokens_lib
 from flax_mha.models import lm_nnx
 from flax_mha.models.lm import DecoderLM, LMConfig
 from flax_mha.models.transformer import Transformer, TransformerConfig
@@ -39,15 +42,17 @@ def _packed(length=32):
   return lm_data.pack(docs, batch_size=1, length=length)
 
 
-def test_out_of_vocabulary_token_poisons_other_documents_inside_jit():
-  """Why the host check exists: documented behaviour of the model under jit."""
+@pytest.mark.parametrize("bad", [TASK.vocab.size, -1])
+def test_out_of_vocabulary_token_poisons_other_documents_inside_jit(bad):
+  """Why the host check exists: documented behaviour of the model under jit, for an id past
+  the end and a negative one alike."""
   model = DecoderLM(LMConfig(vocab_size=TASK.vocab.size, d_model=16, num_heads=2,
                              num_kv_heads=1, num_layers=1, d_ff=16))
   batch = _packed()
   params = model.init(jax.random.key(0), batch["tokens"], batch["segment_ids"],
                       batch["positions"])
   tokens = batch["tokens"].copy()
-  tokens[0, 9] = TASK.vocab.size  # in the second document
+  tokens[0, 9] = bad  # in the second document
   logits = jax.jit(model.apply)(params, tokens, batch["segment_ids"], batch["positions"])
   assert bool(jnp.isnan(logits[0, 0]).all())  # the first document is poisoned too
 
@@ -59,14 +64,15 @@ def _transformer(vocab_size=11):
   return cfg, Transformer(cfg).init(jax.random.key(0), good, good)["params"]
 
 
-def test_an_eager_model_call_refuses_an_out_of_vocabulary_id_by_name():
+@pytest.mark.parametrize("bad", [TASK.vocab.size, -1])
+def test_an_eager_model_call_refuses_an_out_of_vocabulary_id_by_name(bad):
   """Concrete ids are checked by the models themselves (inside jit they cannot be)."""
   lm_cfg = LMConfig(vocab_size=TASK.vocab.size, d_model=16, num_heads=2, num_kv_heads=1,
                     num_layers=1, d_ff=16)
   tokens = _packed()["tokens"].copy()
   params = DecoderLM(lm_cfg).init(jax.random.key(0), tokens)
-  tokens[0, 9] = TASK.vocab.size
-  message = (f"tokens holds token id {TASK.vocab.size} at position (0, 9), outside the "
+  tokens[0, 9] = bad
+  message = (f"tokens holds token id {bad} at position (0, 9), outside the "
              f"vocabulary [0, {TASK.vocab.size})")
   with pytest.raises(ValueError, match=re.escape(message)):
     DecoderLM(lm_cfg).apply(params, tokens)
@@ -78,6 +84,75 @@ def test_an_eager_model_call_refuses_an_out_of_vocabulary_id_by_name():
     with pytest.raises(ValueError, match=re.escape(
         f"{name} holds token id -1 at position (0, 1), outside the vocabulary [0, 11)")):
       Transformer(cfg).apply({"params": params}, src, tgt)
+
+
+VOCAB = 11
+GOOD = np.array([[3, 4, 5, 6], [7, 8, 9, 3]])  # [B, L], ids in [3, VOCAB): no padding
+
+
+def _jitted_logits(name):
+  """tokens [B, L] -> logits [B, L, C], jitted, of one model and front end (for the Transformer:
+  with the tokens as the source or as the target input, the other side GOOD)."""
+  if name.startswith("transformer"):
+    cfg, params = _transformer(VOCAB)
+    run = jax.jit(Transformer(cfg).apply)
+    if name == "transformer_src":
+      return lambda tokens: run({"params": params}, tokens, GOOD)
+    return lambda tokens: run({"params": params}, GOOD, tokens)
+  cfg = LMConfig(vocab_size=VOCAB, d_model=16, num_heads=2, num_kv_heads=1, num_layers=1,
+                 d_ff=16)
+  params = DecoderLM(cfg).init(jax.random.key(0), GOOD)
+  if name == "lm_linen":
+    return functools.partial(jax.jit(DecoderLM(cfg).apply), params)
+  graphdef, state = nnx.split(lm_nnx.load_linen_params(lm_nnx.DecoderLM(cfg, rngs=nnx.Rngs(0)),
+                                                       params))
+  return functools.partial(jax.jit(lambda state, t: nnx.merge(graphdef, state)(t)), state)
+
+
+@pytest.mark.parametrize("bad", [-1, -VOCAB, VOCAB])
+@pytest.mark.parametrize("name", ["lm_linen", "lm_nnx", "transformer_src", "transformer_tgt_in"])
+def test_inside_jit_every_id_outside_the_vocabulary_gives_nan_logits(name, bad):
+  """Inside `jit` ids are traced and cannot be refused: an id outside [0, C) embeds as NaN,
+  negative ones as ids >= C (jnp.take alone wraps -1 to the last row: finite, wrong logits),
+  in every model and front end. Its row's logits are NaN; the other row's are those of the
+  batch of good ids."""
+  logits = _jitted_logits(name)
+  tokens = GOOD.copy()
+  tokens[0, 0] = bad  # seen by every position of row 0 (causal or not)
+  got, want = np.asarray(logits(tokens)), np.asarray(logits(GOOD))
+  assert np.isfinite(want).all()
+  assert np.isnan(got[0]).all()
+  np.testing.assert_allclose(got[1], want[1], atol=1e-6, rtol=1e-6)
+
+
+def test_the_embedding_keeps_rows_in_range_and_nans_the_others():
+  """`flax_mha.models._tokens.embed` over flax's linen and NNX Embed: rows of ids in [0, C)
+  are the table's (NumPy indexing), every other id's row all NaN."""
+  vocab, width = 7, 5
+  table = np.random.default_rng(0).normal(size=(vocab, width)).astype(np.float32)
+  ids = np.array([[0, 4, vocab - 1, -1], [vocab, -vocab, 2, -vocab - 1]])
+  linen_embed = nn.Embed(vocab, width).bind({"params": {"embedding": table}})
+  nnx_embed = nnx.Embed(vocab, width, rngs=nnx.Rngs(0))
+  nnx_embed.embedding.value = jnp.asarray(table)
+  inside = (ids >= 0) & (ids < vocab)
+  for embedding in (linen_embed, nnx_embed):
+    got = np.asarray(tokens_lib.embed(embedding, jnp.asarray(ids), vocab))
+    np.testing.assert_array_equal(got[inside], table[ids[inside]])
+    assert np.isnan(got[~inside]).all()
+
+
+def test_a_transformer_batch_of_padding_only_runs():
+  """An all-padding src or tgt_in (a model initialised with zeros) makes a boolean padding mask
+  that hides every key from every query: taken as it is (only a numeric all-zero mask reads as
+  torch's convention and is refused), eagerly and under jit alike, every query fully masked."""
+  cfg, params = _transformer()
+  pad = jnp.zeros((2, 4), jnp.int32)
+  for src, tgt in ((pad, GOOD), (GOOD, pad)):
+    eager = Transformer(cfg).apply({"params": params}, src, tgt)
+    jitted = jax.jit(Transformer(cfg).apply)({"params": params}, src, tgt)
+    assert eager.shape == (2, 4, 11) and np.isfinite(eager).all()
+    np.testing.assert_allclose(eager, jitted, atol=1e-5, rtol=1e-5)
+  assert Transformer(cfg).init(jax.random.key(0), pad, pad)
 
 
 @pytest.mark.parametrize("kind,past_end", [("seq2seq", True), ("seq2seq", False), ("lm", True)])

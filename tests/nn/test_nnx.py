@@ -188,6 +188,32 @@ def test_additive_float_mask_refused(make_attention, rng):
   np.testing.assert_allclose(out, np_mha(params, xq, xk, xv, mask=keep), **TOL)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_a_mask_hiding_every_key_is_refused_when_concrete(make_attention, rng, dtype):
+  """torch's additive attn_mask of a batch without padding is all zeros (0 = keep): read as
+  flax's mask it hides every key from every query, every output the out bias alone, without a
+  word. Refused when concrete, naming torch's convention and `bias`; one 1 anywhere passes
+  (a query that sees nothing is legitimate); traced (inside `jit`) it cannot be read and runs
+  as documented: every query fully masked. A boolean all-False mask says what it means (an
+  all-padding batch) and runs."""
+  attn, params = _make_cross(make_attention)
+  xq, xk, xv = _cross_inputs(rng)
+  zeros = np.zeros((B, 1, T, S), dtype)
+  message = (r"mask hides every key from every query.*True/1 = attend.*torch's additive "
+             r"attn_mask means 0 = attend, -inf = hide.*`bias`")
+  for mask in (zeros, zeros[0, 0]):  # [B, 1, T, S] and [T, S]
+    with pytest.raises(ValueError, match=message):
+      attn(xq, xk, xv, mask=mask)
+  one = zeros.copy()
+  one[1, 0, 2, 3] = 1  # one query of one example sees one key; every other query nothing
+  out, _ = attn(xq, xk, xv, mask=one)
+  np.testing.assert_allclose(out, np_mha(params, xq, xk, xv, mask=one != 0), **TOL)
+  traced, _ = jax.jit(lambda mask: attn(xq, xk, xv, mask=mask))(zeros)
+  np.testing.assert_allclose(traced, np.broadcast_to(params["out"]["bias"], traced.shape), **TOL)
+  hidden, _ = attn(xq, xk, xv, mask=zeros.astype(bool))
+  np.testing.assert_allclose(hidden, traced, **TOL)
+
+
 def test_bias(make_attention, rng):
   attn, params = _make_cross(make_attention)
   xq, xk, xv = _cross_inputs(rng)
