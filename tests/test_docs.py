@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PAGES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
@@ -112,14 +113,46 @@ def test_api_reference_covers_every_public_module():
   assert not missing, f"modules without an API reference entry (docs/api_*.md): {missing}"
 
 
+def build_site(config: pathlib.Path, site: pathlib.Path) -> tuple[bool, str]:
+  """(passed, log) of `mkdocs build --strict` of `config` into `site`: passed when it exits 0
+  and logs no WARNING or ERROR line.
+
+  Never `-q`: quiet mode drops the warnings that --strict counts, and the build then passes
+  with a broken link. The log is read too, for warnings that --strict does not count.
+  """
+  env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+  result = subprocess.run(
+      [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+      cwd=config.parent, env=env, capture_output=True, text=True, check=False)
+  log = result.stdout + result.stderr
+  warned = re.search(r"^(WARNING|ERROR)\b", log, flags=re.M) is not None
+  return result.returncode == 0 and not warned, log
+
+
+def test_the_site_check_fails_on_a_broken_anchor(tmp_path):
+  """`build_site`, which the site test relies on, over a two-page site with the project's
+  validation settings: a link to an anchor the other page lacks fails it (with `-q` the build
+  passed, hiding a renamed section), the same link to a present anchor passes."""
+  validation = yaml.safe_load((REPO / "mkdocs.yml").read_text())["validation"]
+  (tmp_path / "docs").mkdir()
+  (tmp_path / "docs/other.md").write_text("# Other\n\n## Present section\n\nText.\n")
+  config = tmp_path / "mkdocs.yml"
+  config.write_text(yaml.safe_dump({"site_name": "tiny", "validation": validation}))
+  page = tmp_path / "docs/index.md"
+  page.write_text("# Tiny\n\nSee [there](other.md#renamed-section).\n")
+  passed, log = build_site(config, tmp_path / "site")
+  assert not passed, log
+  assert "does not contain an anchor '#renamed-section'" in log, log
+  page.write_text("# Tiny\n\nSee [there](other.md#present-section).\n")
+  passed, log = build_site(config, tmp_path / "site")
+  assert passed, log
+
+
 @pytest.mark.integration
 def test_site_builds_strict_with_every_figure(tmp_path):
   site = tmp_path / "site"
-  env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-  result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d",
-                           str(site)], cwd=REPO, env=env, capture_output=True, text=True,
-                          check=False)
-  assert result.returncode == 0, result.stdout + result.stderr
+  passed, log = build_site(REPO / "mkdocs.yml", site)
+  assert passed, log
   for page in PAGES[1:]:
     text = (REPO / page).read_text()
     for figure in re.findall(r"!\[[^\]]*\]\((figures/[^)\s]+)\)", text):
