@@ -89,6 +89,9 @@ def initialize(auto: bool = False) -> None:
     return
   # CPU collectives across processes (on GPU and TPU the platform's own are used).
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # SIGTERM is the training loop's (experiments.preemption): the runtime's preemption notifier
+  # would take it over and, unless polled every step, swallow it, leaving the process running.
+  jax.config.update("jax_enable_preemption_service", False)
   if given is None:
     jax.distributed.initialize()
     return
@@ -133,3 +136,11 @@ def barrier(name: str) -> None:
   """Wait until every process reaches `name` (nothing with one process)."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
+
+
+def any_process(flag: bool) -> bool:
+  """Whether `flag` is True in any process, the same answer in each. With several processes an
+  all-gather: every process must call it at the same point of the program."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))

@@ -13,7 +13,10 @@ the same command resumes from its last complete checkpoint.
 
 If a process dies, the others stop when the runtime's heartbeat misses it (after
 --heartbeat-seconds) and the launcher exits with 1, naming each process's end; any still
-running after a grace period are killed. On a cluster this launcher is not needed: run
+running after a grace period are killed. SIGTERM or SIGINT (Ctrl-C) sent to the launcher goes on
+to every process: on SIGTERM they stop together after one step and save it (a preemption,
+experiments.preemption); the launcher waits for them, kills any left after the grace period, and
+exits with 128 + the signal's number (143, 130). On a cluster this launcher is not needed: run
 `python -m experiments.train --distributed ...` on every host and JAX finds its coordinator
 (SLURM, Cloud TPU).
 """
@@ -28,9 +31,10 @@ import subprocess
 import sys
 import time
 
-from experiments import distributed
+from experiments import distributed, preemption
 
-GRACE_SECONDS = 30  # beyond the heartbeat: how long the others may take to stop by themselves
+GRACE_SECONDS = 30  # how long processes may take to stop by themselves (after a failure,
+# beyond the heartbeat; after a signal, to save their checkpoint) before they are killed
 
 
 def free_port() -> int:
@@ -61,16 +65,35 @@ def describe(code: int | None) -> str:
   return f"exited with {code}"
 
 
-def supervise(procs: list[subprocess.Popen], heartbeat: int) -> int:
+class Forward:
+  """The signal handler of the launcher: passes each SIGTERM or SIGINT on to every process in
+  `procs` still running, and records the signal and when it came first."""
+
+  def __init__(self):
+    self.procs: list[subprocess.Popen] = []
+    self.signum, self.since = None, None
+
+  def __call__(self, signum, frame=None) -> None:
+    del frame
+    if self.signum is None:
+      self.signum, self.since = signum, time.monotonic()
+    for p in self.procs:
+      if p.poll() is None:
+        p.send_signal(signum)
+
+
+def supervise(procs: list[subprocess.Popen], heartbeat: int, forward: Forward) -> int:
   """Wait for every process; once one fails, give the others the heartbeat and a grace period
-  to stop by themselves, then kill them. Returns 0 if all succeeded, else 1 after printing
-  how each process ended."""
-  first_failure, deadline = None, None
+  to stop by themselves, and once the launcher is signalled, the grace period; then kill them.
+  Returns `conclude`'s exit code."""
+  first_failure, failed_at = None, None
   while any(p.poll() is None for p in procs):
     failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
     if failed and first_failure is None:
-      first_failure, deadline = failed[0], time.monotonic() + heartbeat + GRACE_SECONDS
-    if deadline is not None and time.monotonic() > deadline:
+      first_failure, failed_at = failed[0], time.monotonic()
+    deadlines = [t + wait for t, wait in ((failed_at, heartbeat + GRACE_SECONDS),
+                                          (forward.since, GRACE_SECONDS)) if t is not None]
+    if deadlines and time.monotonic() > min(deadlines):
       break
     time.sleep(0.2)
   codes = [p.poll() for p in procs]
@@ -78,11 +101,25 @@ def supervise(procs: list[subprocess.Popen], heartbeat: int) -> int:
     if p.poll() is None:
       p.kill()
       p.wait()
-  if all(code == 0 for code in codes):
+  return conclude(codes, first_failure, forward.signum)
+
+
+def conclude(codes: list[int | None], first_failure: int | None, signum: int | None) -> int:
+  """The launcher's exit code from its processes' `codes` (None: killed while running) and the
+  signal it got, printing how each process ended unless all succeeded: 128 + the signal's
+  number if signalled, or 143 if every process stopped on a SIGTERM of its own (a scheduler may
+  signal them, not the launcher); 0 if all succeeded; else 1, naming the first that failed."""
+  if signum is None and all(code == preemption.EXIT_CODE for code in codes):
+    signum = signal.SIGTERM
+  if signum is None and all(code == 0 for code in codes):
     return 0
+  if first_failure is None:  # all ended between two polls
+    first_failure = next((i for i, code in enumerate(codes) if code != 0), None)
   ends = "; ".join(f"process {i} {describe(code)}" for i, code in enumerate(codes))
-  print(f"launch: process {first_failure} failed first; {ends}", file=sys.stderr, flush=True)
-  return 1
+  cause = (f"stopped by {signal.Signals(signum).name}" if signum is not None
+           else f"process {first_failure} failed first")
+  print(f"launch: {cause}; {ends}", file=sys.stderr, flush=True)
+  return 1 if signum is None else 128 + signum
 
 
 def parse(argv):
@@ -117,18 +154,21 @@ def parse(argv):
 
 def main(argv=None) -> int:
   args, train_args = parse(sys.argv[1:] if argv is None else argv)
-  procs = [subprocess.Popen([sys.executable, "-m", "experiments.train", *train_args],
-                            env=child_env(i, args),
-                            stdout=None if i == 0 else subprocess.DEVNULL)
-           for i in range(args.processes)]
+  forward = Forward()  # installed before any process starts, so that none is left behind
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
-    return supervise(procs, args.heartbeat_seconds)
-  except KeyboardInterrupt:
-    for p in procs:
-      p.send_signal(signal.SIGINT)
-    for p in procs:
-      p.wait()
-    return 130
+    for i in range(args.processes):
+      if forward.signum is not None:
+        break  # signalled while starting: start no more
+      forward.procs.append(subprocess.Popen(
+          [sys.executable, "-m", "experiments.train", *train_args], env=child_env(i, args),
+          stdout=None if i == 0 else subprocess.DEVNULL))
+    if forward.signum is not None:  # one may have started between the signal and its list entry
+      forward(forward.signum)
+    return supervise(forward.procs, args.heartbeat_seconds, forward)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
 
 
 if __name__ == "__main__":

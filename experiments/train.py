@@ -14,6 +14,8 @@ dropout key of step k is fold_in(state.rng, k). A checkpoint that cannot be read
 a truncated folder) is skipped for the one before it (experiments.checkpoints). A restart whose
 model, task or seed differ from the run's is refused, naming them, before anything is written
 (experiments.run_config); train.steps (to extend a run), logging and evaluation may change.
+SIGTERM (a scheduler's preemption) stops the run after the current step with that step's
+checkpoint saved, and the process exits with 143 (experiments.preemption); rerun it to resume.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import tqdm
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments import checkpoints, distributed, metrics, plots, run_config
+from experiments import checkpoints, distributed, metrics, plots, preemption, run_config
 from experiments.lm import LMRunner
 from experiments.runner import Runner
 from experiments.seq2seq import Seq2SeqRunner
@@ -236,11 +238,14 @@ class StepFn:
 
 
 def train_loop(runner: Runner, state: TrainState, train_seconds: float, step_fn, manager,
-               writer: metrics.MetricWriter):
+               writer: metrics.MetricWriter, stop: preemption.StopSignal | None = None):
   """Steps state.step + 1 .. config.train.steps with logging, evaluation and checkpoints.
 
   Returns (state, train_seconds, last evaluation metrics or {} when no step was left).
   train_seconds counts training only (compilation included), not evaluation or checkpoints.
+  When `stop` agrees to stop after a step before the last, that step is finished as usual (its
+  rows, so a resumed run writes the rows an uninterrupted one would), saved, and
+  preemption.Preempted is raised.
   """
   config = runner.config
   steps = config.train.steps
@@ -254,7 +259,8 @@ def train_loop(runner: Runner, state: TrainState, train_seconds: float, step_fn,
       bar.update()
       log = step % config.train.log_every == 0 or step == steps
       evaluate = step % config.eval.every == 0 or step == steps
-      save = step % config.train.checkpoint_every == 0 or step == steps
+      stopping = stop is not None and stop.agreed() and step < steps  # every process, every step
+      save = step % config.train.checkpoint_every == 0 or step == steps or stopping
       if not (log or evaluate or save):
         continue
       train_metrics = jax.device_get(train_metrics)  # waits for the step: timings are honest
@@ -273,6 +279,8 @@ def train_loop(runner: Runner, state: TrainState, train_seconds: float, step_fn,
         postfix["exact"] = f"{eval_metrics['eval/exact_match']:.3f}"
       if save:
         checkpoints.save(manager, step, state, train_seconds, config)
+      if stopping:  # the manager's exit waits for the save
+        raise preemption.Preempted(stop.signum, step)
       bar.set_postfix(postfix)
       window_start = time.perf_counter()
   return state, train_seconds, eval_metrics
@@ -282,7 +290,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Train (resuming from <workdir>'s last checkpoint), evaluate, plot; return the summary.
 
   Raises run_config.ConfigMismatch, with the workdir as it was, if <workdir> holds a run whose
-  model, task or seed differ from `config`'s (experiments.run_config).
+  model, task or seed differ from `config`'s (experiments.run_config), and preemption.Preempted
+  after a SIGTERM during training, the step it stopped after saved.
   """
   check_config(config)
   runner = make_runner(config)
@@ -300,8 +309,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     writer = (metrics.MetricWriter(workdir, resume_step=int(state.step)) if primary
               else metrics.NoWriter())
     try:
-      state, train_seconds, eval_metrics = train_loop(
-          runner, state, train_seconds, step_fn, manager, writer)
+      with preemption.StopSignal() as stop:
+        state, train_seconds, eval_metrics = train_loop(
+            runner, state, train_seconds, step_fn, manager, writer, stop)
     finally:
       writer.close()
   params = distributed.local(state.params)
@@ -334,6 +344,10 @@ def main(argv):
     summary = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except (run_config.ConfigMismatch, distributed.SetupError) as e:
     sys.exit(f"error: {e}")  # the reason alone: no traceback to read it in
+  except preemption.Preempted as e:
+    if distributed.is_primary():
+      print(e, file=sys.stderr, flush=True)
+    sys.exit(preemption.EXIT_CODE)
   if distributed.is_primary():
     print(json.dumps(summary, indent=2))
 
