@@ -27,6 +27,7 @@ experiments:
   D model width        H query heads               G key/value heads (GQA/MQA; G divides H)
   R = H / G            K query/key head dim        V value head dim
   F FFN width          C vocabulary size           W beam width
+  J the rotated width of a head (rotary's partial rotation: K · fraction)
   L a length where query and key length are the same thing (tokens [B, L])
   Q, P                 rows of a query tile and columns of a key tile (flax_mha.kernels.chunked)
   U, E                 (batch, key head) units per trip and the keys a tile reaches
