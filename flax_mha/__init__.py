@@ -1,20 +1,29 @@
 """flax_mha: multi-head attention for JAX.
 
-The package is layered, each folder importing only from the ones above it:
+The package is layered: imports flow down this list, never up (tests/test_layering.py):
 
   flax_mha/            the public pure API (no flax): `attention` (dot_product_attention,
                        explain, checks of its arguments), `dispatch` (what None runs on each
                        platform, and why), `masks`, `mods` (mask and score terms), `rotary`,
-                       `cache` (the KV cache as data), `paged` (paged_attention), `checks`
+                       `cache` (the KV cache as data), `paged` (paged_attention), `steps` (a
+                       few queries over a cache or pages: the kernel dispatch chooses), `checks`
                        (the argument checks every layer shares), `interop` (torch weights),
                        `sharding` (meshes, placement, FSDP), `remat` (what a training step
                        recomputes), `platforms` (what this process has, what None stages,
                        which platform an accelerator kernel is for)
   flax_mha/kernels/    the implementations behind `implementation=`: reference (the oracle),
                        xla, rows, chunked, decode, cudnn, seq_parallel (ring, all-gather,
-                       Ulysses), helpers
+                       Ulysses), and what they share (`common`, `tiling`, `layouts`, ...)
   flax_mha/nn/         the front ends: `linen` (MultiHeadAttention, SelfAttention) and `nnx`
   flax_mha/models/     the Transformer, the decoder-only LM and decoding
+  experiments/         (beside the package) data, training, benchmarks: imports anything
+
+The top-level modules and kernels/ are one layer, the pure core: they import each other (the
+API calls the kernels, the kernels read `mods`, `checks`, `platforms`), never nn/, models/ or
+experiments/ (the lazy names below aside), and load no flax (`remat.layer_class` imports
+flax.linen only when a model calls it). nn/ never imports models/; nothing in flax_mha/ imports
+experiments/. No module imports an underscore name of another module: what several modules use
+is public internal API.
 
 `import flax_mha` loads no flax: the front ends and models (`flax_mha.MultiHeadAttention`,
 `flax_mha.nnx`, `flax_mha.Transformer`, ...) load on first access.
@@ -50,6 +59,7 @@ from flax_mha import platforms
 from flax_mha import remat
 from flax_mha import rotary
 from flax_mha import sharding
+from flax_mha import steps
 from flax_mha.attention import IMPLEMENTATIONS
 from flax_mha.attention import confine_nonfinite
 from flax_mha.attention import dot_product_attention

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flax_mha import call_options
 from flax_mha import checks
 from flax_mha import dispatch
 from flax_mha import kernels  # importing the package registers every implementation
-from flax_mha.kernels import _confine
-from flax_mha.kernels import _shared
-from flax_mha import _options
+from flax_mha.kernels import common
+from flax_mha.kernels import confine
 from flax_mha.kernels import reference
 from flax_mha.kernels import registry
 from flax_mha.kernels import xla
@@ -128,8 +128,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal:
     the input dtype otherwise. A query row with no visible key (all masked, or every logit -inf)
     gets output 0 and finite gradients, never NaN. Empty inputs (T, S or V = 0) give zeros.
   """
-  arguments = dict(locals())  # the options by name, as _options.OPTIONS lists them
-  options = {name: arguments[name] for name in _options.OPTIONS}
+  arguments = dict(locals())  # the options by name, as call_options.OPTIONS lists them
+  options = {name: arguments[name] for name in call_options.OPTIONS}
   q, k, v, bias4, mask4, scale, mods, is_causal = _prepare(
       query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
   if not isinstance(return_residual, bool):
@@ -195,7 +195,7 @@ def _empty(query, out_shape, mods, return_residual):
   out = jnp.zeros(out_shape, query.dtype)
   if not return_residual:
     return out
-  dtype = _shared.softmax_dtype(query.dtype)
+  dtype = common.softmax_dtype(query.dtype)
   no_key = jnp.finfo(dtype).min if mods.sinks is None else mods.sinks.astype(dtype)
   return out, jnp.broadcast_to(no_key, query.shape[:-1])
 
@@ -216,7 +216,7 @@ def dot_product_attention_weights(query, key, bias=None, mask=None, *, is_causal
       query, key, value, bias, mask, is_causal, scale, dropout_rate, dropout_rng, options)
   *batch, t, h, _ = query.shape
   if 0 in (q.shape[0], t, k.shape[1]):
-    return jnp.zeros((*batch, h, t, k.shape[1]), _shared.softmax_dtype(query.dtype))
+    return jnp.zeros((*batch, h, t, k.shape[1]), common.softmax_dtype(query.dtype))
   weights_BHTS = reference.attention_weights(
       q, k, bias4, mask4, is_causal=is_causal, scale=scale,
       dropout_rate=float(dropout_rate), dropout_rng=dropout_rng, mods=mods)
@@ -301,7 +301,7 @@ def confine_nonfinite(implementation: str | Callable | None = None) -> Callable:
 
   def attention(q, k, v, bias, mask, *, is_causal, dropout_rate, mods=None, **options):
     fn = _resolve(implementation, q, k, v, bias, mask, is_causal, dropout_rate, mods,
-                  wrap=_confine.for_kernel)
+                  wrap=confine.for_kernel)
     extra = {} if mods is None else dict(mods=mods)
     return fn(q, k, v, bias, mask, is_causal=is_causal, dropout_rate=dropout_rate, **extra,
               **options)
@@ -349,8 +349,8 @@ def _checked(query, key, value, bias, mask, is_causal, scale, dropout_rate, drop
     checks.check_broadcast("bias", bias, target, boolean=False)
   if mask is not None:
     checks.check_broadcast("mask", mask, target, boolean=True)
-  _options.check_names(options)
-  mods, is_causal = _options.build(tuple(batch), t, s, h, query.dtype, is_causal, **options)
+  call_options.check_names(options)
+  mods, is_causal = call_options.build(tuple(batch), t, s, h, query.dtype, is_causal, **options)
   return _flatten_batch(bias, batch), _flatten_batch(mask, batch), scale, mods, is_causal
 
 

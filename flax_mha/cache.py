@@ -9,12 +9,12 @@ caches hold G heads, not H), the absolute position of the token in each slot [B,
 and each row's next position [B]: rows advance independently, so a batch of prompts of
 different lengths needs no left padding. Attention over the cache is attention with
 `q_positions`/`kv_positions`: causality and windows compare positions and empty slots are
-hidden. A step of a few tokens over a full cache attends over the smallest power-of-two prefix
-of slots that holds every filled one (a `lax.switch` over static prefixes: no loop, so the
-cache updates in place inside a decoding loop), so it costs what is filled, not the capacity;
-on 'cuda' the step is the Triton decode kernel (`flax_mha.kernels.triton_decode`, staged as
-`implementation=None` stages the Triton kernel), which reads each row's filled blocks in place.
-A long prefill goes through `dot_product_attention`'s dispatch (chunked skips empty tiles).
+hidden. This module holds the caches and their writers; reading is `flax_mha.steps`'s: a step
+of a few tokens runs the kernel `flax_mha.dispatch` chooses for it ("xla" over the smallest
+power-of-two prefix of slots that holds every filled one, so it costs what is filled, not the
+capacity; on 'cuda' the Triton decode kernel, which reads each row's filled blocks in place;
+`flax_mha.steps.explain` says which and why), and a long prefill goes through
+`dot_product_attention`'s dispatch (chunked skips empty tiles).
 
 Two layouts, by what a layer attends to:
 - full (window None): slot = position; writing at or past the capacity never overwrites. A
@@ -47,12 +47,11 @@ import jax.numpy as jnp
 # jax's own config states are the one way to make a setting part of jit's trace cache key.
 from jax._src import config as jax_config
 
-from flax_mha import _options
 from flax_mha import checks
 from flax_mha import paged
-from flax_mha import platforms
+from flax_mha import steps
 from flax_mha.kernels import triton_decode
-from flax_mha.attention import attention_head_major, dot_product_attention
+from flax_mha.attention import dot_product_attention
 
 
 @jax.tree_util.register_dataclass
@@ -94,6 +93,56 @@ class KVCache:
   @property
   def capacity(self) -> int:
     return self.key.shape[2]
+
+  def chunk_attention(self, query_BTHK, key_BTGK, value_BTGV, positions_BT, kernel, options):
+    """(out, updated cache) of `attend`: a full cache is written first (it then holds every
+    key the chunk may see); a rolling one is read with the chunk after its slots, then
+    written (it keeps what the window needs)."""
+    if self.window is None:
+      cache = update(self, key_BTGK, value_BTGV, positions_BT)
+      out = _read(query_BTHK, cache.key, cache.value, cache.positions, positions_BT,
+                  prefixes=True, kernel=kernel, options=options)
+      return out, cache
+    options = dict(options, local_window_size=(self.window, 0), sink_tokens=self.sink_tokens)
+    chunk_pos = jnp.where(positions_BT >= 0, positions_BT, -1)
+    join = lambda slots, chunk: jnp.concatenate([slots, _head_major(chunk).astype(slots.dtype)],
+                                                axis=2)
+    out = _read(query_BTHK, join(self.key, key_BTGK), join(self.value, value_BTGV),
+                jnp.concatenate([self.positions, chunk_pos], axis=1), positions_BT,
+                prefixes=False, kernel=kernel, options=options)
+    return out, update(self, key_BTGK, value_BTGV, positions_BT)
+
+  # The rows and the page table, as a serving loop handles them (one protocol for both kinds).
+
+  @property
+  def takes_mask(self) -> bool:
+    """Whether a dense mask over the slots means anything: a full cache's slots are positions;
+    a rolling cache's move."""
+    return self.window is None
+
+  def with_table(self, table) -> "KVCache":
+    """The cache for a page table (a contiguous cache has none: itself)."""
+    del table
+    return self
+
+  def take_row(self, row) -> "KVCache":
+    """The batch-1 view of row `row` (traced `row` fine)."""
+    one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)
+    return dataclasses.replace(self, key=one(self.key), value=one(self.value),
+                               positions=one(self.positions), length=one(self.length))
+
+  def put_row(self, row, row_cache: "KVCache") -> "KVCache":
+    """The cache with row `row` replaced by the batch-1 `row_cache`."""
+    put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, row, 0)
+    return dataclasses.replace(self, key=put(self.key, row_cache.key),
+                               value=put(self.value, row_cache.value),
+                               positions=put(self.positions, row_cache.positions),
+                               length=put(self.length, row_cache.length))
+
+  def reset_rows(self, rows_B) -> "KVCache":
+    """The rows `rows_B` (bool [B]) emptied: no position held, length 0."""
+    return dataclasses.replace(self, positions=jnp.where(rows_B[:, None], -1, self.positions),
+                               length=jnp.where(rows_B, 0, self.length))
 
 
 def next_positions(cache, num_tokens: int):
@@ -164,6 +213,8 @@ def _overflow_is_nan(out_BTHV, cache):
   it was dropped), unless traced inside `room_made_by_caller()`: the check survives export."""
   if getattr(cache, "window", None) is not None or ROOM_MADE_BY_CALLER.value:
     return out_BTHV
+  if isinstance(out_BTHV, tuple):  # with return_residual: (out, lse)
+    return (_overflow_is_nan(out_BTHV[0], cache), *out_BTHV[1:])
   over_B = cache.length > cache.capacity
   return jnp.where(over_B[:, None, None, None], jnp.nan, out_BTHV)
 
@@ -185,80 +236,30 @@ def update(cache: KVCache, key_BTGK, value_BTGV, positions_BT) -> KVCache:
                              length=length)
 
 
-# A step of up to STEP_MAX_TOKENS tokens (with the default implementation) attends over a
-# prefix of the cache: the smallest of MIN_PREFIX·2^i slots holding every filled one.
-STEP_MAX_TOKENS = 32
-MIN_PREFIX = 256
-
-
-def _prefixes(capacity: int) -> list[int]:
-  sizes, size = [], MIN_PREFIX
-  while size < capacity:
-    sizes.append(size)
-    size *= 2
-  return sizes + [capacity]
-
-
-def _attend_step(query_BTHK, cache: KVCache, positions_BT, extra_kv=None, *, kernel=None,
-                 **options):
-  """A few tokens over the cache, head-major: the Triton decode kernel where `kernel` names it,
-  or with None on 'cuda' where it takes the step (it reads the filled blocks in place);
-  elsewhere dense over the filled prefix (see above); `extra_kv` = (keys [B, G, T, K], values,
-  positions [B, T]) of a rolling cache's chunk."""
-  mask = options.pop("mask", None)
-  dtype = query_BTHK.dtype
-  operands = (query_BTHK, cache.key.astype(dtype), cache.value.astype(dtype), cache.positions)
-  dense = functools.partial(_dense_step, positions_BT=positions_BT, extra_kv=extra_kv, mask=mask,
-                            options=options)
-  if kernel is None and not platforms.stages_for("cuda"):
-    return dense(*operands)
-  keys, values, kv_pos = _with_chunk(operands[1:], extra_kv)
-  opts = {k: v for k, v in options.items() if k not in ("scale", "dropout_rate", "dropout_rng")}
-  b, t, h, k_dim = query_BTHK.shape
-  mods, _ = _options.build((b,), t, kv_pos.shape[1], h, dtype, True, q_positions=positions_BT,
-                           kv_positions=kv_pos, **opts)
-  scale = checks.checked_scale(options.get("scale"), k_dim)
-  refused = triton_decode.reason(query_BTHK, keys.shape[1], k_dim, values.shape[-1], mods,
-                                 mask=mask, dropout_rate=options.get("dropout_rate", 0.0))
-  if kernel is not None:
-    triton_decode.require(kernel, refused)
-    return kernel.cache_attention(query_BTHK, keys, values, mods, scale)
-  run = lambda q, *_: triton_decode.KERNEL.cache_attention(q, keys, values, mods, scale)
-  return triton_decode.on_cuda(refused, run, dense, *operands)
-
-
-def _with_chunk(cache_kv, extra_kv):
-  """(keys, values, positions) of the cache, with a rolling cache's chunk after its slots."""
-  if extra_kv is None:
-    return cache_kv
-  return tuple(jnp.concatenate([a, b], axis=axis) for a, b, axis in zip(cache_kv, extra_kv,
-                                                                       (2, 2, 1)))
-
-
-def _dense_step(query_BTHK, keys, values, kv_pos, *, positions_BT, extra_kv, mask, options):
-  """The step dense over the smallest prefix of slots holding every filled one (a lax.switch
-  over static prefixes; a rolling cache with its chunk: all of it)."""
-  capacity = keys.shape[2]
-
-  def over(size):
-    def attend(q, k, v, kv_pos):
-      k, v, kv_pos = _with_chunk((k[:, :, :size], v[:, :, :size], kv_pos[:, :size]), extra_kv)
-      return attention_head_major(q, k, v, None if mask is None else mask[..., :size],
-                                  is_causal=True, q_positions=positions_BT, kv_positions=kv_pos,
-                                  **options)
-    return attend
-
-  sizes = _prefixes(capacity) if extra_kv is None else [capacity]
-  operands = (query_BTHK, keys, values, kv_pos)
-  if len(sizes) == 1:
-    return over(sizes[0])(*operands)
-  filled = jnp.max(jnp.where(kv_pos >= 0, jnp.arange(capacity) + 1, 0))
-  index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), filled), len(sizes) - 1)
-  return jax.lax.switch(index, [over(size) for size in sizes], *operands)
+def _head_major(x_BTGK):
+  return x_BTGK.transpose(0, 2, 1, 3)
 
 
 def _api_layout(x_BGCK):
   return x_BGCK.transpose(0, 2, 1, 3)
+
+
+def _read(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, positions_BT, *, prefixes, kernel,
+          options):
+  """The T queries over head-major keys: a step with the kernel `dispatch` chooses
+  (`flax_mha.steps`), or, past a step's size, `dot_product_attention` over them."""
+  dtype = query_BTHK.dtype
+  keys, values = keys_BGSK.astype(dtype), values_BGSV.astype(dtype)
+  if kernel is not None or (options.get("implementation") is None
+                            and not options.get("return_residual", False)):
+    step_options = {k: v for k, v in options.items() if k != "implementation"}
+    out = steps.cache_step(query_BTHK, keys, values, kv_pos_BS, positions_BT,
+                           prefixes=prefixes, kernel=kernel, **step_options)
+    if out is not None:
+      return out
+  return dot_product_attention(query_BTHK, _api_layout(keys), _api_layout(values),
+                               is_causal=True, q_positions=positions_BT, kv_positions=kv_pos_BS,
+                               **options)
 
 
 def attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT=None, **options):
@@ -269,52 +270,20 @@ def attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT=None, **options
   prompt in the batch): not written, seeing and seen by nothing. `options` are
   `dot_product_attention`'s (scale, logit_soft_cap, sinks, local_window_size for a full cache,
   implementation, ...); a rolling cache brings its own window (cache.window, 0) and sink tokens.
-  `implementation` may also name the Triton decode kernel for the step: "triton_decode"
-  (compiled: 'cuda' only) or `flax_mha.kernels.triton_decode.make_attention(interpret=True)`
-  (Pallas interpret mode, any platform); a step it cannot take is refused by name.
-  A `PagedKVCache` writes into its rows' pages and reads them in place (`flax_mha.paged`).
+  With `implementation=None` a step of a few tokens runs the kernel `flax_mha.dispatch`
+  chooses for it (`flax_mha.steps`; `flax_mha.steps.explain` says which); `implementation` may
+  also name the Triton decode kernel for the step: "triton_decode" (compiled: 'cuda' only) or
+  `flax_mha.kernels.triton_decode.make_attention(interpret=True)` (Pallas interpret mode, any
+  platform); a step it cannot take is refused by name. A `PagedKVCache` writes into its rows'
+  pages and reads them in place (`flax_mha.paged`). Both cache kinds answer the same
+  `chunk_attention`, which this calls.
   """
   if positions_BT is None:
     positions_BT = next_positions(cache, query_BTHK.shape[1])
-  if isinstance(cache, PagedKVCache):  # write first, then read each row's pages in place
-    cache = update_pages(cache, key_BTGK, value_BTGV, positions_BT)
-    out = paged.attend_pages(query_BTHK, cache.k_pages.astype(query_BTHK.dtype),
-                             cache.v_pages.astype(query_BTHK.dtype), cache.page_indices,
-                             positions_BT, jnp.minimum(cache.length, cache.capacity), **options)
-    return _overflow_is_nan(out, cache), cache
-  kernel = triton_decode.named(options.get("implementation"))
-  step = kernel is not None or (query_BTHK.shape[1] <= STEP_MAX_TOKENS
-                                and options.get("implementation") is None
-                                and not options.get("return_residual", False))
-  options.pop("implementation", None) if step else None
-  options = dict(options, kernel=kernel) if step else options
-  dtype = query_BTHK.dtype
-  if cache.window is None:  # write first: the cache then holds every key the chunk may see
-    cache = update(cache, key_BTGK, value_BTGV, positions_BT)
-    if step:
-      out = _attend_step(query_BTHK, cache, positions_BT, **options)
-    else:
-      out = dot_product_attention(
-          query_BTHK, _api_layout(cache.key).astype(dtype),
-          _api_layout(cache.value).astype(dtype), is_causal=True, q_positions=positions_BT,
-          kv_positions=cache.positions, **options)
-    return _overflow_is_nan(out, cache), cache
-  # A rolling cache: see the cache and the chunk, then keep what the window needs.
-  options = dict(options, local_window_size=(cache.window, 0), sink_tokens=cache.sink_tokens)
-  chunk_pos = jnp.where(positions_BT >= 0, positions_BT, -1)
-  if step:
-    extra = (_api_layout(key_BTGK).astype(dtype), _api_layout(value_BTGV).astype(dtype),
-             chunk_pos)
-    out = _attend_step(query_BTHK, cache, positions_BT, extra, **options)
-  else:
-    keys = jnp.concatenate([_api_layout(cache.key), key_BTGK.astype(cache.key.dtype)], axis=1)
-    values = jnp.concatenate([_api_layout(cache.value), value_BTGV.astype(cache.value.dtype)],
-                             axis=1)
-    kv_pos = jnp.concatenate([cache.positions, chunk_pos], axis=1)
-    out = dot_product_attention(query_BTHK, keys.astype(dtype), values.astype(dtype),
-                                is_causal=True, q_positions=positions_BT, kv_positions=kv_pos,
-                                **options)
-  return out, update(cache, key_BTGK, value_BTGV, positions_BT)
+  out, cache = cache.chunk_attention(query_BTHK, key_BTGK, value_BTGV, positions_BT,
+                                     triton_decode.named(options.get("implementation")),
+                                     options)
+  return _overflow_is_nan(out, cache), cache
 
 
 @jax.tree_util.register_dataclass
@@ -345,6 +314,41 @@ class PagedKVCache:
   def capacity(self) -> int:
     """Tokens a row can hold: its pages times the page size."""
     return self.page_indices.shape[1] * self.k_pages.shape[1]
+
+  def chunk_attention(self, query_BTHK, key_BTGK, value_BTGV, positions_BT, kernel, options):
+    """(out, updated cache) of `attend`: written first, then each row's pages read in place."""
+    if kernel is not None:
+      options = dict(options, implementation=kernel)
+    cache = update_pages(self, key_BTGK, value_BTGV, positions_BT)
+    dtype = query_BTHK.dtype
+    out = paged.attend_pages(query_BTHK, cache.k_pages.astype(dtype),
+                             cache.v_pages.astype(dtype), cache.page_indices, positions_BT,
+                             jnp.minimum(cache.length, cache.capacity), **options)
+    return out, cache
+
+  # The rows and the page table, as a serving loop handles them (one protocol for both kinds).
+
+  takes_mask = False  # a row's slots are wherever its pages are
+
+  def with_table(self, table) -> "PagedKVCache":
+    """The cache with the rows owning `table`'s pages [B, n]."""
+    return dataclasses.replace(self, page_indices=table)
+
+  def take_row(self, row) -> "PagedKVCache":
+    """The batch-1 view of row `row` (the pool stays whole)."""
+    one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)
+    return dataclasses.replace(self, page_indices=one(self.page_indices),
+                               length=one(self.length))
+
+  def put_row(self, row, row_cache: "PagedKVCache") -> "PagedKVCache":
+    """The cache with row `row`'s length from the batch-1 `row_cache`, and the pool it wrote."""
+    put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, row, 0)
+    return dataclasses.replace(self, k_pages=row_cache.k_pages, v_pages=row_cache.v_pages,
+                               length=put(self.length, row_cache.length))
+
+  def reset_rows(self, rows_B) -> "PagedKVCache":
+    """The rows `rows_B` (bool [B]) emptied: length 0 (their pages are the host's to reuse)."""
+    return dataclasses.replace(self, length=jnp.where(rows_B, 0, self.length))
 
 
 def update_pages(cache: PagedKVCache, key_BTGK, value_BTGV, positions_BT) -> PagedKVCache:

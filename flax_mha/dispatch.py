@@ -47,6 +47,17 @@ the Triton kernel in a process with that accelerator, or inside `stage_accelerat
 (an export for 'tpu' or 'cuda' from a CPU); elsewhere those branches get the next choice and
 `explain` says why.
 Every choice computes the same function (`flax_mha.kernels.reference`).
+
+The same rule serves every entrance. A `Call`'s layout says which: "dense" above
+(`dot_product_attention`); "cache" (a contiguous KV cache's step, `flax_mha.cache.attend`) and
+"paged" (`flax_mha.paged_attention`) are steps up to FEW_QUERIES queries (the one threshold of
+"a few queries", which also bounds "decode" above), run by the first kernel of
+STEP_PREFERENCE[layout][platform] that takes the call, and "dense" beyond (the keys go to
+`dot_product_attention`). "ring_block" (one step of ring attention) runs the first kernel of
+STEP_PREFERENCE["ring_block"] that takes it, whatever T. `flax_mha.steps` and
+`flax_mha.kernels.ring` stage those choices per platform; `flax_mha.steps.explain` and
+`flax_mha.kernels.ring.explain_step` report them. The rule reads the kernels through the registry only:
+their `refuses`, their declared platform and staging, and the measures their `hints` offer.
 """
 
 from __future__ import annotations
@@ -55,14 +66,9 @@ import dataclasses
 from typing import Mapping
 
 from flax_mha import mods as mods_lib
+from flax_mha import kernels  # noqa: F401  (importing the package registers every kernel)
 from flax_mha import platforms
-from flax_mha.kernels import chunked
-from flax_mha.kernels import cudnn
 from flax_mha.kernels import registry
-from flax_mha.kernels import rows
-from flax_mha.kernels import seq_parallel
-from flax_mha.kernels import splash
-from flax_mha.kernels import triton
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what lax.platform_dependent calls them
 
@@ -99,7 +105,8 @@ ROWS_MAX_KEYS = 8192
 # settings, not measured crossovers: `python -m experiments.bench.decode` times one shape,
 # T=1 over S=32768 (B=1, H=8, G=2, K=128), where decode took 1/3.09 of xla's time
 # (docs/decode_cpu.md); no command sweeps S or T for where decode starts to win.
-DECODE_MAX_QUERIES = 32
+FEW_QUERIES = 32  # up to this many queries a call is a step: a cache's, a paged one, or "decode"
+DECODE_MAX_QUERIES = FEW_QUERIES
 DECODE_MIN_KEYS = 1024
 DECODE_MIN_KEYS_DENSE = 8192
 # GPU/TPU: the most B·H·T·S logits "xla" materialises (1 GiB of float32 per [B, H, T, S] array;
@@ -169,8 +176,27 @@ def check_platform(platform) -> str:
   return platform
 
 
+# A step (layout "cache" or "paged", up to FEW_QUERIES queries): per platform, the kernels in
+# order of preference, the first that takes the call running it ("default": any other
+# platform). Data: a new step kernel is its registration and its place here.
+STEP_PREFERENCE = {
+    "cache": {"cuda": ("triton_decode", "xla"), "default": ("xla",)},
+    "paged": {"cuda": ("triton_decode", "decode"), "default": ("decode",)},
+    "ring_block": {"cuda": ("triton", "chunked"), "default": ("chunked",)},
+}
+STEP_WHY = {
+    "xla": "dense over the smallest power-of-two prefix of slots holding every filled one",
+    "decode": "the decode kernel walks each row's pages in place, keys split and merged by lse",
+    "triton_decode": "the Triton decode kernel reads each row's filled blocks or pages in place",
+    "triton": "the Triton flash kernel steps with its lse, hidden steps skipped",
+    "chunked": "chunked's tiles, the tiles the step's masks hide skipped",
+}
+
+
 def choose(call: registry.Call) -> Choice:
   """What `implementation=None` runs for `call` (see the module docstring)."""
+  if call.layout != "dense":
+    return _step_choice(call)
   if registry.get("cudnn").refuses(call) is None:
     return Choice("cudnn", "cuDNN flash attention applies (16-bit, no dropout, K == V <= 128, "
                            "no mask/score terms)")
@@ -183,9 +209,10 @@ def choose(call: registry.Call) -> Choice:
     return decode
   logits = t * s
   refused = registry.get("rows").refuses(call)
-  window = rows.window_of(mods)
+  rows = registry.get("rows").hints
+  window = rows["window_of"](mods)
   if refused is None and window is not None:
-    band = rows.band_keys(window, is_causal)
+    band = rows["band_keys"](window, is_causal)
     if logits >= ROWS_WINDOW_MIN_LOGITS and 2 * band <= s:
       return Choice("rows", f"a window alone, T·S = {logits} >= ROWS_WINDOW_MIN_LOGITS = "
                             f"{ROWS_WINDOW_MIN_LOGITS} and each block's band of {band} keys "
@@ -221,8 +248,9 @@ def _accelerator_choice(call: registry.Call) -> Choice:
                             "kernel, memory linear in S")
   b, t, h, s = (call.dims[d] for d in "BTHS")
   platform, logits, why = call.platform, b * h * t * s, ""
-  if platform == "cuda" and cudnn.gpu_reason(call.query, call.key, call.value,
-                                             call.dropout_rate, call.mods) is None:
+  gpu_reason = registry.get("cudnn").hints["gpu_reason"]
+  if platform == "cuda" and gpu_reason(call.query, call.key, call.value, call.dropout_rate,
+                                       call.mods) is None:
     why = ("cuDNN would run this call on a GPU, but this process has none to trace it with, "
            "so a program lowered here for 'cuda' runs the next choice: ")
   triton_refuses = registry.get("triton").refuses(call)
@@ -231,10 +259,10 @@ def _accelerator_choice(call: registry.Call) -> Choice:
                             "flash kernel (Pallas) takes every call it can: masks, windows, "
                             "lengths, positions and mask/score functions in the kernel, hidden "
                             "tiles skipped, memory linear in S")
-  for refused, kernel, device in ((splash_refuses, splash, "a TPU"),
-                                  (triton_refuses, triton, "a CUDA GPU")):
-    if refused == kernel.NOT_STAGED and not why:
-      why = (f"{kernel.KERNEL.name} would run this call on {device}, but this process has none "
+  for refused, name, device in ((splash_refuses, "splash", "a TPU"),
+                                (triton_refuses, "triton", "a CUDA GPU")):
+    if refused == registry.get(name).hints["not_staged"] and not why:
+      why = (f"{name} would run this call on {device}, but this process has none "
              "and flax_mha.stage_accelerator_kernels() is off, so None stages the next choice: ")
   if logits <= ACCELERATOR_MAX_LOGITS:
     return Choice("xla", f"{why}on {platform!r} the plain XLA graph, as jax.nn's default, "
@@ -256,7 +284,7 @@ def _cpu_with_terms(t, s, k, is_causal, dropout_rate, mods, refused: str) -> Cho
   if not dropout_rate and banded and k <= 32:  # timed without dropout only
     limit, name = SMALL_LOGITS_BANDED_32, "SMALL_LOGITS_BANDED_32 (causal or a window, K <= 32)"
   if not dropout_rate and SMALL_LOGITS_SPARSE < logits <= limit:
-    visited = chunked.visited_fraction(t, s, k, is_causal, mods)
+    visited = registry.get("chunked").hints["visited_fraction"](t, s, k, is_causal, mods)
     if visited <= SPARSE_VISITED:
       limit, name = SMALL_LOGITS_SPARSE, "SMALL_LOGITS_SPARSE"
       why = (f" (its static masks leave chunked {visited:.3f} of its tiles, <= SPARSE_VISITED "
@@ -282,11 +310,49 @@ def _decode_choice(t: int, s: int, mods) -> Choice | None:
   return None
 
 
+def _step_choice(call: registry.Call) -> Choice:
+  """A cache's or a paged call: past FEW_QUERIES queries "dense" (the keys go to
+  `dot_product_attention` and its own choice); otherwise the first kernel of
+  STEP_PREFERENCE that takes the call."""
+  t = call.dims["T"]
+  if call.layout == "ring_block":
+    return _first_taker(call, "a ring step")
+  if t > FEW_QUERIES:
+    return Choice("dense", f"T = {t} queries > FEW_QUERIES = {FEW_QUERIES}: not a step; the "
+                           "keys go to dot_product_attention, whose own choice runs")
+  return _first_taker(call, f"a step of T = {t} <= FEW_QUERIES = {FEW_QUERIES} queries")
+
+
+def _first_taker(call: registry.Call, what: str) -> Choice:
+  """The first kernel of STEP_PREFERENCE[call.layout] for the call's platform that takes it
+  ("dense" when none does)."""
+  preference = STEP_PREFERENCE[call.layout]
+  refused = []
+  for name in preference.get(call.platform, preference["default"]):
+    why = registry.get(name).refuses(call)
+    if why is None:
+      passed = "".join(f"{other} refuses ({reason}); " for other, reason in refused)
+      return Choice(name, f"{passed}{what}: {STEP_WHY.get(name, name)}")
+    refused.append((name, why))
+  return Choice("dense", "no step kernel takes the call (" + "; ".join(
+      f"{name}: {why}" for name, why in refused) + "): the keys go to dot_product_attention")
+
+
+def per_platform(call: registry.Call) -> dict[str, str]:
+  """platform -> the name `choose` picks for `call` lowered there, for every platform in
+  PLATFORMS (what a caller stages with `lax.platform_dependent` where they differ; the
+  'rocm' pick serves any other platform)."""
+  return {platform: choose(dataclasses.replace(call, platform=platform)).name
+          for platform in PLATFORMS}
+
+
 def explanation(call: registry.Call) -> Explanation:
   """`choose` and every registered kernel's `refuses`, for `flax_mha.explain`."""
   picked = choose(call)
   alternatives = {name: "runs" if why is None else f"refuses: {why}"
                   for name, why in registry.refusals(call).items() if name != picked.name}
-  auto = None if call.dropout_rate else seq_parallel.explain_auto(
+  if call.layout != "dense":
+    return Explanation(picked.name, picked.reason, call.platform, alternatives)
+  auto = None if call.dropout_rate else registry.get("ring").hints["explain_auto"](
       call.query, call.key, call.value, call.bias, is_causal=call.is_causal, mods=call.mods)
   return Explanation(picked.name, picked.reason, call.platform, alternatives, auto)

@@ -97,7 +97,7 @@ class LocalWindow:
 
   def visible(self, b, h, q, kv):
     del b, h
-    return _in_window(q, kv, (self.left, self.right), self.sink_tokens)
+    return in_window(q, kv, (self.left, self.right), self.sink_tokens)
 
   def tile_map(self, tl: Tiles):
     maybe = (tl.kv_hi - 1 >= tl.q_lo - self.left) & (tl.kv_lo <= tl.q_hi - 1 + self.right)
@@ -107,7 +107,7 @@ class LocalWindow:
     return maybe, full
 
 
-def _in_window(q, kv, window, sink_tokens: int):
+def in_window(q, kv, window, sink_tokens: int):
   """Positions kv within (left, right) of q, or among the first `sink_tokens`."""
   inside = (kv >= q - window[0]) & (kv <= q + window[1])
   return inside | (kv < sink_tokens) if sink_tokens else inside
@@ -145,7 +145,7 @@ class SeqLengths:
 class Segments:
   """q_ids[b, q_idx] == kv_ids[b, kv_idx]: packed documents. Positions index the id arrays
   directly, so offsets must be 0 (sequence parallelism hands each device the ids of its own
-  tokens: `flax_mha.kernels._seqmods`)."""
+  tokens: `flax_mha.kernels.seqmods`)."""
   q_ids: Any  # [B, T] int
   kv_ids: Any  # [B, S] int
 
@@ -230,7 +230,7 @@ class Positions:
     if self.causal:
       ok = ok & (kv <= q)
     if self.window is not None:
-      ok = ok & _in_window(q, kv, self.window, self.sink_tokens)
+      ok = ok & in_window(q, kv, self.window, self.sink_tokens)
     return ok
 
   def tile_map(self, tl: Tiles):

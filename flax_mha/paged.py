@@ -8,30 +8,23 @@ page_indices[b, p // page], slot p % page), holding lengths[b] tokens; its T que
 last T of them, at positions lengths[b] - T .. lengths[b] - 1, causal by default (the names of
 JAX's TPU `paged_attention`, the layout of `dot_product_attention`: pages replace S). A batch of
 sequences of very different lengths then holds memory for the tokens it has, rounded up to
-pages, not B x the longest. For a few queries the decode kernel walks each row's pages in
-place (`flax_mha.kernels.decode`; on 'cuda' the Triton decode kernel,
-`flax_mha.kernels.triton_decode`); other implementations see the rows' pages gathered into a
-contiguous cache. Equal to `dot_product_attention` over that contiguous cache.
+pages, not B x the longest. For a few queries (`flax_mha.dispatch.FEW_QUERIES`) the kernel
+that `flax_mha.dispatch` chooses walks each row's pages in place (`flax_mha.steps`: the decode
+kernel, on 'cuda' the Triton decode kernel; `flax_mha.steps.explain` says which); beyond, and
+for the other implementations, the rows' pages are gathered into a contiguous cache. Equal to
+`dot_product_attention` over that contiguous cache.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_mha import _options
 from flax_mha import checks
+from flax_mha import steps
 from flax_mha.attention import dot_product_attention
-from flax_mha.kernels import decode
 from flax_mha.kernels import triton_decode
-
-# Up to this many queries per row, the decode kernel walks the pages in place; beyond (a long
-# prefill), the pages are gathered and the chunked kernel runs.
-PAGED_MAX_QUERIES = 64
-
 
 def paged_attention(query, k_pages, v_pages, lengths, page_indices, *, is_causal: bool = True,
                     scale: float | None = None, local_window_size=None,
@@ -50,9 +43,10 @@ def paged_attention(query, k_pages, v_pages, lengths, page_indices, *, is_causal
       [T, n·page] gives numbers with no meaning.
     is_causal, scale, local_window_size, logit_soft_cap, sinks, sink_tokens, return_residual:
       as in `dot_product_attention` (positions: the rows' own).
-    implementation: None (the decode kernel over the pages for up to PAGED_MAX_QUERIES queries,
-      on 'cuda' the Triton decode kernel where it takes them; else the pages gathered and the
-      chunked kernel), "decode" (the XLA decode kernel everywhere), "triton_decode" (the Triton
+    implementation: None (dispatch's choice: for up to FEW_QUERIES queries a kernel over the
+      pages in place, the decode kernel or on 'cuda' the Triton decode kernel where it takes
+      them; else the pages gathered and dot_product_attention's own choice), "decode" (the XLA
+      decode kernel in place whatever T), "triton_decode" (the Triton
       decode kernel compiled: 'cuda' only) or
       `flax_mha.kernels.triton_decode.make_attention(interpret=True)` (it, interpreted, on any
       platform), or any implementation of `dot_product_attention` over the gathered pages.
@@ -77,33 +71,19 @@ def attend_pages(query, k_pages, v_pages, page_indices, q_positions, kv_lengths,
   """`paged_attention` with the queries' positions given (q_positions [B, T]; negative: padding,
   seeing nothing): what a paged KV cache's prefill of prompts of different lengths needs."""
   _check_pages(query, k_pages, v_pages, page_indices)
-  (b, t, h, k_dim), (n, page) = query.shape, (page_indices.shape[1], k_pages.shape[1])
+  b, (n, page) = query.shape[0], (page_indices.shape[1], k_pages.shape[1])
   s = n * page
+  kernel = triton_decode.named(implementation)
+  if kernel is not None or implementation is None or implementation == "decode":
+    out = steps.paged_step(query, k_pages, v_pages, page_indices, q_positions, kv_lengths,
+                           is_causal=is_causal, scale=scale, kernel=kernel,
+                           forced="decode" if implementation == "decode" else None,
+                           return_residual=return_residual, **options)
+    if out is not None:
+      return out
+  implementation = None if kernel is not None else implementation
   slot = jnp.arange(s, dtype=jnp.int32)
   kv_positions = jnp.where(slot < kv_lengths[:, None], slot, -1)
-  kernel = triton_decode.named(implementation)
-  in_place = (implementation == "decode" or kernel is not None
-              or (implementation is None and t <= PAGED_MAX_QUERIES))
-  if in_place and (kernel is not None or options.get("dropout_rate", 0.0) == 0.0):
-    dropout_rate = options.pop("dropout_rate", 0.0)
-    options.pop("dropout_rng", None)
-    mods, _ = _options.build((b,), t, s, h, query.dtype, is_causal, q_positions=q_positions,
-                             kv_positions=kv_positions, **options)
-    scale = checks.checked_scale(scale, k_dim)
-    cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, block_k=decode.paged_block(page, n))
-    refused = triton_decode.reason(query, k_pages.shape[2], k_dim, v_pages.shape[-1], mods,
-                                   block=page, dropout_rate=dropout_rate)
-    xla = functools.partial(decode.paged, cfg=cfg, cfg_bwd=cfg_bwd, splits=decode.SPLITS)
-    operands = (query, k_pages, v_pages, page_indices, kv_lengths, mods)
-    if kernel is not None:
-      triton_decode.require(kernel, refused)
-      out, lse_BHT = kernel.paged_attention(*operands, cfg, cfg_bwd)
-    else:
-      run = functools.partial(triton_decode.KERNEL.paged_attention, cfg=cfg, cfg_bwd=cfg_bwd)
-      out, lse_BHT = triton_decode.on_cuda(
-          refused if implementation is None else "decode asked", run, xla, *operands)
-    lse_BTH = jax.lax.stop_gradient(lse_BHT.transpose(0, 2, 1))
-    return (out, lse_BTH) if return_residual else out
   # Slots past a row's length are hidden; their values are zeroed too, so that whatever a
   # reused page holds there (even NaN) cannot leak through a weight of 0.
   gather = lambda pages: jnp.where((kv_positions >= 0)[:, :, None, None],
@@ -111,7 +91,7 @@ def attend_pages(query, k_pages, v_pages, page_indices, q_positions, kv_lengths,
   return dot_product_attention(
       query, gather(k_pages), gather(v_pages), is_causal=is_causal, scale=scale,
       q_positions=q_positions, kv_positions=kv_positions, return_residual=return_residual,
-      implementation="chunked" if implementation is None else implementation, **options)
+      implementation=implementation, **options)
 
 
 def _check_lengths(lengths, batch: int):

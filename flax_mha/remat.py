@@ -12,8 +12,9 @@
                a policy applied, the one reading of `remat` that every model uses: the
                implementation its attention layers take, and the class of its blocks.
 
-Every policy computes the same values and gradients (tests/models/test_remat.py); they trade
-memory for one more forward of what they recompute.
+Every policy computes the same values and gradients (tests/models/test_remat_integration.py; the
+pure API's remat_implementation: test_remat.py); they trade memory for one more forward of what
+they recompute.
 """
 
 from __future__ import annotations

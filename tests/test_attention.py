@@ -1,6 +1,6 @@
 """flax_mha.attention: dot_product_attention and its weights against independent references.
 
-References: a float64 NumPy attention (conftest.np_attention), jax.nn.dot_product_attention
+References: a float64 NumPy attention (helpers.np_attention), jax.nn.dot_product_attention
 (K == V only) and jax.test_util.check_grads.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from absl.testing import parameterized
 
 import flax_mha
-from conftest import DIMS, np_attention, qkv, randn, random_mask
+from helpers import DIMS, np_attention, qkv, randn, random_mask
 
 B, T, S, H, K, V = (DIMS[d] for d in "BTSHKV")
 TOL = dict(atol=2e-5, rtol=2e-5)

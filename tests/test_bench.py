@@ -1,27 +1,17 @@
-"""Every `python -m experiments.` command that README.md, docs/*.md and flax_mha's comments cite
-runs, so a cited command cannot rot unnoticed.
+"""The `python -m experiments.` commands that README.md, docs/*.md and flax_mha's comments cite,
+which tests/test_bench_integration.py runs: read from those files (a newly cited one is covered
+without touching either file), one per smoke run, every benchmark module cited; and what the
+benchmarks compute beside the timing (collective bytes, the layout part, the GPU and TPU peers).
 
-The commands are read from those files: a newly cited one is covered without touching this file.
-A benchmark runs with --smoke (tiny shapes, one round, no figures) in place of --quick, on a
-config's tiny variant; a training run on the tiny variant for 2 steps. Each runs in a subprocess
-in a scratch directory, so what a command writes (docs/benchmark_cpu.md, runs/...) lands there,
-never in the repository; the runs share a jax compilation cache. A command with a placeholder
-(`configs/<name>.py`) is not one to run; a GPU command is skipped where jax sees no GPU.
-
-Commands of SLOW_MODULES compile whole training steps (15-30 s each on the 2-core machine) and
-are marked slow (`make test-slow`); tests/test_train.py trains the same runner in every run.
-Modules in TESTED_ELSEWHERE need more than a smoke run can make up (a trained workdir) and have
-their own test.
+A command with a placeholder (`configs/<name>.py`) is not one to run. Modules in
+TESTED_ELSEWHERE need more than a smoke run can make up (a trained workdir) and have their own
+test.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
-import shlex
-import subprocess
-import sys
 
 import jax
 import pytest
@@ -31,17 +21,15 @@ from experiments.bench import hlo_bytes
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CITING = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
           *sorted(str(p.relative_to(REPO)) for p in (REPO / "flax_mha").rglob("*.py"))]
-SLOW_MODULES = ("experiments.train", "experiments.bench.training", "experiments.bench.nnx")
 # Cited commands that need what a smoke run cannot make up, tested by their own test instead.
 TESTED_ELSEWHERE = {
-    "experiments.generate": "a trained workdir: tests/test_generate_command.py trains one and runs it",
-    "experiments.launch": "several processes training: tests/test_multiprocess.py runs it",
+    "experiments.generate":
+        "a trained workdir: tests/test_generate_command_integration.py trains one and runs it",
+    "experiments.launch":
+        "several processes training: tests/test_multiprocess_integration.py runs it",
 }
 # Options (each with a value) that a module's --smoke run ignores, as its --help says.
 SMOKE_IGNORES = {"experiments.bench.attention": ("--ds", "--ns", "--json")}
-TRAIN_SMOKE = ["--config.train.steps=2", "--config.train.log_every=1",
-               "--config.train.checkpoint_every=2", "--config.eval.every=2",
-               "--config.eval.num_examples=4", "--config.eval.batch_size=4"]
 
 
 def _code_spans(name: str, text: str) -> list[str]:
@@ -88,35 +76,6 @@ def _module(command: str) -> str:
   return command.split("python -m ")[1].split()[0]
 
 
-def _tiny(args: list[str], scratch: pathlib.Path) -> list[str]:
-  """`--config configs/x.py[:arg]` -> the config's tiny variant (`:tiny`, `:arg,tiny`; a
-  cited tiny one stays);
-  `--workdir W` -> a folder of `scratch` named after W (commands citing one workdir share it,
-  as a resumed run does; different ones do not)."""
-  out = list(args)
-  for i, word in enumerate(out[:-1]):
-    if word == "--config":
-      path, _, arg = out[i + 1].partition(":")
-      if "tiny" not in arg.split(","):
-        out[i + 1] = f"{path}:{arg},tiny" if arg else f"{path}:tiny"
-    elif word == "--workdir":
-      out[i + 1] = str(scratch / "runs" / re.sub(r"\W", "_", out[i + 1]))
-  return out
-
-
-def smoke_argv(command: str, scratch: pathlib.Path) -> tuple[dict, list[str]]:
-  """(environment additions, argv) of the smoke run of `command`."""
-  words = shlex.split(command)
-  env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S+", w))
-  words = words[len(env):]
-  module, args = words[2], _tiny(words[3:], scratch)
-  if module == "experiments.train":
-    args += TRAIN_SMOKE
-  else:
-    args = [a for a in args if a != "--quick"] + ["--smoke"]
-  return env, [sys.executable, "-m", module, *args]
-
-
 COMMANDS = cited_commands()
 MODULES = sorted({_module(c) for c in COMMANDS} - set(TESTED_ELSEWHERE))
 
@@ -129,27 +88,6 @@ def test_every_benchmark_is_cited():
              "experiments.bench.hlo_bytes", "experiments.bench.attention_report"}
   missing = bench - helpers - set(MODULES)
   assert not missing, f"no command cited in README.md, docs/ or flax_mha/: {sorted(missing)}"
-
-
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=[pytest.mark.slow] if m in SLOW_MODULES else [], id=m) for m in MODULES])
-@pytest.mark.integration
-def test_cited_commands_run(module, tmp_path):
-  """The module's cited commands, one after the other: later ones reuse the programs the first
-  compiled (a shared jax compilation cache)."""
-  commands = [c for c in COMMANDS if f"python -m {module} " in f"{c} "]
-  for device in ("gpu", "tpu"):  # an accelerator's commands wait for a machine with one
-    if jax.default_backend() != device:
-      commands = [c for c in commands if f"--device {device}" not in c]
-  (tmp_path / "configs").symlink_to(REPO / "configs")  # the cited paths are the repository's
-  for command in commands:
-    extra_env, argv = smoke_argv(command, tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **extra_env)
-    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, f"{command}\nran as {shlex.join(argv)}, failed:\n" + (
-        result.stderr[-4000:])
 
 
 def test_collective_bytes_reads_replica_groups():

@@ -1,7 +1,8 @@
 """The KV cache as data (flax_mha.cache) through both front ends: prefill in one call or in
 chunks, then steps, equal to attention over the whole sequence recomputed; rolling caches for
-local layers (with sink tokens) stay the window's size; rows of different lengths; capacity
-overflow is an error (NaN rows under jit); the front ends' bad arguments."""
+local layers (with sink tokens) stay the window's size; capacity overflow is an error (NaN rows
+under jit); the front ends' bad arguments. Rows of different lengths in one batch, and the rest
+of the cached-calls grid, are in tests/test_cache_integration.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import flax_mha
 from flax_mha import cache as cache_lib
 from flax_mha.models.lm import DecoderLM, LMConfig
 
-from conftest import grid
+from helpers import split_grid
 
 B, L, D, H, G = 2, 19, 16, 4, 2
 OPTIONS = {
@@ -47,10 +48,14 @@ def _front_end(kind, kwargs):
   return module, module.new_cache
 
 
-@pytest.mark.parametrize("kind,option,chunks", grid(
+CACHED_GRID = split_grid(
     lambda kind, option, chunks: (kind == "linen" and chunks == "prefill_then_steps") or (
         option == "rolling_sink_tokens" and (kind == "linen" or chunks == "chunks")),
-    ["linen", "nnx"], sorted(OPTIONS), sorted(CHUNKS)))
+    lambda kind, option, chunks: False,
+    ["linen", "nnx"], sorted(OPTIONS), sorted(CHUNKS))
+
+
+@pytest.mark.parametrize("kind,option,chunks", CACHED_GRID.unit)
 def test_cached_calls_equal_the_whole_sequence(kind, option, chunks):
   call, new_cache = _front_end(kind, OPTIONS[option])
   x = jax.random.normal(jax.random.key(0), (B, L, D))
@@ -93,28 +98,6 @@ def test_rolling_cache_bytes_do_not_grow_with_the_generated_length():
   sizes = {n: sum(x.nbytes for x in jax.tree.leaves(module.new_cache(1, n, in_features=D)))
            for n in (1024, 8192, 65536)}
   assert len(set(sizes.values())) == 1, sizes
-
-
-@pytest.mark.integration  # a whole model end to end: seconds of compiles
-def test_rows_of_different_lengths_need_no_left_padding():
-  """Two prompts of 9 and 4 tokens right-padded in one batch (positions -1 on the padding),
-  then steps at each row's own position: each row equals its own computation alone."""
-  call, new_cache = _front_end("linen", OPTIONS["rotary_gqa"])
-  x = jax.random.normal(jax.random.key(2), (B, 12, D))
-  lengths = np.array([9, 4])
-  prompt_pos = np.where(np.arange(9) < lengths[:, None], np.arange(9), -1)
-  y, cache = call(x[:, :9], positions=jnp.asarray(prompt_pos), cache=new_cache(B, 16))
-  np.testing.assert_array_equal(cache.length, lengths)
-  steps = []
-  for n in range(3):  # row 0 continues at 9, 10, 11; row 1 at 4, 5, 6
-    tokens = jnp.stack([x[0, 9 + n], x[1, 4 + n]])[:, None]
-    out, cache = call(tokens, cache=cache)
-    steps.append(out)
-  for row, n in enumerate(lengths):
-    alone = call(x[row, :n + 3][None], is_causal=True)[0]
-    np.testing.assert_allclose(y[row, :n], alone[:n], atol=2e-6, rtol=2e-6)
-    np.testing.assert_allclose(jnp.stack([s[row, 0] for s in steps]), alone[n:n + 3],
-                               atol=2e-6, rtol=2e-6)
 
 
 def test_writing_past_the_capacity_is_an_error():

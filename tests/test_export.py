@@ -3,7 +3,8 @@ implementation for 'cuda' and 'tpu' from this CPU, with and without mask/score t
 and `implementation=None` lowers the choice of the platform it is lowered for, not the CPU's.
 
 Lowering only (no compile for those platforms); the ring's export runs on 8 emulated devices in
-tests/multidevice/check_ring.py.
+tests/multidevice/check_ring.py. A compiled accelerator kernel named here is refused by name in
+tests/test_export_integration.py.
 """
 
 from __future__ import annotations
@@ -100,26 +101,6 @@ def test_none_runs_the_cpu_choice_here(rng):
   jax.tree.map(close, fwd_bwd(None, is_causal=True)(*x), fwd_bwd("rows", is_causal=True)(*x))
   close(flax_mha.dot_product_attention(*x, is_causal=True),
         flax_mha.dot_product_attention(*x, is_causal=True, implementation="rows"))
-
-
-@pytest.mark.integration  # lowering forward+backward for two platforms: ~5 s a case
-@pytest.mark.parametrize("name, platform", [("splash", "tpu"), ("triton", "cuda")])
-def test_an_accelerator_kernel_is_refused_by_name_here(name, platform):
-  """Named on this CPU, a compiled Pallas kernel is refused while tracing with the ways to run
-  it (interpreted) or export it; exported for several platforms at once with a CPU among them,
-  through None inside stage_accelerator_kernels(), it is refused while lowering, forward and
-  backward alike, never with Pallas's own "Only interpret mode" error."""
-  q, k, v = (jnp.ones(s.shape) for s in shapes(64))
-  with pytest.raises(ValueError, match=(
-      rf"implementation '{name}' is a '{platform}' kernel and this process has no "
-      rf"'{platform}' device .*make_attention\(interpret=True\).*stage_accelerator_kernels")):
-    flax_mha.dot_product_attention(q, k, v, implementation=name)
-  for fn in (jax.jit(lambda q, k, v: flax_mha.dot_product_attention(q, k, v, is_causal=True)),
-             fwd_bwd(None, is_causal=True)):
-    with flax_mha.stage_accelerator_kernels(), pytest.raises(ValueError, match=(
-        rf"implementation '{name}' is a '{platform}' kernel and cannot be lowered for 'cpu'"
-        rf".* platforms=\('{platform}',\)")):
-      export(fn, ("cpu", platform), 64)
 
 
 def test_the_decode_kernel_is_refused_by_name_here():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import flax_mha
 from flax_mha import interop
-from conftest import DIMS, qkv, randn, random_mask
+from helpers import DIMS, qkv, randn, random_mask
 
 B, T, S = DIMS["B"], DIMS["T"], DIMS["S"]
 D, NUM_HEADS = 3 * 7, 3  # the model width (torch embed_dim) and num_heads: head dim 7

@@ -8,7 +8,7 @@ import pytest
 
 import flax_mha
 from flax_mha import masks
-from conftest import DIMS, np_attention, qkv
+from helpers import DIMS, np_attention, qkv
 
 B, T, S, H = (DIMS[d] for d in "BTSH")
 

@@ -1,7 +1,9 @@
 """flax_mha.mods: windows, sequence lengths, segment ids, soft-capping, mask_mod and score_mod, in
 every implementation: against jax.nn, torch's FlexAttention (forward), the oracle (gradients) and
 a float64 NumPy reference; under scan, checkpoint and vmap; -inf logits and mods refused by name.
-The tiles the chunked kernel visits for them are in tests/kernels/test_chunked.py.
+The tiles the chunked kernel visits for them are in tests/kernels/test_chunked.py; the cases
+left to the integration part and the slow ones (chunked at every option) in
+tests/test_mods_integration.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 import flax_mha
 from flax_mha.kernels import chunked
-from conftest import grid, np_attention, output_and_grads
+from helpers import np_attention, output_and_grads, split_grid
 
 B, T, H, G, K = 2, 37, 4, 2, 8  # T prime: no block size divides it
 SMALL = chunked.make_attention(block_q=8, block_k=4)
@@ -25,11 +27,11 @@ IMPLS = {"reference": "reference", "xla": "xla", "chunked": "chunked", "chunked_
 
 
 def _impl_params(impls):
-  """The names of `impls`, "chunked" marked slow: at these lengths it picks one tile (default
-  blocks are >= 128), chunked_small's kernel with a single trip; the default run keeps
-  chunked_small (many tiles and padding), and a chunked compile costs seconds."""
-  return [pytest.param(name, marks=pytest.mark.slow) if name == "chunked" else name
-          for name in sorted(impls)]
+  """The names of `impls` but "chunked": at these lengths it picks one tile (default blocks are
+  >= 128), chunked_small's kernel with a single trip; the unit suite keeps chunked_small (many
+  tiles and padding), and a chunked compile costs seconds (chunked: test_mods_integration.py,
+  slow)."""
+  return [name for name in sorted(impls) if name != "chunked"]
 
 
 SEGMENTS = np.array([[0] * 9 + [1] * 20 + [2] * 8, [0] * 30 + [5] * 7])
@@ -84,12 +86,15 @@ def test_options_match_numpy_and_the_oracle_gradients(impl, case):
   chex.assert_trees_all_close(grads, want_grads, atol=2e-5, rtol=2e-5)
 
 
+JAX_NN_OPTIONS = {
+    "window": dict(local_window_size=(5, 3)),
+    "window_causal": dict(local_window_size=4, is_causal=True),
+    "lengths": dict(query_seq_lengths=LENGTHS, key_value_seq_lengths=LENGTHS),
+    "kv_lengths_causal": dict(key_value_seq_lengths=LENGTHS, is_causal=True)}
+
+
 @pytest.mark.parametrize("impl", _impl_params(IMPLS))
-@pytest.mark.parametrize("kwargs", [
-    dict(local_window_size=(5, 3)), dict(local_window_size=4, is_causal=True),
-    dict(query_seq_lengths=LENGTHS, key_value_seq_lengths=LENGTHS),
-    dict(key_value_seq_lengths=LENGTHS, is_causal=True)], ids=["window", "window_causal",
-                                                               "lengths", "kv_lengths_causal"])
+@pytest.mark.parametrize("kwargs", JAX_NN_OPTIONS.values(), ids=JAX_NN_OPTIONS.keys())
 def test_matches_jax_nn(impl, kwargs):
   """jax.nn.dot_product_attention's own options: equal outputs and gradients on the query rows
   jax.nn defines alike (jax.nn gives padded query rows the mean of V; we give them 0)."""
@@ -147,10 +152,12 @@ def _flex_cases():
   }
 
 
+FLEX_CASES = ["sliding_window", "document", "soft_cap", "alibi"]
+LATER_FLEX_CASES = ["soft_cap_builtin", "relative_bias"]  # in the integration part
+
+
 @pytest.mark.parametrize("impl", _impl_params(IMPLS))
-@pytest.mark.parametrize("case", ["sliding_window", "document", "soft_cap",
-                                  pytest.param("soft_cap_builtin", marks=pytest.mark.integration), "alibi",
-                                  pytest.param("relative_bias", marks=pytest.mark.integration)])
+@pytest.mark.parametrize("case", FLEX_CASES)
 def test_matches_torch_flex_attention(impl, case):
   pytest.importorskip("torch")
   kwargs, mask_mod, score_mod = _flex_cases()[case]
@@ -289,10 +296,13 @@ def _vmap(impl):
 TRANSFORMS = {"scan": _scan, "checkpoint": _checkpoint, "vmap": _vmap}
 
 
-@pytest.mark.parametrize("impl,transform", grid(
+TRANSFORM_GRID = split_grid(
     lambda impl, transform: impl == "chunked_small" or (impl == "xla" and transform == "scan"),
-    sorted(IMPLS_L), sorted(TRANSFORMS),
-    later=lambda impl, transform: impl == "chunked_small" and transform == "checkpoint"))
+    lambda impl, transform: impl == "chunked_small" and transform == "checkpoint",
+    sorted(IMPLS_L), sorted(TRANSFORMS))
+
+
+@pytest.mark.parametrize("impl,transform", TRANSFORM_GRID.unit)
 def test_mods_closing_over_traced_arrays_under_transforms_with_grad(impl, transform):
   """Against the oracle under the same transform (the reference case checks that it runs)."""
   transform = TRANSFORMS[transform]
@@ -310,10 +320,13 @@ SCORE_TERMS = {"soft_cap": dict(logit_soft_cap=2.0),
                "clamping_score_mod": dict(score_mod=lambda s, b, h, q, kv: jnp.maximum(s, -1.0))}
 
 
-@pytest.mark.parametrize("impl,mods", grid(
+SCORE_TERMS_GRID = split_grid(
     lambda impl, mods: impl == "chunked_small" or mods == "soft_cap",
-    sorted(IMPLS_L), sorted(SCORE_TERMS),
-    later=lambda impl, mods: impl == "chunked_small" and mods == "tanh_score_mod"))
+    lambda impl, mods: impl == "chunked_small" and mods == "tanh_score_mod",
+    sorted(IMPLS_L), sorted(SCORE_TERMS))
+
+
+@pytest.mark.parametrize("impl,mods", SCORE_TERMS_GRID.unit)
 def test_minus_inf_bias_stays_hidden_through_score_terms(impl, mods):
   """cap·tanh(-inf / cap) = -cap would make a hidden key visible: it must stay hidden, a row
   hidden entirely stays 0, and the bias gradient there is 0."""
@@ -394,18 +407,22 @@ FINITE_CASES = {
 
 
 def _finite_kept(impl, case, dtype):
-  """The default run: in float32 every case for the oracle and chunked, mask and lengths (rows
-  hidden whole) for the others; in float64 (its own finfo.min at stake) lengths for every
-  implementation, mask and segments for chunked."""
+  """Out of the slow run: in float32 every case for the oracle and chunked, mask and lengths
+  (rows hidden whole) for the others; in float64 (its own finfo.min at stake) lengths for every
+  implementation, mask and segments for chunked. Of the float64 ones the unit suite keeps
+  chunked's lengths, the integration part the rest."""
   if dtype == np.float32:
     return impl in ("reference", "chunked") or case in ("mask", "lengths")
   return case == "lengths" or (impl == "chunked" and case in ("mask", "segments_soft_cap"))
 
 
-@pytest.mark.parametrize("impl,case,dtype", grid(
-    _finite_kept, ["reference", "xla", "chunked", "rows"], sorted(FINITE_CASES),
-    [np.float32, np.float64],
-    later=lambda impl, case, dtype: dtype == np.float64 and (impl, case) != ("chunked", "lengths")))
+FINITE_GRID = split_grid(
+    _finite_kept,
+    lambda impl, case, dtype: dtype == np.float64 and (impl, case) != ("chunked", "lengths"),
+    ["reference", "xla", "chunked", "rows"], sorted(FINITE_CASES), [np.float32, np.float64])
+
+
+@pytest.mark.parametrize("impl,case,dtype", FINITE_GRID.unit)
 def test_no_inf_or_nan_is_made_inside(impl, case, dtype):
   """With `jax.debug_infs`, op by op (no jit), forward and gradient: finite input, masks hiding
   whole rows, and no implementation writes an inf anywhere."""

@@ -1,6 +1,6 @@
 """Paged attention (flax_mha.paged) equals attention over the contiguous cache its pages make,
-values and gradients, for the decode kernel walking the pages and the gathered path; a paged
-KV cache through a front end equals a contiguous one."""
+values and gradients, for the decode kernel walking the pages and the gathered path. A paged KV
+cache through a front end, and the rest of the grid, are in tests/test_paged_integration.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import flax_mha
 from flax_mha import cache as cache_lib
 
-from conftest import grid
+from helpers import split_grid
 
 B, H, G, K, V, PAGE, N_PAGES, POOL = 3, 4, 2, 8, 6, 4, 5, 17
 
@@ -49,11 +49,14 @@ OPTIONS = {"plain": {}, "not_causal": dict(is_causal=False),
            "window_sink_tokens": dict(local_window_size=(3, 0), sink_tokens=2)}
 
 
-@pytest.mark.parametrize("implementation,option,t", grid(
+PAGED_GRID = split_grid(
     lambda impl, option, t: impl is None or (option in ("plain", "sinks") and t == 3),
-    [None, "chunked", "xla"], sorted(OPTIONS), [1, 3],
-    later=lambda impl, option, t: impl is None and (
-        t == 1 and option != "plain" or t == 3 and option in ("not_causal", "window_sink_tokens"))))
+    lambda impl, option, t: impl is None and (
+        t == 1 and option != "plain" or t == 3 and option in ("not_causal", "window_sink_tokens")),
+    [None, "chunked", "xla"], sorted(OPTIONS), [1, 3])
+
+
+@pytest.mark.parametrize("implementation,option,t", PAGED_GRID.unit)
 def test_paged_equals_contiguous_values_and_gradients(implementation, option, t):
   q, k_pages, v_pages, lengths, table = _pool(1, t)
   kwargs = OPTIONS[option]
@@ -79,29 +82,6 @@ def test_pages_a_row_does_not_own_are_never_read():
     owned[np.asarray(table[row, :-(-n // PAGE)])] = True
   poisoned = k_pages.at[~owned].set(jnp.nan), v_pages.at[~owned].set(jnp.nan)
   np.testing.assert_allclose(flax_mha.paged_attention(q, *poisoned, lengths, table), out)
-
-
-@pytest.mark.integration  # a whole model end to end: seconds of compiles
-def test_a_paged_cache_through_the_front_end_equals_a_contiguous_one():
-  module = flax_mha.SelfAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K,
-                                  rotary_max_wavelength=100.0, logit_soft_cap=3.0)
-  x = jax.random.normal(jax.random.key(0), (B, 11, 16))
-  params = module.init(jax.random.key(1), x, is_causal=True)
-  table = jnp.asarray(np.random.default_rng(3).permutation(POOL)[:B * N_PAGES].reshape(
-      B, N_PAGES), jnp.int32)
-  paged = cache_lib.PagedKVCache.create(POOL, PAGE, table, G, K)
-  contiguous = module.new_cache(B, N_PAGES * PAGE, in_features=16)
-  outs = {}
-  step = jax.jit(lambda x, cache: module.apply(params, x, cache=cache))
-  for name, cache in (("paged", paged), ("contiguous", contiguous)):
-    y, cache = step(x[:, :7], cache)
-    steps = [y]
-    for t in range(7, 11):
-      y, cache = step(x[:, t:t + 1], cache)
-      steps.append(y)
-    outs[name] = jnp.concatenate(steps, axis=1)
-  np.testing.assert_allclose(outs["paged"], outs["contiguous"], atol=2e-6, rtol=2e-6)
-  np.testing.assert_allclose(outs["paged"], module.apply(params, x, is_causal=True), atol=2e-6)
 
 
 def test_writing_past_a_rows_pages_is_an_error():

@@ -4,6 +4,7 @@ implementation: against a float64 NumPy reference written here, values and gradi
 A sink is one more logit per query head in every row's softmax, with no value; the residual is
 each row's log-sum-exp [..., T, H] (finfo.min for a row that sees nothing, or its sink);
 positions make causality and windows compare absolute positions, negative ones being padding.
+Half the sinks' cases run in tests/test_residual_sinks_positions_integration.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 import flax_mha
 from flax_mha.kernels import chunked, decode, rows
-from conftest import grid, qkv
+from helpers import qkv
 
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 4
 IMPLS = {"reference": "reference", "xla": "xla", "chunked": "chunked",
@@ -62,9 +63,9 @@ def _inputs(seed=0, t=T, s=S):
   return q, k, v, jnp.asarray(mask), sinks
 
 
-@pytest.mark.parametrize("impl,with_sinks,is_causal", grid(
-    lambda *combo: True, sorted(IMPLS), [False, True], [False, True],
-    later=lambda impl, with_sinks, is_causal: with_sinks != is_causal))  # half in integration
+# Sinks with causality and neither; one without the other: the integration part.
+@pytest.mark.parametrize("impl,with_sinks,is_causal", [
+    (impl, flag, flag) for impl in sorted(IMPLS) for flag in (False, True)])
 def test_sinks_and_lse_match_numpy_values_and_gradients(impl, with_sinks, is_causal):
   q, k, v, mask, sinks = _inputs(1)
   sinks = sinks if with_sinks else None

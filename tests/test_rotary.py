@@ -1,4 +1,4 @@
-"""flax_mha.rotary.apply_rotary against the float64 NumPy rotation of tests/conftest.py, built pair
+"""flax_mha.rotary.apply_rotary against the float64 NumPy rotation of tests/helpers.py, built pair
 by pair.
 
 Dimension key (flax_mha/__init__.py): B batch, T query length, S key length, H heads, K head dim.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from flax_mha.rotary import apply_rotary
-from conftest import np_rotary, randn
+from helpers import np_rotary, randn
 
 B, T, S, H, K = 2, 5, 11, 3, 14
 

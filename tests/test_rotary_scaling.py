@@ -1,7 +1,6 @@
 """flax_mha.rotary's Hugging Face variants (a `Rope` record: scaled frequencies, partial rotation,
-interleaved pairs) against a float64 NumPy reference written here pair by pair from the formulas,
-and (marked integration: importing transformers takes ~10 s) against transformers' own rotary
-code on the same numbers.
+interleaved pairs) against a float64 NumPy reference written here pair by pair from the formulas
+(against transformers' own rotary code: tests/test_rotary_scaling_integration.py).
 
 Dimension key (flax_mha/__init__.py): B batch, T length, H heads, K head dim; J the rotated width.
 Sizes are distinct (K/2 = 12, and J/2 = 6 or 3 when partial), so a swapped axis fails.
@@ -18,7 +17,7 @@ import pytest
 from jax import test_util
 
 from flax_mha.rotary import LinearScaling, Llama3Scaling, Rope, YarnScaling, apply_rotary
-from conftest import np_rotary, randn
+from helpers import np_rotary, randn
 
 B, T, H, K = 2, 5, 7, 24
 
@@ -112,7 +111,7 @@ def np_rope(x, positions, rope):
   return out
 
 
-def test_reference_matches_conftest(rng):
+def test_reference_matches_np_rotary(rng):
   """The reference of the default Rope is the older, independent np_rotary."""
   x, positions = randn(rng, T, H, K), rng.integers(0, 99, T)
   np.testing.assert_allclose(np_rope(x, positions, Rope(500.0)), np_rotary(x, positions, 500.0),
@@ -373,95 +372,3 @@ BAD_ROPE = [
 def test_bad_input(name, make, error, match):
   with pytest.raises(error, match=match):
     make()
-
-
-# ---------------------------------------------------------------------------------------------
-# Against transformers' own rotary code (integration: its import alone takes ~10 s).
-
-@pytest.fixture(scope="module")
-def hf():
-  """transformers' rotary pieces of each family: name -> (config class, embedding class,
-  apply_rotary_pos_emb)."""
-  pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  from transformers.models.cohere import modeling_cohere
-  from transformers.models.glm import modeling_glm
-  from transformers.models.gpt_neox import modeling_gpt_neox
-  from transformers.models.gptj import modeling_gptj
-  from transformers.models.llama import modeling_llama
-  return {
-      "llama": (transformers.LlamaConfig, modeling_llama.LlamaRotaryEmbedding,
-                modeling_llama.apply_rotary_pos_emb),
-      "gpt_neox": (transformers.GPTNeoXConfig, modeling_gpt_neox.GPTNeoXRotaryEmbedding,
-                   modeling_gpt_neox.apply_rotary_pos_emb),
-      "glm": (transformers.GlmConfig, modeling_glm.GlmRotaryEmbedding,
-              modeling_glm.apply_rotary_pos_emb),
-      "cohere": (transformers.CohereConfig, modeling_cohere.CohereRotaryEmbedding,
-                 modeling_cohere.apply_rotary_pos_emb),
-      "gptj": modeling_gptj,
-  }
-
-
-HF_CASES = [
-    # (family, rope_parameters, the interleaving the family's code uses)
-    ("llama", {"rope_type": "default", "rope_theta": 500.0}, False),
-    ("llama", {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, False),
-    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 512,
-               "rope_theta": 10000.0}, False),
-    ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
-               "rope_theta": 10000.0}, False),
-    ("llama", {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 512,
-               "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
-               "truncate": False, "rope_theta": 10000.0}, False),
-    ("gpt_neox", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-     False),
-    ("gpt_neox", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
-                  "rope_theta": 2000.0, "partial_rotary_factor": 0.5}, False),
-    ("glm", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, True),
-    ("glm", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-             "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-             "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, True),
-    ("cohere", {"rope_type": "default", "rope_theta": 10000.0}, True),
-]
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("family,params,interleaved", HF_CASES,
-                         ids=[f"{c[0]}-{c[1]['rope_type']}-{i}" for i, c in enumerate(HF_CASES)])
-def test_matches_transformers(hf, rng, family, params, interleaved):
-  import torch
-  config_cls, embedding_cls, apply_pos_emb = hf[family]
-  config = config_cls(hidden_size=H * K, num_attention_heads=H, num_key_value_heads=H,
-                      head_dim=K, max_position_embeddings=2048, rope_parameters=dict(params))
-  # Our loader path: the config as it would sit in config.json.
-  rope = Rope.from_hf(config.to_dict(), K, interleaved=interleaved)
-  embedding = embedding_cls(config)
-  freq, scale = rope.frequencies(K)
-  np.testing.assert_allclose(freq, embedding.inv_freq.numpy(), rtol=1e-6)
-  assert scale == pytest.approx(embedding.attention_scaling, rel=1e-12)
-
-  q, k = randn(rng, B, T, H, K), randn(rng, B, T, H, K)
-  positions = rng.permutation(60)[:B * T].reshape(B, T)
-  q_BHTK, k_BHTK = (torch.from_numpy(a.transpose(0, 2, 1, 3)) for a in (q, k))
-  cos, sin = embedding(q_BHTK, torch.from_numpy(positions))
-  want_q, want_k = apply_pos_emb(q_BHTK, k_BHTK, cos, sin)
-  for x, want in ((q, want_q), (k, want_k)):
-    np.testing.assert_allclose(rope.apply(x, positions), want.numpy().transpose(0, 2, 1, 3),
-                               atol=1e-5)
-
-
-@pytest.mark.integration
-def test_matches_transformers_gptj(hf, rng):
-  """GPT-J: interleaved pairs over the first rotary_dim features, its own sin/cos table."""
-  import torch
-  gptj, rotary_dim = hf["gptj"], 6
-  rope = Rope.from_hf({"rotary_dim": rotary_dim, "n_embd": H * K}, K, interleaved=True)
-  x = randn(rng, B, T, H, K)
-  positions = rng.permutation(60)[:B * T].reshape(B, T)
-  table = gptj.create_sinusoidal_positions(64, rotary_dim)[torch.from_numpy(positions)]
-  sin, cos = torch.split(table, rotary_dim // 2, dim=-1)
-  x_BTHK = torch.from_numpy(x)
-  rotated = gptj.apply_rotary_pos_emb(x_BTHK[..., :rotary_dim], sin, cos)
-  want = torch.cat([rotated, x_BTHK[..., rotary_dim:]], dim=-1).numpy()
-  np.testing.assert_allclose(rope.apply(x, positions), want, atol=1e-5)

@@ -89,9 +89,10 @@ def not_run_blocks(text: str) -> int:
              if (m := _FENCE.match(line)) and m["lang"] == "python" and _NOT_RUN.search(m["info"]))
 
 
-def run_page(path: str, text: str, workdir: str, timeout: float = 300) -> list[str]:
+def run_page(path: str, text: str, workdir: str, timeout: float = 900) -> list[str]:
   """Run `text`'s python blocks in a fresh interpreter with cwd `workdir`: what each printed.
-  Raises RuntimeError with the output (traceback included) if one fails."""
+  Raises RuntimeError with the output (traceback included) if one fails. `timeout` bounds a
+  hang, not a slow page: the slowest page takes ~125 s alone and over 300 s on 2 shared cores."""
   code = [(path, line, code) for line, code in python_blocks(text)]
   if not code:
     return []

@@ -51,7 +51,7 @@ from experiments import train  # noqa: E402
 from experiments.bench import hlo_bytes, timing  # noqa: E402
 from flax_mha import mods as mods_lib  # noqa: E402
 from flax_mha import sharding  # noqa: E402
-from flax_mha.kernels import _layouts, _seqmods, chunked, reference  # noqa: E402
+from flax_mha.kernels import chunked, layouts, reference, seqmods  # noqa: E402
 from flax_mha.kernels.seq_parallel import ring_attention, sequence_parallel_attention  # noqa: E402
 
 B, H, K = 1, 8, 64
@@ -98,8 +98,8 @@ def memory(lengths: str, devices: int, window: int | None):
 def visited_tiles(layout: str, t: int, n: int, me: int, src: int) -> int:
   """Key tiles the chunked kernel visits for device `me`'s queries over device `src`'s keys,
   causal (the kernel's own tile map over true positions, the ring's tile size)."""
-  table = _layouts.order(layout, t, n)
-  block = _seqmods.block(layout, t // n)
+  table = layouts.order(layout, t, n)
+  block = seqmods.block(layout, t // n)
   term = mods_lib.Positions(table[me][None], table[src][None], causal=True)
   maybe, _ = term.tile_map(mods_lib.make_tiles(t // n, t // n, block, block))
   return int(np.asarray(maybe).sum())
@@ -107,12 +107,12 @@ def visited_tiles(layout: str, t: int, n: int, me: int, src: int) -> int:
 
 def balance(t: int, n: int):
   print(f"Causal, T={t} tokens on {n} devices, the ring's tiles "
-        f"({', '.join(f'{layout} {_seqmods.block(layout, t // n)}' for layout in _layouts.LAYOUTS)}"
+        f"({', '.join(f'{layout} {seqmods.block(layout, t // n)}' for layout in layouts.LAYOUTS)}"
         " tokens a side); visited key tiles per device (the kernel's tile maps).\n")
   print("| layout | ring: worst step, slowest / mean | ring: critical path / mean work | "
         "all-gather: slowest device / mean |")
   print("|---|---:|---:|---:|")
-  for layout in _layouts.LAYOUTS:
+  for layout in layouts.LAYOUTS:
     tiles = np.array([[visited_tiles(layout, t, n, me, (me - step) % n) for me in range(n)]
                       for step in range(n)])  # [step, device]
     per_step = tiles.max(axis=1) / tiles.mean(axis=1)
@@ -162,9 +162,9 @@ def seconds(t: int, n: int, rounds: int):
   loss = lambda layout: lambda q, k, v: jnp.sum(sequence_parallel_attention(
       q, k, v, mesh=mesh, strategy="ring", layout=layout, is_causal=True))
   fns = {layout: timing.blocking(timing.qkv_grad(loss(layout)), x, x, x)
-         for layout in _layouts.LAYOUTS}
+         for layout in layouts.LAYOUTS}
   median = timing.median_seconds(fns, rounds)
-  print(f"| {t} | " + " | ".join(f"{median[layout]:.2f}" for layout in _layouts.LAYOUTS) + " |",
+  print(f"| {t} | " + " | ".join(f"{median[layout]:.2f}" for layout in layouts.LAYOUTS) + " |",
         flush=True)
 
 
@@ -225,8 +225,8 @@ def main():
   else:
     print(f"B={B}, H={H}, K=V={K}, float32, causal ring, forward+backward on {args.devices} "
           "emulated devices sharing the host's cores: seconds, median of 5 round-robin\n")
-    print("| T | " + " | ".join(_layouts.LAYOUTS) + " |")
-    print("|---:|" + "---:|" * len(_layouts.LAYOUTS))
+    print("| T | " + " | ".join(layouts.LAYOUTS) + " |")
+    print("|---:|" + "---:|" * len(layouts.LAYOUTS))
     for t in map(int, lengths.split(",")):
       seconds(t, args.devices, 1 if args.smoke else 5)
 

@@ -26,8 +26,10 @@ oracle:
 
 What `implementation=None` picks among them is the rule in `flax_mha.dispatch`.
 
-Private helpers: `_shared` (softmax dtype, row statistics), `_tiling` (chunked's tiles),
-`_dropout` (the hashed keep-mask every implementation shares), `_layouts` and `_seqmods`
+Internal modules the implementations share (public to the package, no kernel of their own):
+`common` (the numerics and argument handling every implementation shares), `dropout` (the
+hashed keep-mask), `confine` (`flax_mha.confine_nonfinite`'s mechanism), `tiling` (the tiles of
+chunked and decode), `triton_tiles` (the Pallas kernels behind triton), `layouts` and `seqmods`
 (sequence parallelism's token layouts and mask terms at true positions).
 """
 

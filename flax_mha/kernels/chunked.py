@@ -11,7 +11,7 @@ are entirely visible (`flax_mha.mods`). The loops visit only the former, and eva
 the latter. Maps known from static shapes are built at trace time; data-dependent ones at run
 time from per-tile summaries.
 
-Layout inside (block letters Q, P: see `flax_mha.kernels._tiling`): query blocks [n_q, B, G, R, Q, K]
+Layout inside (block letters Q, P: see `flax_mha.kernels.tiling`): query blocks [n_q, B, G, R, Q, K]
 (R = H // G; one transpose in), key/value blocks [n_k, B, G, P, K], keys also pre-transposed
 [n_k, B, G, K, P]: the R query heads that share a key head are rows of one matmul (K/V are never
 repeated), and every matmul is a plain row-major product (no transposed operand for XLA:CPU to
@@ -36,9 +36,9 @@ import numpy as np
 from jax import lax
 
 from flax_mha import checks
-from flax_mha.kernels import _shared
-from flax_mha.kernels import _dropout
-from flax_mha.kernels import _tiling
+from flax_mha.kernels import common
+from flax_mha.kernels import dropout
+from flax_mha.kernels import tiling
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import registry
 
@@ -59,7 +59,7 @@ class Config:
 class TileContext(NamedTuple):
   """What every tile needs besides q/k: config, sizes, mask, bias, rng, mods, offsets, visits."""
   cfg: Config
-  tl: _tiling.Tiling
+  tl: tiling.Tiling
   batch: int  # B
   groups: int  # G
   heads: int  # H
@@ -69,22 +69,22 @@ class TileContext(NamedTuple):
   mods: mods_lib.Mods
   q_offset: int | jax.Array
   kv_offset: int | jax.Array
-  rows: _tiling.Visits  # per query block: key blocks to visit (forward)
-  cols: _tiling.Visits  # per key block: query blocks to visit (backward)
+  rows: tiling.Visits  # per query block: key blocks to visit (forward)
+  cols: tiling.Visits  # per key block: query blocks to visit (backward)
 
 
 def tile_context(q, k, bias, mask, rng, mods, cfg: Config, q_offset, kv_offset) -> TileContext:
-  tl = _tiling.tiling(q.shape[1], k.shape[1], cfg.block_q, cfg.block_k)
-  mask = _tiling.pad_tiles(mask, tl, True, False)  # padded query rows: don't care
+  tl = tiling.tiling(q.shape[1], k.shape[1], cfg.block_q, cfg.block_k)
+  mask = tiling.pad_tiles(mask, tl, True, False)  # padded query rows: don't care
   tiles = mods_lib.make_tiles(tl.t, tl.s, tl.bq, tl.bk, q_offset, kv_offset)
   maybe, full = mods.tile_map(tiles)
   full = full & (np.arange(1, tl.n_k + 1) * tl.bk <= tl.s)[None]  # a padded key tile is masked
   if mask is not None:
-    mask_maybe, mask_full = _tiling.dense_mask_map(mask, tl)
+    mask_maybe, mask_full = tiling.dense_mask_map(mask, tl)
     maybe, full = maybe & mask_maybe, full & mask_full
   return TileContext(cfg, tl, q.shape[0], k.shape[2], q.shape[2], mask,
-                  _tiling.pad_tiles(bias, tl, 0.0, 0.0), rng, mods, q_offset, kv_offset,
-                  _tiling.visits(maybe, full), _tiling.visits(maybe.T, full.T))
+                  tiling.pad_tiles(bias, tl, 0.0, 0.0), rng, mods, q_offset, kv_offset,
+                  tiling.visits(maybe, full), tiling.visits(maybe.T, full.T))
 
 
 def _indices(i, j, ctx: TileContext, transposed: bool):
@@ -103,7 +103,7 @@ def _indices(i, j, ctx: TileContext, transposed: bool):
 def _visible(i, j, ctx: TileContext, idx, transposed: bool):
   """Boolean visibility of a partially visible tile (i, j) in its layout."""
   visible = ctx.mods.visible(*idx)
-  dense = _tiling.tile(ctx.mask, i, j, ctx.tl, ctx.groups, transposed)
+  dense = tiling.tile(ctx.mask, i, j, ctx.tl, ctx.groups, transposed)
   if dense is not None:
     visible = dense if visible is None else visible & dense
   if ctx.tl.n_k * ctx.tl.bk > ctx.tl.s:  # padded keys
@@ -115,7 +115,7 @@ def _visible(i, j, ctx: TileContext, idx, transposed: bool):
 def _pre_scores(raw, i, j, ctx: TileContext, transposed: bool):
   """scale·raw + bias (in raw's dtype and the tile's layout)."""
   s = raw * ctx.cfg.scale
-  bias = _tiling.tile(ctx.bias, i, j, ctx.tl, ctx.groups, transposed)
+  bias = tiling.tile(ctx.bias, i, j, ctx.tl, ctx.groups, transposed)
   return s if bias is None else s + bias.astype(raw.dtype)
 
 
@@ -133,9 +133,9 @@ def _apply_dropout(p, ctx: TileContext, idx):
   if rate == 0.0:
     return p
   b, h, q, kv = idx
-  keep = _dropout.keep_mask(ctx.rng, rate, b * ctx.heads + h, q - ctx.q_offset,
+  keep = dropout.keep_mask(ctx.rng, rate, b * ctx.heads + h, q - ctx.q_offset,
                             kv - ctx.kv_offset, ctx.tl.s)
-  return _dropout.apply(p, rate, keep)
+  return dropout.apply(p, rate, keep)
 
 
 def forward_tile(carry, i, j, raw, v_j, ctx: TileContext, masked: bool):
@@ -168,10 +168,10 @@ def initial_stats(stats_shape, groups: int, sinks, dtype):
 def _forward(q, k, v, bias, mask, rng, mods, cfg: Config, q_offset=0, kv_offset=0):
   """out [B, T, H, V] and lse [B, H, T] in the softmax dtype (lse finfo.min: no key visible)."""
   ctx = tile_context(q, k, bias, mask, rng, mods, cfg, q_offset, kv_offset)
-  tl, g, acc = ctx.tl, ctx.groups, _shared.softmax_dtype(q.dtype)
-  q_blocks = _tiling.blocks(q, tl.n_q, tl.bq, g)  # [n_q, B, G, R, Q, K]
-  kt_blocks = _tiling.blocks(k, tl.n_k, tl.bk, g, transpose=True)[:, :, :, :, 0]  # [n_k,B,G,K,P]
-  v_blocks = _tiling.blocks(v, tl.n_k, tl.bk, g)[:, :, :, 0]  # [n_k, B, G, P, V]
+  tl, g, acc = ctx.tl, ctx.groups, common.softmax_dtype(q.dtype)
+  q_blocks = tiling.blocks(q, tl.n_q, tl.bq, g)  # [n_q, B, G, R, Q, K]
+  kt_blocks = tiling.blocks(k, tl.n_k, tl.bk, g, transpose=True)[:, :, :, :, 0]  # [n_k,B,G,K,P]
+  v_blocks = tiling.blocks(v, tl.n_k, tl.bk, g)[:, :, :, 0]  # [n_k, B, G, P, V]
 
   def q_step(_, xs):
     i, q_i = xs
@@ -186,14 +186,14 @@ def _forward(q, k, v, bias, mask, rng, mods, cfg: Config, q_offset=0, kv_offset=
     carry = (*initial_stats(stats_shape, g, mods.sinks, acc),
              jnp.zeros((*stats_shape, v.shape[-1]), acc))
     rows = ctx.rows
-    carry = _tiling.loop(rows.full_idx, rows.full_count, i, k_step(False), carry)
-    m, l, o = _tiling.loop(rows.partial_idx, rows.partial_count, i, k_step(True), carry)
+    carry = tiling.loop(rows.full_idx, rows.full_count, i, k_step(False), carry)
+    m, l, o = tiling.loop(rows.partial_idx, rows.partial_count, i, k_step(True), carry)
     out = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    return None, (out, _shared.row_lse(m, l))
+    return None, (out, common.row_lse(m, l))
 
   _, (out, lse) = lax.scan(q_step, None, (jnp.arange(tl.n_q), q_blocks))
-  lse_BHT = _tiling.unblock(lse[..., None], tl.t)[..., 0].transpose(0, 2, 1)
-  return _tiling.unblock(out, tl.t), lse_BHT
+  lse_BHT = tiling.unblock(lse[..., None], tl.t)[..., 0].transpose(0, 2, 1)
+  return tiling.unblock(out, tl.t), lse_BHT
 
 
 def _score_grad(mods: mods_lib.Mods):
@@ -221,13 +221,13 @@ def _backward(q, k, v, out, lse, dout, bias, mask, rng, mods, cfg: Config, q_off
   dK += dSᵀ·Q and dQᵀ += Kᵀ·dSᵀ.
   """
   ctx = tile_context(q, k, bias, mask, rng, mods, cfg, q_offset, kv_offset)
-  tl, g, acc = ctx.tl, ctx.groups, _shared.softmax_dtype(q.dtype)
+  tl, g, acc = ctx.tl, ctx.groups, common.softmax_dtype(q.dtype)
   delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)  # [B, T, H]
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no visible key: every p is 0 anyway
-  rows = lambda x_BTH: _tiling.blocks(x_BTH[..., None], tl.n_q, tl.bq, g)[..., 0]
-  q_blocks, do_blocks = _tiling.blocks(q, tl.n_q, tl.bq, g), _tiling.blocks(dout, tl.n_q, tl.bq, g)
-  qt_blocks = _tiling.blocks(q, tl.n_q, tl.bq, g, transpose=True)  # [n_q, B, G, K, R, Q]
-  dot_blocks = _tiling.blocks(dout, tl.n_q, tl.bq, g, transpose=True)
+  rows = lambda x_BTH: tiling.blocks(x_BTH[..., None], tl.n_q, tl.bq, g)[..., 0]
+  q_blocks, do_blocks = tiling.blocks(q, tl.n_q, tl.bq, g), tiling.blocks(dout, tl.n_q, tl.bq, g)
+  qt_blocks = tiling.blocks(q, tl.n_q, tl.bq, g, transpose=True)  # [n_q, B, G, K, R, Q]
+  dot_blocks = tiling.blocks(dout, tl.n_q, tl.bq, g, transpose=True)
   lse_blocks, delta_blocks = rows(lse.transpose(0, 2, 1)), rows(delta)  # [n_q, B, G, R, Q]
   mm = functools.partial(jnp.einsum, preferred_element_type=acc)
   score_fn, score_floats = _score_grad(mods)
@@ -258,14 +258,14 @@ def _backward(q, k, v, out, lse, dout, bias, mask, rng, mods, cfg: Config, q_off
     dqt, dbias, dfloats = carry
     carry = (dqt, dbias, dfloats, jnp.zeros(k_j.shape, acc), jnp.zeros(v_j.shape, acc))
     cols = ctx.cols
-    carry = _tiling.loop(cols.full_idx, cols.full_count, j, q_step(False), carry)
-    dqt, dbias, dfloats, dk_j, dv_j = _tiling.loop(cols.partial_idx, cols.partial_count, j,
+    carry = tiling.loop(cols.full_idx, cols.full_count, j, q_step(False), carry)
+    dqt, dbias, dfloats, dk_j, dv_j = tiling.loop(cols.partial_idx, cols.partial_count, j,
                                                    q_step(True), carry)
     return (dqt, dbias, dfloats), (dk_j, dv_j)
 
-  k_blocks = _tiling.blocks(k, tl.n_k, tl.bk, g)[:, :, :, 0]  # [n_k, B, G, P, K]
-  kt_blocks = _tiling.blocks(k, tl.n_k, tl.bk, g, transpose=True)[:, :, :, :, 0]  # [n_k,B,G,K,P]
-  v_blocks = _tiling.blocks(v, tl.n_k, tl.bk, g)[:, :, :, 0]
+  k_blocks = tiling.blocks(k, tl.n_k, tl.bk, g)[:, :, :, 0]  # [n_k, B, G, P, K]
+  kt_blocks = tiling.blocks(k, tl.n_k, tl.bk, g, transpose=True)[:, :, :, :, 0]  # [n_k,B,G,K,P]
+  v_blocks = tiling.blocks(v, tl.n_k, tl.bk, g)[:, :, :, 0]
   dqt0 = jnp.zeros(qt_blocks.shape, acc)
   dbias0 = None if ctx.bias is None else jnp.zeros(ctx.bias.shape, acc)
   dfloats0 = [jnp.zeros_like(x) for x in score_floats]
@@ -273,8 +273,8 @@ def _backward(q, k, v, out, lse, dout, bias, mask, rng, mods, cfg: Config, q_off
       k_step, (dqt0, dbias0, dfloats0), (jnp.arange(tl.n_k), k_blocks, kt_blocks, v_blocks))
   if dbias is not None:
     dbias = dbias[:, :, :min(bias.shape[2], tl.t), :min(bias.shape[3], tl.s)]
-  unblock_kv = lambda x: _tiling.unblock(x[:, :, :, None], tl.s)
-  return (_tiling.unblock(dqt, tl.t, transposed=True), unblock_kv(dk), unblock_kv(dv), dbias,
+  unblock_kv = lambda x: tiling.unblock(x[:, :, :, None], tl.s)
+  return (tiling.unblock(dqt, tl.t, transposed=True), unblock_kv(dk), unblock_kv(dv), dbias,
           dfloats)
 
 
@@ -282,7 +282,7 @@ def _add_tile(dbias, dst, i, j, ctx: TileContext):
   """dbias[tile (i, j)] += dS (transposed tile [B, G, P, R, Q]), summed where bias broadcasts."""
   b, g, bk, r, bq = dst.shape
   ds_BHQP = dst.transpose(0, 1, 3, 4, 2).reshape(b, g * r, bq, bk)
-  starts, sizes = _tiling.tile_index(dbias, i, j, ctx.tl)
+  starts, sizes = tiling.tile_index(dbias, i, j, ctx.tl)
   axes = tuple(a for a in range(4) if sizes[a] == 1 and ds_BHQP.shape[a] > 1)
   update = ds_BHQP.sum(axis=axes, keepdims=True) + lax.dynamic_slice(dbias, starts, sizes)
   return lax.dynamic_update_slice(dbias, update, starts)
@@ -353,7 +353,7 @@ def attention_bwd(cfg, residuals, cotangents):
     dbias = dbias.astype(bias.dtype)
   dsinks = None
   if mods.sinks is not None:
-    dsinks = _shared.sink_grad(mods.sinks, lse.transpose(0, 2, 1), out, dout)
+    dsinks = common.sink_grad(mods.sinks, lse.transpose(0, 2, 1), out, dout)
   return (dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), dbias, None,
           None, _mods_cotangent(mods, dfloats, dsinks))
 
@@ -426,7 +426,7 @@ def make_attention(block_q: int | None = None, block_k: int | None = None):
                                     mods_lib.narrowest_window(mods))
     cfg = Config(float(scale), float(dropout_rate), block_q or auto_q, block_k or auto_k)
     mods = mods_lib.with_causal(mods, is_causal)
-    out, lse_BHT = _shared.without_forward_mode("chunked", _attention, query, key, value, bias,
+    out, lse_BHT = common.without_forward_mode("chunked", _attention, query, key, value, bias,
                                                 mask, dropout_rng, mods, cfg)
     return (out, lax.stop_gradient(lse_BHT.transpose(0, 2, 1))) if return_residual else out
 
@@ -438,4 +438,5 @@ attention = make_attention()
 
 KERNEL = registry.register(registry.Kernel(
     "chunked", attention, summary="online softmax in tiles with its own backward: memory linear "
-    "in S, every option, the tiles its masks hide skipped"))
+    "in S, every option, the tiles its masks hide skipped",
+    layouts=("dense", "ring_block"), hints=dict(visited_fraction=visited_fraction)))

@@ -97,4 +97,5 @@ def refuses(call: registry.Call) -> str | None:
 
 
 KERNEL = registry.register(registry.Kernel(
-    "cudnn", attention, refuses, "cuDNN flash attention on NVIDIA GPUs (16-bit)"))
+    "cudnn", attention, refuses, "cuDNN flash attention on NVIDIA GPUs (16-bit)",
+    platform="cuda", hints=dict(gpu_reason=gpu_reason)))

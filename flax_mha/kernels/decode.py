@@ -24,8 +24,8 @@ from jax import lax
 
 from flax_mha import checks
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import _shared
-from flax_mha.kernels import _tiling
+from flax_mha.kernels import common
+from flax_mha.kernels import tiling
 from flax_mha.kernels import chunked
 from flax_mha.kernels import registry
 
@@ -69,8 +69,8 @@ def forward(q, k, v, bias, mask, rng, mods, cfg: chunked.Config, splits: int,
     s = n_pages * page
   shape_BSGK = jax.ShapeDtypeStruct((b, s, g, k.shape[-1]), k.dtype)
   ctx = chunked.tile_context(q, shape_BSGK, bias, mask, rng, mods, cfg, 0, 0)
-  tl, acc = ctx.tl, _shared.softmax_dtype(q.dtype)
-  q_0 = _tiling.blocks(q, 1, tl.bq, g)[0]  # [B, G, R, Q, K]: all T queries are one tile
+  tl, acc = ctx.tl, common.softmax_dtype(q.dtype)
+  q_0 = tiling.blocks(q, 1, tl.bq, g)[0]  # [B, G, R, Q, K]: all T queries are one tile
   if page_indices is None:
     # Blocks of the cache in its own layout, [B, n_k, P, G, K] (a free reshape): each trip's
     # product transposes only its block, in cache, never the whole cache.
@@ -114,17 +114,17 @@ def forward(q, k, v, bias, mask, rng, mods, cfg: chunked.Config, splits: int,
           jnp.zeros((splits, *stats_shape, v.shape[-1]), acc))
   m, l, o = lax.fori_loop(0, (count + splits - 1) // splits, trip, init)
   # Merge the partitions (and the sink, a partition of its own that saw one entry).
-  lse_p = _shared.row_lse(m, l)  # [splits, B, G, R, Q]
+  lse_p = common.row_lse(m, l)  # [splits, B, G, R, Q]
   if mods.sinks is not None:
     sink, _ = chunked.initial_stats(stats_shape, g, mods.sinks, acc)
     lse_p = jnp.concatenate([lse_p, sink[None]])
     o = jnp.concatenate([o, jnp.zeros_like(o[:1])])
     l = jnp.concatenate([l, jnp.ones_like(l[:1])])
-  lse = _shared.row_lse(*_max_and_sum(lse_p))
+  lse = common.row_lse(*_max_and_sum(lse_p))
   out_p = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
   out = jnp.sum(jnp.exp(lse_p - lse)[..., None] * out_p, axis=0)  # [B, G, R, Q, V]
-  out = _tiling.unblock(out[None], tl.t)
-  return out, _tiling.unblock(lse[None, ..., None], tl.t)[..., 0].transpose(0, 2, 1)
+  out = tiling.unblock(out[None], tl.t)
+  return out, tiling.unblock(lse[None, ..., None], tl.t)[..., 0].transpose(0, 2, 1)
 
 
 def _max_and_sum(lse_p):
@@ -185,7 +185,7 @@ def make_attention(block_k: int | None = None, splits: int | None = None):
     cfg, cfg_bwd = configs(scale, dropout_rate, query.shape[1], key.shape[1], query.shape[-1],
                            block_k, is_causal, mods_lib.narrowest_window(mods))
     mods = mods_lib.with_causal(mods, is_causal)
-    out, lse_BHT = _shared.without_forward_mode(
+    out, lse_BHT = common.without_forward_mode(
         "decode", _attention, query, key, value, bias, mask, dropout_rng, mods, cfg, cfg_bwd,
         splits)
     return (out, lax.stop_gradient(lse_BHT.transpose(0, 2, 1))) if return_residual else out
@@ -244,6 +244,13 @@ def _paged_bwd(cfg, cfg_bwd, splits, paged_forward, residuals, cotangents):
 paged.defvjp(_paged_fwd, _paged_bwd)
 
 
+def refuses(call: registry.Call) -> str | None:
+  """Why the decode kernel cannot run `call`: over pages in place it takes no dropout."""
+  if call.layout == "paged" and call.dropout_rate:
+    return "the decode kernel over pages takes no dropout"
+  return None
+
+
 KERNEL = registry.register(registry.Kernel(
-    "decode", attention, summary="a few queries over a long cache: keys split into partitions "
-    "merged by log-sum-exp"))
+    "decode", attention, refuses, summary="a few queries over a long cache: keys split into "
+    "partitions merged by log-sum-exp", layouts=("dense", "paged")))

@@ -10,7 +10,7 @@ inside `shard_map` by `flax_mha.kernels.seq_parallel`.
   G/n key/value heads, and an all-to-all turns the output back. Needs H and G divisible by n.
 
 Both hand the local problem to the chunked kernel's `attention` (its own backward, linear
-memory), with the mask terms at the tokens' true positions (`_seqmods.localize`), so they take
+memory), with the mask terms at the tokens' true positions (`seqmods.localize`), so they take
 everything the single-device API does: segment ids, lengths, positions, windows, mask_mod and
 score_mod closing over arrays (differentiable), sinks, a bias.
 """
@@ -19,27 +19,27 @@ from __future__ import annotations
 
 from jax import lax
 
-from flax_mha.kernels import _seqmods
+from flax_mha.kernels import seqmods
 from flax_mha.kernels import chunked
-from flax_mha.kernels._seqmods import HEADS, KV, Q
+from flax_mha.kernels.seqmods import HEADS, KV, Q
 
 
-def _gather(x, plan: _seqmods.Plan, axis: int):
+def _gather(x, plan: seqmods.Plan, axis: int):
   """x gathered along `axis` over the sequence devices (device-major order)."""
   if x is None or x.shape[axis] == 1:
     return x
   return lax.all_gather(x, plan.axis_name, axis=axis, tiled=True)
 
 
-def _local(q, k, v, bias, mask, mods, plan: _seqmods.Plan, q_pos, kv_pos, h_offset=0):
+def _local(q, k, v, bias, mask, mods, plan: seqmods.Plan, q_pos, kv_pos, h_offset=0):
   """chunked attention of local q over k, v with the terms at true positions: (out, lse)."""
-  mods = _seqmods.localize(mods, plan.is_causal, q_pos, kv_pos, batch=q.shape[0],
+  mods = seqmods.localize(mods, plan.is_causal, q_pos, kv_pos, batch=q.shape[0],
                            heads=q.shape[2], h_offset=h_offset)
   return chunked.attention(q, k, v, bias, mask, is_causal=False, scale=plan.scale,
                            dropout_rate=0.0, dropout_rng=None, mods=mods, return_residual=True)
 
 
-def all_gather(q, k, v, bias, mask, leaves, plan: _seqmods.Plan):
+def all_gather(q, k, v, bias, mask, leaves, plan: seqmods.Plan):
   """One device's all-gather attention: (out [B, T/n, H, V], lse [B, T/n, H]).
 
   q [B, T/n, H, K], k [B, S/n, G, K], v [B, S/n, G, V], bias and mask [b, h, T/n or 1, S or 1]
@@ -51,7 +51,7 @@ def all_gather(q, k, v, bias, mask, leaves, plan: _seqmods.Plan):
                 plan.all_positions(plan.s))
 
 
-def _heads_of(x, axis: int, plan: _seqmods.Plan):
+def _heads_of(x, axis: int, plan: seqmods.Plan):
   """This device's 1/n of the heads of x along `axis` (broadcast dims of size 1 kept)."""
   if x is None or x.shape[axis] == 1:
     return x
@@ -59,7 +59,7 @@ def _heads_of(x, axis: int, plan: _seqmods.Plan):
   return lax.dynamic_slice_in_dim(x, lax.axis_index(plan.axis_name) * size, size, axis=axis)
 
 
-def ulysses(q, k, v, bias, mask, leaves, plan: _seqmods.Plan):
+def ulysses(q, k, v, bias, mask, leaves, plan: seqmods.Plan):
   """One device's Ulysses attention, same arguments and results as `all_gather`; the local H
   and G must be multiples of n."""
   to_heads = lambda x: lax.all_to_all(x, plan.axis_name, 2, 1, tiled=True)  # [B, T, H/n, .]

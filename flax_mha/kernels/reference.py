@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_mha.kernels import _shared
-from flax_mha.kernels import _dropout
+from flax_mha.kernels import common
+from flax_mha.kernels import dropout
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import registry
 
@@ -32,7 +32,7 @@ def attention_logits(query_BTHK, key_BSGK, bias, scale):
   """scale · Q·Kᵀ + bias: [B, H, T, S] in the softmax dtype."""
   b, t, h, k = query_BTHK.shape
   s, g = key_BSGK.shape[1:3]
-  dtype = _shared.softmax_dtype(query_BTHK.dtype)
+  dtype = common.softmax_dtype(query_BTHK.dtype)
   q_BTGRK = query_BTHK.reshape(b, t, g, h // g, k).astype(dtype)
   logits_BGRTS = jnp.einsum("BTGRK,BSGK->BGRTS", q_BTGRK, key_BSGK.astype(dtype))
   logits_BHTS = logits_BGRTS.reshape(b, h, t, s) * scale
@@ -61,7 +61,7 @@ def softmax_over_visible(scores, visible, sinks=None):
   unnormalised = jnp.where(visible, jnp.exp(jnp.where(visible, scores, row_max) - row_max), 0.0)
   total = jnp.sum(unnormalised, axis=-1, keepdims=True)
   weights = unnormalised / jnp.where(total > 0, total, 1.0)
-  lse = _shared.row_lse(row_max, total)[..., 0]
+  lse = common.row_lse(row_max, total)[..., 0]
   return (weights if sinks is None else weights[..., :-1]), lse
 
 
@@ -72,7 +72,7 @@ def _weights_and_lse(query, key, bias, mask, *, is_causal, scale, dropout_rate, 
   scores_BHTS, visible = mods_lib.dense(attention_logits(query, key, bias, scale), mask, mods)
   weights_BHTS, lse_BHT = softmax_over_visible(scores_BHTS, visible, mods.sinks)
   if dropout_rate > 0.0:
-    weights_BHTS = _dropout.drop_weights(weights_BHTS, dropout_rate, dropout_rng)
+    weights_BHTS = dropout.drop_weights(weights_BHTS, dropout_rate, dropout_rng)
   return weights_BHTS, lse_BHT
 
 

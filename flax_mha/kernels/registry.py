@@ -12,7 +12,9 @@ Adding an implementation is one module of `flax_mha/kernels/` that ends with
     KERNEL = registry.register(registry.Kernel("name", attention, refuses, "what it is"))
 
 and its line in `flax_mha/kernels/__init__.py`'s import list (the registration order is the
-order of `names()`), plus its place in `flax_mha.dispatch`'s rule if None should pick it.
+order of `names()`), plus its place in `flax_mha.dispatch`'s preference if None should pick it.
+A kernel for a KV cache's step or paged attention declares those `layouts` (and its entry in
+`flax_mha.steps`); an accelerator kernel its `platform` and `staged=True`.
 
 The kernels' function signature: (query [B, T, H, K], key [B, S, G, K], value [B, S, G, V],
 bias, mask (None or rank 4 over the flattened batch), *, is_causal, scale, dropout_rate,
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 
@@ -33,11 +35,22 @@ def _spec(x):
   return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
+# Where the keys of a call lie, and so which entrance it came through: "dense" (keys and values
+# [B, S, G, K] of `dot_product_attention`), "cache" (a few queries over a contiguous KV cache's
+# slots, head-major [B, G, S, K]: `flax_mha.cache.attend`'s step), "paged" (a few queries over
+# pages [P, page, G, K] through a page table: `flax_mha.paged_attention`), "ring_block" (one
+# step of ring attention: this device's queries over the visiting key shard, forward with its
+# lse and backward from the global one: `flax_mha.kernels.ring`).
+LAYOUTS = ("dense", "cache", "paged", "ring_block")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Call:
   """One attention call as the kernels judge it: static facts only (shapes and dtypes, never
   values), built once per call. `mods` is the call's `flax_mha.mods.Mods` (None: no mask or
-  score terms); `platform` the one the program is lowered for ('cpu', 'cuda', 'rocm', 'tpu')."""
+  score terms); `platform` the one the program is lowered for ('cpu', 'cuda', 'rocm', 'tpu');
+  `layout` where the keys lie (LAYOUTS; key and value are described as [B, S, G, K] whatever
+  the layout, S the slots a row can hold), `page` the page size of a paged call."""
   query: jax.ShapeDtypeStruct  # [B, T, H, K]
   key: jax.ShapeDtypeStruct  # [B, S, G, K]
   value: jax.ShapeDtypeStruct  # [B, S, G, V]
@@ -47,13 +60,18 @@ class Call:
   dropout_rate: float
   mods: Any
   platform: str
+  layout: str = "dense"
+  page: int | None = None
 
   @classmethod
   def of(cls, query, key, value, bias=None, mask=None, *, is_causal: bool = False,
-         dropout_rate: float = 0.0, mods=None, platform: str) -> "Call":
+         dropout_rate: float = 0.0, mods=None, platform: str, layout: str = "dense",
+         page: int | None = None) -> "Call":
     """The record of flattened arguments (arrays or anything with .shape and .dtype)."""
+    if layout not in LAYOUTS:
+      raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return cls(_spec(query), _spec(key), _spec(value), _spec(bias), _spec(mask),
-               bool(is_causal), float(dropout_rate), mods, platform)
+               bool(is_causal), float(dropout_rate), mods, platform, layout, page)
 
   @property
   def dims(self) -> dict[str, int]:
@@ -70,11 +88,22 @@ def _takes_everything(call: Call) -> None:
 class Kernel:
   """One implementation: its `name` (what `implementation=` takes), its `attention` function
   (the signature in this module's docstring), `refuses(call)` -> why it cannot run the call
-  (None: it can), and a one-line `summary`."""
+  (None: it can), a one-line `summary`, and how it describes itself to the dispatch:
+  `layouts` the entrances it serves (LAYOUTS: "dense" makes it an implementation of
+  `dot_product_attention`), `platform` the one platform it runs on compiled (None: any), and
+  `staged` whether `implementation=None` stages it only where `flax_mha.platforms.stages_for`
+  its platform (a Pallas kernel for hardware this process may lack)."""
   name: str
   attention: Callable
   refuses: Callable[[Call], str | None] = _takes_everything
   summary: str = ""
+  layouts: tuple[str, ...] = ("dense",)
+  platform: str | None = None
+  staged: bool = False
+  # What the dispatch's rule asks of this kernel beyond `refuses`, by name (functions or
+  # values: "not_staged" the refusal of a staged kernel where it is not staged, and the CPU
+  # rule's measures, e.g. rows' "band_keys"), so that the rule never imports a kernel.
+  hints: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _KERNELS: dict[str, Kernel] = {}
@@ -97,9 +126,10 @@ def unregister(name: str) -> Kernel:
   return kernel
 
 
-def names() -> tuple[str, ...]:
-  """Every registered name, in registration order."""
-  return tuple(_KERNELS)
+def names(layout: str = "dense") -> tuple[str, ...]:
+  """The names of the kernels that serve `layout` (by default the implementations of
+  `dot_product_attention`), in registration order."""
+  return tuple(name for name, kernel in _KERNELS.items() if layout in kernel.layouts)
 
 
 def get(name: str) -> Kernel:
@@ -111,21 +141,25 @@ def get(name: str) -> Kernel:
 
 
 def refusals(call: Call) -> dict[str, str | None]:
-  """name -> why that kernel cannot run `call` (None: it runs), for every kernel."""
-  return {name: kernel.refuses(call) for name, kernel in _KERNELS.items()}
+  """name -> why that kernel cannot run `call` (None: it runs), for every kernel that serves
+  the call's layout."""
+  return {name: get(name).refuses(call) for name in names(call.layout)}
 
 
 class _Functions(collections.abc.Mapping):
-  """name -> the registered kernel's function: a live, read-only view of the registry."""
+  """name -> the registered kernel's function, for the implementations of
+  `dot_product_attention` (layout "dense"): a live, read-only view of the registry."""
 
   def __getitem__(self, name):
+    if name not in names():
+      raise KeyError(name)
     return get(name).attention
 
   def __iter__(self):
-    return iter(_KERNELS)
+    return iter(names())
 
   def __len__(self):
-    return len(_KERNELS)
+    return len(names())
 
   def __repr__(self):
     return f"IMPLEMENTATIONS{names()}"

@@ -21,7 +21,7 @@ forward; after n hops the accumulators are home. Its loop sends K/V n times, the
 unused, rather than peel a step off (see `_ring_bwd`).
 
 The arrays of the key side of the mask terms (segment ids, positions) travel with their shard.
-Visibility compares the tokens' true positions (`flax_mha.kernels._seqmods.localize`), whatever
+Visibility compares the tokens' true positions (`flax_mha.kernels.seqmods.localize`), whatever
 the layout: a visiting shard entirely in a query shard's future costs no tile (the kernel skips
 tiles that its masks hide), so a balanced layout (zigzag, striped) balances the work per step.
 """
@@ -36,14 +36,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flax_mha import platforms
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import _seqmods
-from flax_mha.kernels import _shared
+from flax_mha.kernels import common
 from flax_mha.kernels import registry
+from flax_mha.kernels import seqmods
 from flax_mha.kernels import triton
 from flax_mha.kernels.chunked import chunked_backward, chunked_forward
-from flax_mha.kernels._seqmods import HEADS, KV
+from flax_mha.kernels.seqmods import HEADS, KV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +56,20 @@ class Block:
 
 
 CHUNKED = Block("chunked", chunked_forward, chunked_backward)
-# platform -> the step kernel it runs where that kernel takes the step (and this process may
-# stage it: `platforms.stages_for`), chunked's tiles elsewhere.
-PLATFORM_BLOCKS = {"cuda": Block("triton", *triton.make_block(), triton.options_reason)}
+# The registered name -> its Block: `flax_mha.dispatch` chooses the name for each platform (the
+# layout "ring_block" of its STEP_PREFERENCE: the Triton kernel on 'cuda' where it takes the
+# step and is staged, chunked's tiles elsewhere). A new step kernel adds its line here.
+BLOCKS = {"chunked": CHUNKED, "triton": Block("triton", *triton.make_block(),
+                                              triton.options_reason)}
+
+
+def explain_step(query, key, value, mask=None, *, mods=None, platform: str = "cpu"):
+  """What one ring step of these shards' shapes (query [B, T, H, K], the visiting key and
+  value shards [B, S, G, K|V], `mods` at the step's positions) runs on `platform`, and why:
+  `flax_mha.dispatch`'s choice for the layout "ring_block"."""
+  from flax_mha import dispatch  # the rule imports the kernels' package, this module among them
+  return dispatch.explanation(registry.Call.of(query, key, value, None, mask, mods=mods,
+                                               platform=platform, layout="ring_block"))
 
 
 def _shift(xs, axis_name: str, n: int):
@@ -75,40 +85,38 @@ def _mask_block(mask, src, s: int):
   return lax.dynamic_slice_in_dim(mask, src * s, s, axis=3)
 
 
-def _step_terms(plan: _seqmods.Plan, i, q, k_i, mask, leaves, kv_leaves):
+def _step_terms(plan: seqmods.Plan, i, q, k_i, mask, leaves, kv_leaves):
   """(mask, mods) of ring step i, the visiting shard's key-side arrays being `kv_leaves`: its
   mask columns and its terms at true positions (no sinks)."""
   me = lax.axis_index(plan.axis_name)
   src = (me - i) % plan.n  # whose key/value shard this device holds at step i
   mods = plan.mods(plan.replace_side(leaves, KV, kv_leaves))
-  mods = _seqmods.localize(mods, plan.is_causal, plan.positions(plan.t, me),
+  mods = seqmods.localize(mods, plan.is_causal, plan.positions(plan.t, me),
                            plan.positions(plan.s, src), batch=q.shape[0], heads=q.shape[2])
   return _mask_block(mask, src, k_i.shape[1]), dataclasses.replace(mods, sinks=None)
 
 
-def _step_kernel(plan: _seqmods.Plan, which: str, q, k, v, mask, leaves):
+def _step_kernel(plan: seqmods.Plan, which: str, q, k, v, mask, leaves):
   """fn(*arrays, mask, mods) -> the step's `which` ("forward" or "backward") of the platform's
   Block, staged per platform with `lax.platform_dependent` where the platforms' Blocks differ."""
+  from flax_mha import dispatch  # the rule imports the kernels' package, this module among them
   mask_0, mods_0 = _step_terms(plan, 0, q, k, mask, leaves, plan.of_side(leaves, KV))
-  call = registry.Call.of(q, k, v, None, mask_0, mods=mods_0, platform="cpu")
-  picks = {platform: block for platform, block in PLATFORM_BLOCKS.items()
-           if platforms.stages_for(platform) and block.options_reason(call) is None}
+  call = registry.Call.of(q, k, v, None, mask_0, mods=mods_0, platform="cpu",
+                          layout="ring_block")
+  picks = {platform: BLOCKS[name] for platform, name in dispatch.per_platform(call).items()}
   static = dict(scale=plan.scale, is_causal=False, block_q=plan.block(q.shape[1]),
                 block_k=plan.block(k.shape[1]))
   def run(block):
     fn = lambda *arrays, mask, mods: getattr(block, which)(*arrays, mask=mask, mods=mods,
                                                           **static)
     return fn if block is CHUNKED else _unless_hidden(fn, which)  # chunked skips its own tiles
-  if not picks:
-    return run(CHUNKED)
-  if set(picks) == {"cpu"}:
+  if len(set(picks.values())) == 1:
     return run(picks["cpu"])
 
   def staged(*arrays, mask, mods):
     branches = {platform: (lambda *a, f=run(block): f(*a[:-2], mask=a[-2], mods=a[-1]))
                 for platform, block in picks.items()}
-    fallback = lambda *a: run(CHUNKED)(*a[:-2], mask=a[-2], mods=a[-1])
-    return lax.platform_dependent(*arrays, mask, mods, default=fallback, **branches)
+    return lax.platform_dependent(*arrays, mask, mods, default=branches["rocm"], **branches)
   return staged
 
 
@@ -129,10 +137,10 @@ def _unless_hidden(fn, which: str):
   return run
 
 
-def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
+def _ring_forward(q, k, v, mask, leaves, plan: seqmods.Plan):
   """Local shards -> (out [B, T/n, H, V], global lse [B, T/n, H]) in the softmax dtype."""
   b, t, h, _ = q.shape
-  acc = _shared.softmax_dtype(q.dtype)
+  acc = common.softmax_dtype(q.dtype)
 
   block = _step_kernel(plan, "forward", q, k, v, mask, leaves)
 
@@ -152,7 +160,7 @@ def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
     return (*merge(i, out, lse, k_i, v_i, kv_leaves), k_next, v_next, kv_next)
 
   sinks = plan.of_side(leaves, HEADS)
-  if not sinks:  # the lse of a row that has seen no key (see _shared.row_lse)
+  if not sinks:  # the lse of a row that has seen no key (see common.row_lse)
     lse0 = jnp.full((b, t, h), jnp.finfo(acc).min, acc)
   else:  # every row starts having seen its head's sink (which has no value)
     lse0 = jnp.broadcast_to(sinks[0].astype(acc), (b, t, h))
@@ -163,7 +171,7 @@ def _ring_forward(q, k, v, mask, leaves, plan: _seqmods.Plan):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def ring(q, k, v, mask, leaves, plan: _seqmods.Plan):
+def ring(q, k, v, mask, leaves, plan: seqmods.Plan):
   """One device's ring attention: (out [B, T/n, H, V], lse [B, T/n, H]) of its query shard.
 
   q [B, T/n, H, K], k [B, S/n, G, K], v [B, S/n, G, V] and the mask [b, h, T/n or 1, S or 1]
@@ -184,7 +192,7 @@ def _ring_bwd(plan, residuals, cotangents):
   dout = cotangents[0]  # the lse is returned without gradient
   lse_BHT = lse.transpose(0, 2, 1)
   block = _step_kernel(plan, "backward", q, k, v, mask, leaves)
-  acc = _shared.softmax_dtype(q.dtype)
+  acc = common.softmax_dtype(q.dtype)
 
   def step(i, carry):
     dq, k_i, v_i, dk_i, dv_i, kv_leaves = carry
@@ -204,7 +212,7 @@ def _ring_bwd(plan, residuals, cotangents):
   dq, _, _, dk, dv, _ = lax.fori_loop(  # K/V and dK/dV hop n times
       0, plan.n, step, (zeros(q), k, v, zeros(k), zeros(v), plan.of_side(leaves, KV)))
   # A sink's gradient: this shard's part; shard_map's transpose sums the devices sharing it.
-  dleaves = [_shared.sink_grad(x, lse, out, dout) if side == HEADS else None
+  dleaves = [common.sink_grad(x, lse, out, dout) if side == HEADS else None
              for x, side in zip(leaves, plan.sides)]
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dleaves
 

@@ -38,7 +38,7 @@ from jax import lax
 
 from flax_mha import checks
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import _shared
+from flax_mha.kernels import common
 from flax_mha.kernels import registry
 
 # Logits per tile (units · rows · keys), forward and backward: the fastest of a sweep on a 2-core
@@ -267,7 +267,7 @@ def _forward(q, k, v, dense, sinks, p: _Plan):
   that sees no key, its out 0); dense = (bias, mask), each None or rank 4; sinks None or [H]."""
   b, _, h, _ = q.shape
   g = k.shape[2]
-  r, acc = h // g, _shared.softmax_dtype(q.dtype)
+  r, acc = h // g, common.softmax_dtype(q.dtype)
   dense = (_pad_rows(dense[0], p, 0.0), _pad_rows(dense[1], p, True))
   # Else every row sees a key (0 if causal); under a window, padding rows past T may not.
   empty_rows = any(x is not None for x in dense) or p.window is not None
@@ -301,7 +301,7 @@ def _forward(q, k, v, dense, sinks, p: _Plan):
       o = jnp.einsum("UQS,USV->UQV", e.astype(v.dtype), _keys(v_u, p, start, extent, 1),
                      preferred_element_type=acc)
       o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0) if empty_rows else o / l
-      return carry, (o, _shared.row_lse(m, l)[..., 0])
+      return carry, (o, common.row_lse(m, l)[..., 0])
 
     return None, _over_blocks(p, block, None, (q_u, sink_u))[1]
 
@@ -315,7 +315,7 @@ def _backward(q, k, v, out, lse, dout, dense, p: _Plan):
   `out` [B, T, H, V] and its log-sum-exp `lse` (layout of `_forward` for plan p)."""
   b, _, h, _ = q.shape
   g = k.shape[2]
-  r, acc = h // g, _shared.softmax_dtype(q.dtype)
+  r, acc = h // g, common.softmax_dtype(q.dtype)
   delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)  # [B, T, H]
   bias, mask = _pad_rows(dense[0], p, 0.0), _pad_rows(dense[1], p, True)
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows with no visible key: every p is 0
@@ -393,7 +393,7 @@ def _attention_bwd(p_fwd, p_bwd, residuals, cotangents):
   if (p_fwd.units, p_fwd.bq) != (p_bwd.units, p_bwd.bq):
     lse = _lse_units(lse_BTH, p_bwd, k.shape[2])
   dq, dk, dv, dbias = _backward(q, k, v, out, lse, dout, (bias, mask), p_bwd)
-  dsinks = None if sinks is None else _shared.sink_grad(sinks, lse_BTH, out, dout)
+  dsinks = None if sinks is None else common.sink_grad(sinks, lse_BTH, out, dout)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
           None if bias is None else dbias.astype(bias.dtype), None, dsinks)
 
@@ -428,7 +428,7 @@ def make_attention(tile_forward: int | None = None, tile_backward: int = TILE_BA
     plans = [plan(b, t, s, h, g, scale, is_causal, tile, window, window_rows)
              for tile in (forward, tile_backward)]
     sinks = None if mods is None else mods.sinks
-    out, lse = _shared.without_forward_mode("rows", _attention, query, key, value, bias, mask,
+    out, lse = common.without_forward_mode("rows", _attention, query, key, value, bias, mask,
                                             sinks, *plans)
     return (out, lax.stop_gradient(lse)) if return_residual else out
 
@@ -445,4 +445,5 @@ def refuses(call: registry.Call) -> str | None:
 
 KERNEL = registry.register(registry.Kernel(
     "rows", attention, refuses, "query-row blocks with an exact softmax and their own backward: "
-    "the fast CPU path for bias, mask, causality, a window and sinks"))
+    "the fast CPU path for bias, mask, causality, a window and sinks",
+    hints=dict(window_of=window_of, band_keys=band_keys)))

@@ -1,7 +1,7 @@
 """Sequence (context) parallelism: exact attention with the sequence split over a mesh axis.
 
 Query, key and value are split along the sequence over n devices of one mesh axis, in one of
-the token layouts of `flax_mha.kernels._layouts` (contiguous, zigzag, striped: the permutation
+the token layouts of `flax_mha.kernels.layouts` (contiguous, zigzag, striped: the permutation
 is applied to every sequence-shaped input once here and undone at the output), and each device
 computes its query shard's rows by one of three strategies:
 
@@ -15,7 +15,7 @@ computes its query shard's rows by one of three strategies:
 
 Each device hands its local problem to the chunked kernel (the ring: to its platform's step
 kernel, `flax_mha.kernels.ring.Block`) with the mask terms at the tokens' true positions
-(`flax_mha.kernels._seqmods`), so every strategy x layout computes the function of
+(`flax_mha.kernels.seqmods`), so every strategy x layout computes the function of
 `flax_mha.dot_product_attention` on one device (tests/multidevice/check_ring.py).
 """
 
@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from flax_mha import _options
+from flax_mha import call_options
 from flax_mha import checks
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import _layouts
-from flax_mha.kernels import _seqmods
+from flax_mha.kernels import layouts
+from flax_mha.kernels import seqmods
 from flax_mha.kernels import chunked
 from flax_mha.kernels import gather
 from flax_mha.kernels import ring
@@ -78,7 +78,7 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
       the abstract mesh of `jax.set_mesh`.
     strategy: static, "ring", "all_gather", "ulysses" or "auto" (see the module docstring).
     layout: static, "contiguous", "zigzag" or "striped": which tokens each device holds
-      (`flax_mha.kernels._layouts`). T and S must be multiples of n (2n for zigzag).
+      (`flax_mha.kernels.layouts`). T and S must be multiples of n (2n for zigzag).
     axis_name: the mesh axis the sequence is split over.
     is_causal: static; query t sees keys s <= t (global positions, top-left aligned).
     scale: static logits multiplier, default 1/sqrt(K).
@@ -94,7 +94,7 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
     **options: instead of `mods`, `dot_product_attention`'s keyword options themselves
       (local_window_size, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
       kv_segment_ids, q_positions, kv_positions, logit_soft_cap, mask_mod, score_mod, sinks,
-      sink_tokens), checked and built into mods as there (`flax_mha._options.build`).
+      sink_tokens), checked and built into mods as there (`flax_mha.call_options.build`).
     tokens: static, "natural" (the tokens in their order: moved to the layout inside and back)
       or "in_layout": the sequence dims of query, key, value, mask, bias and the arrays of
       segment ids and positions are in the layout's order already (`to_layout_order`), and so
@@ -121,21 +121,21 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
     raise TypeError(f"return_residual must be a Python bool, got {type(return_residual).__name__}")
   (b, t, h, _), (s, g) = query.shape, key.shape[1:3]
   if options:
-    _options.check_names(options)
+    call_options.check_names(options)
     if mods is not None:
       raise ValueError(f"pass mods or the keyword options {sorted(options)}, not both: the "
                        "options build the mods")
-    mods, is_causal = _options.build((b,), t, s, h, query.dtype, is_causal, **options)
+    mods, is_causal = call_options.build((b,), t, s, h, query.dtype, is_causal, **options)
   mask, bias = _rank4("mask", mask, (b, h, t, s), True), _rank4("bias", bias, (b, h, t, s), False)
   _check_axes(mesh, axis_name, batch_axis, head_axis)
-  layout = _layouts.check_layout(layout)
+  layout = layouts.check_layout(layout)
   if not isinstance(tokens, str) or tokens not in TOKENS:
     raise ValueError(f"tokens must be one of {TOKENS}, got {tokens!r}")
   n = mesh.shape[axis_name]
   _check_divides(mesh, "batch_axis", batch_axis, ("the batch B", b), fix="pass batch_axis=None")
   _check_divides(mesh, "head_axis", head_axis, ("query heads H", h), ("key/value heads G", g),
                  fix="pass head_axis=None")
-  multiple = _layouts.multiple(layout, n)
+  multiple = layouts.multiple(layout, n)
   if t % multiple or s % multiple:
     raise ValueError(
         f"axis_name={axis_name!r} of size {n} must divide the query length T={t} and the key "
@@ -150,8 +150,8 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
   mods = mods_lib.Mods() if mods is None else mods
   leaves, treedef = jax.tree.flatten(mods)
-  plan = _seqmods.Plan(axis_name, n, layout, t, s, is_causal, scale, treedef,
-                       tuple(_seqmods.sides(mods)))
+  plan = seqmods.Plan(axis_name, n, layout, t, s, is_causal, scale, treedef,
+                       tuple(seqmods.sides(mods)))
   out, lse = _run(STRATEGIES[strategy], plan, tokens == "natural", mesh, batch_axis, head_axis,
                   query, key, value, bias, mask, leaves)
   out = _to_explicit(out, P(*jax.typeof(query).sharding.spec[:3]), mesh)
@@ -162,15 +162,15 @@ def _run(local, plan, move: bool, mesh, batch_axis, head_axis, query, key, value
          leaves):
   """`local` on every device, the sequence-shaped inputs in the layout's order and, if `move`,
   the outputs back: (out [B, T, H, V], lse [B, T, H]). Rows move between devices inside
-  shard_map (`_layouts.to_layout`); the key columns of a mask or bias, whole on every device,
+  shard_map (`layouts.to_layout`); the key columns of a mask or bias, whole on every device,
   are permuted in place."""
-  perm_s = _layouts.permutation(plan.layout, plan.s, plan.n) if move else None
+  perm_s = layouts.permutation(plan.layout, plan.s, plan.n) if move else None
   bias, mask = (x if x is None or perm_s is None or x.shape[3] == 1
                 else jnp.take(x, perm_s, axis=3) for x in (bias, mask))
   spec = P(batch_axis, plan.axis_name, head_axis)
-  specs = {_seqmods.Q: P(batch_axis, plan.axis_name), _seqmods.KV: P(batch_axis, plan.axis_name),
-           _seqmods.BATCH: P(batch_axis), _seqmods.HEADS: P(head_axis),
-           _seqmods.REPLICATED: P()}
+  specs = {seqmods.Q: P(batch_axis, plan.axis_name), seqmods.KV: P(batch_axis, plan.axis_name),
+           seqmods.BATCH: P(batch_axis), seqmods.HEADS: P(head_axis),
+           seqmods.REPLICATED: P()}
   leaf_specs = [specs[side] for side in plan.sides]
   dense = lambda x: None if x is None else P(*(
       axis if size > 1 else None
@@ -190,13 +190,13 @@ def _in_layout(local, plan, move: bool, q, k, v, bias, mask, leaves):
   `move`, `local` on shards that hold the layout's tokens already)."""
   if not move:
     return local(q, k, v, bias, mask, leaves, plan)
-  to = lambda x, axis: None if x is None else _layouts.to_layout(
+  to = lambda x, axis: None if x is None else layouts.to_layout(
       x, plan.layout, plan.axis_name, plan.n, axis)
   q, k, v, bias, mask = to(q, 1), to(k, 1), to(v, 1), to(bias, 2), to(mask, 2)
-  leaves = [to(x, 1) if side in (_seqmods.Q, _seqmods.KV) else x
+  leaves = [to(x, 1) if side in (seqmods.Q, seqmods.KV) else x
             for x, side in zip(leaves, plan.sides)]
   out, lse = local(q, k, v, bias, mask, leaves, plan)
-  return tuple(_layouts.from_layout(x, plan.layout, plan.axis_name, plan.n, 1)
+  return tuple(layouts.from_layout(x, plan.layout, plan.axis_name, plan.n, 1)
                for x in (out, lse))
 
 
@@ -229,7 +229,7 @@ def choose_strategy(query, key, value, *, n: int, heads: tuple[int, int],
     return "ulysses", (f"n={n} divides the heads per device (H={h}, G={g}) and its all-to-alls "
                        f"move (T·H + S·G)·(K + V)/n = {(q_bytes + kv_bytes) // n} bytes < "
                        f"S·G·(K + V) = {kv_bytes} that gathering K/V moves")
-  if bias is not None or _seqmods.has_float_score_consts(mods):
+  if bias is not None or seqmods.has_float_score_consts(mods):
     return "all_gather", ("a bias or a score_mod over floating arrays, which the ring does not "
                           "take")
   visible = chunked.visited_fraction(t, s, k_dim, is_causal, mods)
@@ -253,7 +253,7 @@ def unsupported_reason(bias, dropout_rate, mods=None, strategy: str = "ring") ->
     return f"has no dropout, got dropout_rate={dropout_rate}"
   if strategy == "ring" and bias is not None:
     return "takes a mask, not a bias: use strategy='all_gather'"
-  if strategy == "ring" and _seqmods.has_float_score_consts(mods):
+  if strategy == "ring" and seqmods.has_float_score_consts(mods):
     return ("takes no score_mod closing over floating arrays (their gradient): use "
             "strategy='all_gather'")
   return None
@@ -274,7 +274,7 @@ def _check_strategy(strategy, n: int, heads: tuple[int, int], bias, mods):
 
 def _check_mods(mods, batch_axis, head_axis):
   """A user's function reading b or h sees device-local indices when those are split."""
-  reads_b, reads_h = _seqmods.reads_batch_or_heads(mods)
+  reads_b, reads_h = seqmods.reads_batch_or_heads(mods)
   if (reads_b and batch_axis) or (reads_h and head_axis):
     raise ValueError(
         "a mask_mod reading b or h, or a score_mod, sees device-local batch and head indices "
@@ -390,7 +390,7 @@ def _context_axes(mesh, query, key, mods) -> tuple[str | None, str | None]:
     divides = name in mesh.axis_names and all(x % mesh.shape[name] == 0 for x in sizes)
     return name if divides and mesh.shape[name] > 1 else None
 
-  reads_b, reads_h = _seqmods.reads_batch_or_heads(mods)
+  reads_b, reads_h = seqmods.reads_batch_or_heads(mods)
   return (None if reads_b else axis(DATA_AXIS, query.shape[0]),
           None if reads_h else axis(MODEL_AXIS, query.shape[2], key.shape[2]))
 
@@ -418,27 +418,27 @@ def sequence_parallel_implementation(strategy: str = "ring", layout: str = "cont
     raise ValueError(f"strategy must be one of {(*STRATEGIES, 'auto')}, got {strategy!r}")
   if not isinstance(tokens, str) or tokens not in TOKENS:
     raise ValueError(f"tokens must be one of {TOKENS}, got {tokens!r}")
-  return SequenceParallel(strategy, _layouts.check_layout(layout), tokens)
+  return SequenceParallel(strategy, layouts.check_layout(layout), tokens)
 
 
 def to_layout_order(x, layout: str, n: int, axis: int = 1):
   """x (a NumPy or jax array) with its `axis` (a sequence of L tokens) in the order of `layout`
   on n devices: split in n equal parts, part d holds device d's tokens. What
   tokens="in_layout" takes; `from_layout_order` undoes it."""
-  perm = _layouts.permutation(_layouts.check_layout(layout), x.shape[axis], n)
+  perm = layouts.permutation(layouts.check_layout(layout), x.shape[axis], n)
   return x if perm is None else x.take(perm, axis=axis)
 
 
 def from_layout_order(x, layout: str, n: int, axis: int = 1):
   """The inverse of `to_layout_order`."""
-  perm = _layouts.permutation(_layouts.check_layout(layout), x.shape[axis], n)
-  return x if perm is None else x.take(_layouts.inverse(perm), axis=axis)
+  perm = layouts.permutation(layouts.check_layout(layout), x.shape[axis], n)
+  return x if perm is None else x.take(layouts.inverse(perm), axis=axis)
 
 
 def length_multiple(layout: str, n: int) -> int:
   """What T and S must be multiples of under `layout` on n sequence devices (zigzag cuts a
   sequence into 2n chunks)."""
-  return _layouts.multiple(_layouts.check_layout(layout), n)
+  return layouts.multiple(layouts.check_layout(layout), n)
 
 
 # What `flax_mha.ring_implementation` is: the ring over contiguous shards.
@@ -457,4 +457,5 @@ def refuses(call: registry.Call) -> str | None:
 
 KERNEL = registry.register(registry.Kernel(
     "ring", attention, refuses, "ring attention over the 'seq' axis of the context mesh "
-    "(other strategies: flax_mha.sequence_parallel_implementation)"))
+    "(other strategies: flax_mha.sequence_parallel_implementation)",
+    hints=dict(explain_auto=explain_auto)))

@@ -24,7 +24,7 @@ A row that sees nothing gives 0 here as in every other implementation (splash al
 it the mean of V): without the caller's sinks, every head gets the stand-in sink NO_KEY_SINK, a
 logit below any real score and far above splash's mask value, so a row that sees no key puts all
 its weight on the sink (output 0, gradients 0) and a row that sees one is unchanged; its lse,
-NO_KEY_SINK, becomes finfo.min (`_shared.row_lse`'s convention).
+NO_KEY_SINK, becomes finfo.min (`common.row_lse`'s convention).
 
 It refuses by name what splash cannot take: a bias, a dense `mask`, dropout, `score_mod`,
 positions, a `mask_mod` that reads the batch index or closes over arrays, dtypes other than
@@ -43,7 +43,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 
 from flax_mha import platforms
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import _shared
+from flax_mha.kernels import common
 from flax_mha.kernels import registry
 
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -95,12 +95,8 @@ def refuses(call: registry.Call) -> str | None:
   in a process without a TPU it refuses too unless `flax_mha.stage_accelerator_kernels()` is on
   (see `flax_mha.dispatch`), so that None does not stage it for every CPU call;
   `implementation="splash"` exports it for 'tpu' from any process."""
-  if call.platform != "tpu":
-    return f"splash attention is a TPU kernel (platform 'tpu'), not {call.platform!r}"
-  reason = options_reason(call)
-  if reason is None and not platforms.stages_for("tpu"):
-    reason = NOT_STAGED
-  return reason
+  return common.accelerator_refusal(call, "tpu", "splash attention is a TPU kernel (platform "
+                                    "'tpu')", options_reason, NOT_STAGED)
 
 
 NOT_STAGED = ("this process has no TPU: None stages splash here only inside "
@@ -114,9 +110,9 @@ def block_sizes(t: int, s: int, segmented: bool, block_q: int | None = None,
   """Splash's blocks for T queries over S keys: the given sizes, else at most MAX_BLOCK and no
   larger than the padded sequence; key blocks (and query blocks with segment ids) are
   multiples of LANES."""
-  bq = block_q or min(MAX_BLOCK, _shared.round_up(t, LANES))
-  bq = _shared.round_up(bq, LANES) if segmented else bq
-  bkv = _shared.round_up(block_kv or min(MAX_BLOCK, s), LANES)
+  bq = block_q or min(MAX_BLOCK, common.round_up(t, LANES))
+  bq = common.round_up(bq, LANES) if segmented else bq
+  bkv = common.round_up(block_kv or min(MAX_BLOCK, s), LANES)
   return splash_lib.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                                block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,
                                block_kv_dq=bkv)
@@ -143,7 +139,7 @@ def _index_visible(s: int, causal: bool, windows: tuple, q, kv):
   if causal:
     ok = ok & (q >= kv)
   for left, right, sink_tokens in windows:
-    ok = ok & mods_lib._in_window(q, kv, (left, right), sink_tokens)  # pylint: disable=protected-access
+    ok = ok & mods_lib.in_window(q, kv, (left, right), sink_tokens)
   return ok
 
 
@@ -232,13 +228,13 @@ def make_attention(*, interpret: bool = False, block_q: int | None = None,
                 dropout_rng, mods=None, return_residual=False):
     """Splash attention: [B, T, H, V] (and with `return_residual` the lse [B, T, H], float32)."""
     del dropout_rng
-    _shared.check_options("splash", options_reason, "tpu", query, key, value, bias, mask,
+    common.check_options("splash", options_reason, "tpu", query, key, value, bias, mask,
                           is_causal=is_causal, dropout_rate=dropout_rate, mods=mods)
     mods = mods_lib.Mods() if mods is None else mods
     (b, t, h, _), s = query.shape, value.shape[1]
     segmented = any(isinstance(m, (mods_lib.Segments, mods_lib.SeqLengths)) for m in mods.masks)
     blocks = block_sizes(t, s, segmented, block_q, block_kv)
-    t_pad, s_pad = _shared.round_up(t, blocks.block_q), _shared.round_up(s, blocks.block_kv)
+    t_pad, s_pad = common.round_up(t, blocks.block_q), common.round_up(s, blocks.block_kv)
     causal = is_causal or any(isinstance(m, mods_lib.Causal) for m in mods.masks)
     windows = tuple((m.left, m.right, m.sink_tokens) for m in mods.masks
                     if isinstance(m, mods_lib.LocalWindow))
@@ -250,7 +246,7 @@ def make_attention(*, interpret: bool = False, block_q: int | None = None,
     heads_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, L, heads, D] -> [B, heads, L, D]
     q = heads_first(pad((query * jnp.asarray(scale, query.dtype)), t_pad))
     k, v = heads_first(pad(key, s_pad)), heads_first(pad(value, s_pad))
-    ids = _shared.segment_ids_with_lengths(mods, b, t, s, t_pad, s_pad)
+    ids = common.segment_ids_with_lengths(mods, b, t, s, t_pad, s_pad)
     ids = None if ids is None else splash_lib.SegmentIds(*ids)
     sinks = (jnp.full((h,), NO_KEY_SINK, jnp.float32) if mods.sinks is None
              else mods.sinks.astype(jnp.float32))
@@ -275,4 +271,5 @@ attention = make_attention()
 
 KERNEL = registry.register(registry.Kernel(
     "splash", attention, refuses,
-    "JAX's splash attention on TPU (Pallas): masks as block sparsity, segment ids, sinks"))
+    "JAX's splash attention on TPU (Pallas): masks as block sparsity, segment ids, sinks",
+    platform="tpu", staged=True, hints=dict(not_staged=NOT_STAGED)))

@@ -1,5 +1,5 @@
 """flax_mha's flash attention for NVIDIA GPUs: Pallas kernels on its Triton backend
-(`flax_mha.kernels._triton_tiles`), forward and backward, behind `reference.attention`'s
+(`flax_mha.kernels.triton_tiles`), forward and backward, behind `reference.attention`'s
 signature and semantics. What `implementation=None` runs on 'cuda' where cuDNN cannot.
 
 What it takes, and how (all in the kernel, memory linear in S except where a bias is given):
@@ -40,8 +40,8 @@ import jax.numpy as jnp
 
 from flax_mha import platforms
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import _shared
-from flax_mha.kernels import _triton_tiles as tiles
+from flax_mha.kernels import common
+from flax_mha.kernels import triton_tiles as tiles
 from flax_mha.kernels import registry
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -88,12 +88,8 @@ def refuses(call: registry.Call) -> str | None:
   'cuda' in a process without a GPU it refuses too unless `flax_mha.stage_accelerator_kernels()`
   is on (see `flax_mha.dispatch`); `implementation="triton"` exports it for 'cuda' from any
   process."""
-  if call.platform != "cuda":
-    return f"the Triton kernel is for NVIDIA GPUs (platform 'cuda'), not {call.platform!r}"
-  reason = options_reason(call)
-  if reason is None and not platforms.stages_for("cuda"):
-    reason = NOT_STAGED
-  return reason
+  return common.accelerator_refusal(call, "cuda", "the Triton kernel is for NVIDIA GPUs "
+                                    "(platform 'cuda')", options_reason, NOT_STAGED)
 
 
 def pow2(n: int) -> int:
@@ -139,9 +135,9 @@ def _layout(query, key, value, bias, mask, *, is_causal, scale, mods, interpret,
   mods = mods_lib.Mods() if mods is None else mods
   (b, t, h, kd), (s, g, vd) = query.shape, value.shape[1:]
   bq, bk = block_q or min(BLOCK, pow2(t)), block_kv or min(BLOCK, pow2(s))
-  tp, sp = _shared.round_up(t, bq), _shared.round_up(s, bk)
+  tp, sp = common.round_up(t, bq), common.round_up(s, bk)
   additive, bias_grad = _additive_bias(bias, mask)
-  ids = _shared.segment_ids_with_lengths(mods, b, t, s, tp, sp)
+  ids = common.segment_ids_with_lengths(mods, b, t, s, tp, sp)
   extras = []
   if additive is not None:
     additive = jnp.broadcast_to(additive, (*additive.shape[:2], t, s))
@@ -223,7 +219,7 @@ def make_attention(*, interpret: bool = False, block_q: int | None = None,
                 dropout_rng, mods=None, return_residual=False):
     """Flash attention: [B, T, H, V] (and with `return_residual` the lse [B, T, H], float32)."""
     del dropout_rng
-    _shared.check_options("triton", options_reason, "cuda", query, key, value, bias, mask,
+    common.check_options("triton", options_reason, "cuda", query, key, value, bias, mask,
                           is_causal=is_causal, dropout_rate=dropout_rate, mods=mods)
     padded = _layout(query, key, value, bias, mask, is_causal=is_causal, scale=scale,
                      mods=mods, interpret=interpret, block_q=block_q, block_kv=block_kv)
@@ -280,4 +276,6 @@ attention = make_attention()
 KERNEL = registry.register(registry.Kernel(
     "triton", attention, refuses,
     "flax_mha's flash attention on NVIDIA GPUs (Pallas Triton): masks, windows, lengths, "
-    "positions, bias with its gradient, mask/score functions, GQA, K != V"))
+    "positions, bias with its gradient, mask/score functions, GQA, K != V",
+    layouts=("dense", "ring_block"), platform="cuda", staged=True,
+    hints=dict(not_staged=NOT_STAGED)))

@@ -35,9 +35,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from flax_mha import mods as mods_lib
 from flax_mha import platforms
-from flax_mha.kernels import _triton_tiles as tiles
+from flax_mha.kernels import triton_tiles as tiles
 from flax_mha.kernels import chunked
+from flax_mha.kernels import common
 from flax_mha.kernels import decode
+from flax_mha.kernels import registry
 from flax_mha.kernels import triton
 
 BLOCK = 64  # slots per key block of a contiguous cache (a setting, not tuned)
@@ -327,11 +329,38 @@ def require(kernel: DecodeKernel, refused: str | None) -> None:
     raise ValueError(f"implementation={kernel.name!r} cannot run: {refused}")
 
 
-def on_cuda(refused: str | None, kernel, xla, *operands):
-  """`kernel(*operands)` on 'cuda' and `xla(*operands)` elsewhere, staged by
-  `lax.platform_dependent` as `implementation=None` stages the Triton kernel (a process with a
-  CUDA GPU, or `flax_mha.stage_accelerator_kernels()`); just `xla` when the kernel `refused`
-  (a reason) or is not staged. (Asked for by name, the kernel runs alone: see `named`.)"""
-  if refused is not None or not platforms.stages_for("cuda"):
-    return xla(*operands)
-  return lax.platform_dependent(*operands, default=xla, cuda=kernel)
+NOT_STAGED = ("this process has no CUDA GPU: None stages the Triton decode kernel here only "
+              "inside flax_mha.stage_accelerator_kernels()")
+
+
+NOT_DENSE = ("the Triton decode kernel is a KV cache's step: it takes a cache's or a paged "
+             "call (flax_mha.cache.attend, flax_mha.paged_attention), not "
+             "dot_product_attention")
+
+
+def options_reason(call: registry.Call) -> str | None:
+  """Why the decode kernel cannot take `call`'s options on any platform (None: it can)."""
+  if call.layout == "dense":
+    return NOT_DENSE
+  k_dim, g, v_dim = call.query.shape[-1], call.key.shape[2], call.value.shape[-1]
+  return reason(call.query, g, k_dim, v_dim, call.mods, mask=call.mask,
+                dropout_rate=call.dropout_rate, block=call.page)
+
+
+def refuses(call: registry.Call) -> str | None:
+  """The registry's question: why the kernel cannot run `call` on its platform ('cuda'; there
+  only where None stages it: `flax_mha.platforms.stages_for`)."""
+  return common.accelerator_refusal(call, "cuda", "the Triton decode kernel is for NVIDIA GPUs "
+                                    "(platform 'cuda')", options_reason, NOT_STAGED)
+
+
+def _dense(*args, **kwargs):
+  del args, kwargs
+  raise ValueError(f"implementation='triton_decode' cannot run: {NOT_DENSE}")
+
+
+REGISTERED = registry.register(registry.Kernel(
+    "triton_decode", _dense, refuses, "a KV cache's step on NVIDIA GPUs (Pallas Triton): "
+    "each row's filled blocks or pages read in place, keys split and merged by lse",
+    layouts=("cache", "paged"), platform="cuda", staged=True,
+    hints=dict(not_staged=NOT_STAGED)))

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flax_mha.kernels import _shared
-from flax_mha.kernels import _dropout
+from flax_mha.kernels import common
+from flax_mha.kernels import dropout
 from flax_mha import masks as masks_lib
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import registry
@@ -39,7 +39,7 @@ def attention_logits(query_BTHK, key, bias, scale, *, scale_query: bool = False,
   """scale · Q·Kᵀ + bias: [B, H, T, S] in the softmax dtype; GQA without repeating K."""
   b, t, h, k = query_BTHK.shape
   s, g = _kv_dims(key, kv_layout)
-  dtype = _shared.softmax_dtype(query_BTHK.dtype)
+  dtype = common.softmax_dtype(query_BTHK.dtype)
   if scale_query:
     query_BTHK = query_BTHK * jnp.asarray(scale, query_BTHK.dtype)
   keys = kv_layout  # "BSGK" or "BGSK", the einsum letters of the dimension key
@@ -94,7 +94,7 @@ def masked_softmax(logits, visible, sinks=None):
   if sinks is not None:
     total = total + jnp.exp(sinks - row_max)
   weights = unnormalised / jnp.maximum(total, jnp.finfo(logits.dtype).tiny)  # total 0 or >= 1
-  return weights, _shared.row_lse(row_max, total)[..., 0]
+  return weights, common.row_lse(row_max, total)[..., 0]
 
 
 @masked_softmax.defjvp
@@ -119,12 +119,12 @@ def _weights_and_lse(query, key, bias, mask, *, is_causal, scale, dropout_rate, 
       # Causality alone leaves every row its first key (top-left alignment), so no row is
       # empty: a constant additive [T, S] term and the library softmax, which XLA:CPU runs at
       # the non-causal speed (a select over the logits costs a causal T=128 call ~1.5x).
-      hidden = jnp.finfo(_shared.softmax_dtype(query.dtype)).min
+      hidden = jnp.finfo(common.softmax_dtype(query.dtype)).min
       causal_bias = jnp.where(masks_lib.causal_mask(query.shape[1], num_kv), 0.0, hidden)
       logits_BHTS = logits(scale_query=True) + causal_bias
       visible, plain = None, True
     else:
-      visible = _shared.visible_mask(mask, is_causal, query.shape[1], num_kv)
+      visible = common.visible_mask(mask, is_causal, query.shape[1], num_kv)
       plain = visible is None and alone  # no -inf: the library softmax
       logits_BHTS = logits(scale_query=plain)
   else:
@@ -137,7 +137,7 @@ def _weights_and_lse(query, key, bias, mask, *, is_causal, scale, dropout_rate, 
     sinks_col = None if sinks is None else sinks.astype(logits_BHTS.dtype)[:, None, None]
     weights_BHTS, lse_BHT = masked_softmax(logits_BHTS, visible, sinks_col)
   if dropout_rate > 0.0:
-    weights_BHTS = _dropout.drop_weights(weights_BHTS, dropout_rate, dropout_rng)
+    weights_BHTS = dropout.drop_weights(weights_BHTS, dropout_rate, dropout_rng)
   return weights_BHTS, lse_BHT
 
 
@@ -169,4 +169,5 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
 
 
 KERNEL = registry.register(registry.Kernel(
-    "xla", attention, summary="the same graph shaped for XLA: the fastest for small T·S"))
+    "xla", attention, summary="the same graph shaped for XLA: the fastest for small T·S",
+    layouts=("dense", "cache")))

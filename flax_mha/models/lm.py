@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha import remat as remat_lib
-from flax_mha.models import _tokens as tokens_lib
+from flax_mha.models import tokens as tokens_lib
 from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
 from flax_mha.nn.linen import SelfAttention
 from flax_mha.nn.options import AttentionOptions

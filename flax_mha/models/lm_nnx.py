@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_mha import checks
-from flax_mha.models import _tokens as tokens_lib
+from flax_mha.models import tokens as tokens_lib
 from flax_mha.models import lm
 from flax_mha.models.lm import LMConfig
 from flax_mha.nn.nnx import SelfAttention

@@ -53,47 +53,24 @@ class ServeStats:
     return self.new_tokens / self.seconds
 
 
-def _map_layers(fn_kv, fn_paged, cache):
-  """Apply fn_kv to the rolling (KVCache) layers and fn_paged to the paged ones."""
-  return tuple(fn_paged(c) if isinstance(c, cache_lib.PagedKVCache) else fn_kv(c) for c in cache)
-
-
 def _with_table(cache, table):
-  return _map_layers(lambda c: c, lambda c: dataclasses.replace(c, page_indices=table), cache)
+  return tuple(c.with_table(table) for c in cache)
 
 
 def _take_row(cache, row):
   """The batch-1 view of row `row` (the paged layers keep the whole pool)."""
-  one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)
-  def kv(c):
-    return dataclasses.replace(c, key=one(c.key), value=one(c.value),
-                               positions=one(c.positions), length=one(c.length))
-  return _map_layers(
-      kv, lambda c: dataclasses.replace(c, page_indices=one(c.page_indices), length=one(c.length)),
-      cache)
+  return tuple(c.take_row(row) for c in cache)
 
 
 def _put_row(cache, row, row_cache):
   """`cache` with row `row` replaced by the batch-1 `row_cache` (and the pools it updated)."""
-  put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, row, 0)
-  def one(c, r):
-    if isinstance(c, cache_lib.PagedKVCache):
-      return dataclasses.replace(c, k_pages=r.k_pages, v_pages=r.v_pages,
-                                 length=put(c.length, r.length))
-    return dataclasses.replace(c, key=put(c.key, r.key), value=put(c.value, r.value),
-                               positions=put(c.positions, r.positions),
-                               length=put(c.length, r.length))
-  return tuple(one(c, r) for c, r in zip(cache, row_cache))
+  return tuple(c.put_row(row, r) for c, r in zip(cache, row_cache))
 
 
 def _reset_rows(cache, rows_B):
   """The rows `rows_B` (bool [B]) emptied: no position held, length 0 (their old pages are
   back on the free stack)."""
-  zero = lambda length: jnp.where(rows_B, 0, length)
-  def kv(c):
-    return dataclasses.replace(c, positions=jnp.where(rows_B[:, None], -1, c.positions),
-                               length=zero(c.length))
-  return _map_layers(kv, lambda c: dataclasses.replace(c, length=zero(c.length)), cache)
+  return tuple(c.reset_rows(rows_B) for c in cache)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from flax_mha import checks
-from flax_mha.nn import _attend
+from flax_mha.nn import shared
 from flax_mha.nn.options import ALIASES, AttentionOptions
 
 Initializer = Callable[..., Any]
@@ -114,7 +114,7 @@ class MultiHeadAttention(nn.Module):
     Returns [..., T, out_features] (and the updated cache with `cache=`). With `sow_weights`,
     the weights [..., H, T, S] are sown into 'intermediates' under 'attention_weights'.
     """
-    return _attend.forward(
+    return shared.forward(
         self, inputs_q, inputs_k, inputs_v, mask=mask, bias=bias, is_causal=is_causal,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
         kv_positions=kv_positions, sow_weights=sow_weights, cache=cache, decode=self.decode,
@@ -138,7 +138,7 @@ class MultiHeadAttention(nn.Module):
     """
     qkv, v = self._cache_features(in_features)
     g = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-    return _attend.new_cache(
+    return shared.new_cache(
         batch_size, capacity, num_heads=self.num_heads, num_kv_heads=g, qkv_features=qkv,
         v_features=v, sink_tokens=self.options.sink_tokens, dtype=dtype,
         window=self.options.local_window_size)
@@ -163,9 +163,10 @@ class MultiHeadAttention(nn.Module):
     qkv = self.qkv_features or inputs_q.shape[-1]
     return h, g, qkv // h, (self.v_features or qkv) // h
 
-  # The steps of `_attend.forward` that touch this module's variables.
+  # The steps of `shared.forward` that touch this module's variables (the
+  # `shared.FrontEnd` protocol).
 
-  def _check(self, inputs_q, inputs_k, inputs_v):
+  def check_attributes(self, inputs_q, inputs_k, inputs_v):
     """The attributes, checked against the input width (linen reads it at the call)."""
     h = self.num_heads
     checks.check_heads(h, h if self.num_kv_heads is None else self.num_kv_heads)
@@ -174,9 +175,9 @@ class MultiHeadAttention(nn.Module):
       if width % h:
         raise ValueError(f"{name}={width} must be divisible by num_heads={h}")
     checks.check_rate("dropout_rate", self.dropout_rate)
-    _attend.check_rotary(self.options.rotary_max_wavelength, qkv, h)
+    shared.check_rotary(self.options.rotary_max_wavelength, qkv, h)
 
-  def _project(self, inputs_q, inputs_k, inputs_v):
+  def project_qkv(self, inputs_q, inputs_k, inputs_v):
     """query [..., T, H, K], key [..., S, G, K], value [..., S, G, V] (query/key normalised)."""
     h, g, k_dim, v_dim = self._head_dims(inputs_q)
     dense = functools.partial(
@@ -194,7 +195,7 @@ class MultiHeadAttention(nn.Module):
       key_SGK = norm(name="key_ln")(key_SGK)
     return query_THK, key_SGK, value_SGV
 
-  def _out(self, out_THV, in_features: int):
+  def project_out(self, out_THV, in_features: int):
     """The output projection [..., T, H, V] -> [..., T, out_features] (default in_features,
     inputs_q's width D_q)."""
     return nn.DenseGeneral(
@@ -203,22 +204,22 @@ class MultiHeadAttention(nn.Module):
         kernel_init=self.out_kernel_init or self.kernel_init, bias_init=self.bias_init,
         use_bias=self.use_bias, precision=self.precision, name="out")(out_THV)
 
-  def _sinks(self):
+  def sink_logits(self):
     """The learned sink logits [H] (None without `learned_sinks`)."""
     if not self.options.learned_sinks:
       return None
     return self.param("sinks", nn.initializers.zeros_init(), (self.num_heads,), self.param_dtype)
 
-  def _sow(self, weights):
+  def sow_attention_weights(self, weights):
     self.sow("intermediates", "attention_weights", weights)
 
-  def _decode_start(self):
+  def decode_start(self):
     """The cache index once the cache exists, 0 at the init call that sizes it."""
     if self.has_variable("cache", "cached_key"):
       return self.get_variable("cache", "cache_index")
     return 0
 
-  def _decode_step(self, query_THK, key_SGK, value_SGV, mask, **options):
+  def decode_step(self, query_THK, key_SGK, value_SGV, mask, **options):
     """flax's decode convention: the T new tokens appended to the 'cache' collection at its
     index, attending to what is cached (the output; at the init call, the cache is only made)."""
     initialised = self.has_variable("cache", "cached_key")
@@ -234,7 +235,7 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(
           f"decode step: keys must be [..., T<= {max_len}, {g}, {k}] with batch {tuple(batch)} "
           f"as at init, got {tuple(key_SGK.shape)}")
-    out_THV, cached_key.value, cached_value.value = _attend.flax_decode_step(
+    out_THV, cached_key.value, cached_value.value = shared.flax_decode_step(
         query_THK, key_SGK, value_SGV, cached_key.value, cached_value.value, index.value, mask,
         **options)
     index.value = index.value + new_len

@@ -9,7 +9,7 @@ adds what the linen module has and flax's lacks or does differently: K != V (`v_
 `in_v_features`), `bias`, `implementation`, decode steps of any length T, its own options
 (`attention_options`: soft cap, window, rotary embeddings, sinks), segment ids and positions. With `normalize_qk` it adds
 flax's `query_ln`/`key_ln` (`nnx.LayerNorm`, scale [K]), as `flax.nnx.MultiHeadAttention` does.
-The checks and the masks they share live in `flax_mha.nn._attend`. Dropout on the weights
+The checks and the masks they share live in `flax_mha.nn.shared`. Dropout on the weights
 is flax_mha's (a hash of the position, never broadcast), so it matches the linen module's for the
 same key, not flax's.
 
@@ -36,7 +36,7 @@ from flax import nnx
 from flax import traverse_util
 
 from flax_mha import checks
-from flax_mha.nn import _attend
+from flax_mha.nn import shared
 from flax_mha.nn.options import ALIASES, AttentionOptions
 from flax_mha import sharding
 from flax_mha.attention import check_implementation
@@ -126,7 +126,7 @@ class MultiHeadAttention(nnx.Module):
     self.head_dim = self.qkv_features // num_heads  # K, named as flax names it
     self.v_head_dim = self.v_features // num_heads  # V
     checks.check_rate("dropout_rate", dropout_rate)
-    _attend.check_rotary(self.options.rotary_max_wavelength, self.qkv_features, num_heads)
+    shared.check_rotary(self.options.rotary_max_wavelength, self.qkv_features, num_heads)
     check_implementation(implementation)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
@@ -182,7 +182,7 @@ class MultiHeadAttention(nnx.Module):
     `nnx.capture(module, nnx.Intermediate)`, or `nnx.pop` before flax 0.12.8).
     """
     decode = self.decode if decode is None else decode
-    return _attend.forward(
+    return shared.forward(
         self, inputs_q, inputs_k, inputs_v, mask=mask, bias=bias, is_causal=is_causal,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
         kv_positions=kv_positions, sow_weights=sow_weights, cache=cache, decode=decode,
@@ -196,7 +196,7 @@ class MultiHeadAttention(nnx.Module):
   def new_cache(self, batch_size: int, capacity: int, dtype: Any = jnp.float32):
     """An empty `flax_mha.cache.KVCache` for `cache=`: full with `capacity` slots, or for a
     layer with a window (left, right), rolling with sink_tokens + left slots."""
-    return _attend.new_cache(
+    return shared.new_cache(
         batch_size, capacity, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
         qkv_features=self.qkv_features, v_features=self.v_features,
         window=self.options.local_window_size, sink_tokens=self.options.sink_tokens,
@@ -224,9 +224,10 @@ class MultiHeadAttention(nnx.Module):
     if decode is not None:
       self.decode = decode
 
-  # The steps of `_attend.forward` that touch this module's variables.
+  # The steps of `shared.forward` that touch this module's variables (the
+  # `shared.FrontEnd` protocol).
 
-  def _check(self, inputs_q, inputs_k, inputs_v) -> None:
+  def check_attributes(self, inputs_q, inputs_k, inputs_v) -> None:
     for name, x, want in (("inputs_q", inputs_q, self.in_features),
                           ("inputs_k", inputs_k, self.in_kv_features),
                           ("inputs_v", inputs_v, self.in_v_features)):
@@ -234,32 +235,32 @@ class MultiHeadAttention(nnx.Module):
         raise ValueError(f"{name} must have width {want} (the module's features), got shape "
                          f"{tuple(x.shape)}")
 
-  def _project(self, inputs_q, inputs_k, inputs_v):
+  def project_qkv(self, inputs_q, inputs_k, inputs_v):
     """query [..., T, H, K], key [..., S, G, K], value [..., S, G, V] (query/key normalised)."""
     query_THK, key_SGK = self.query(inputs_q), self.key(inputs_k)
     if self.normalize_qk:
       query_THK, key_SGK = self.query_ln(query_THK), self.key_ln(key_SGK)
     return query_THK, key_SGK, self.value(inputs_v)
 
-  def _out(self, out_THV, in_features: int):
+  def project_out(self, out_THV, in_features: int):
     return self.out(out_THV)
 
-  def _sinks(self):
+  def sink_logits(self):
     return None if self.sinks is None else self.sinks[...]
 
-  def _sow(self, weights):
+  def sow_attention_weights(self, weights):
     self.sow(nnx.Intermediate, "attention_weights", weights)
 
-  def _decode_start(self):
+  def decode_start(self):
     """The position of the next cached token (checked to exist)."""
     if self.cached_key is None:
       raise ValueError("decode=True needs a KV cache: call init_cache(input_shape) first")
     return self.cache_index[...]
 
-  def _decode_step(self, query_THK, key_SGK, value_SGV, mask, **options):
+  def decode_step(self, query_THK, key_SGK, value_SGV, mask, **options):
     """flax's decode convention: the T new tokens appended to the `nnx.Cache` variables at
     the cache index, attending to what is cached."""
-    cur = self._decode_start()
+    cur = self.decode_start()
     cache_SGK, cache_SGV = self.cached_key[...], self.cached_value[...]
     *batch, max_len, g, _ = cache_SGK.shape
     new_len = key_SGK.shape[-3]
@@ -271,7 +272,7 @@ class MultiHeadAttention(nnx.Module):
       if new.dtype != cache.dtype:
         raise TypeError(f"decode step: {name} are {new.dtype} but init_cache made a "
                         f"{cache.dtype} cache: pass init_cache(..., dtype={new.dtype})")
-    out_THV, cache_SGK, cache_SGV = _attend.flax_decode_step(
+    out_THV, cache_SGK, cache_SGV = shared.flax_decode_step(
         query_THK, key_SGK, value_SGV, cache_SGK, cache_SGV, cur, mask, **options)
     _set(self.cached_key, cache_SGK)
     _set(self.cached_value, cache_SGV)
@@ -392,7 +393,7 @@ def _qk_norm(head_dim: int, name: str, **kwargs) -> nnx.LayerNorm:
 def _partitioned(init: Initializer, path: str, ndim: int) -> Initializer:
   """`init` annotated with the logical axes of `path` in `flax_mha.nn.PARAM_AXES`."""
   # Metadata only: eager sharding would need a mesh (and logical rules) to create a module.
-  return nnx.with_partitioning(init, sharding.logical_axes(path, ndim, _attend.PARAM_AXES), eager_sharding=False)
+  return nnx.with_partitioning(init, sharding.logical_axes(path, ndim, shared.PARAM_AXES), eager_sharding=False)
 
 
 def _dropout_stream(rngs: nnx.Rngs):

@@ -1,9 +1,9 @@
 """`AttentionOptions`: a layer's own attention options, one frozen record.
 
 The linen and NNX modules take it as one attribute, `attention_options=`, and hand it to the
-shared forward (`flax_mha.nn._attend.forward`), which passes its fields to
+shared forward (`flax_mha.nn.shared.forward`), which passes its fields to
 `flax_mha.dot_product_attention` by name. A new option is a new field here: a field named as one of
-the pure function's keyword options (`flax_mha._options.OPTIONS`) reaches the plain call with no
+the pure function's keyword options (`flax_mha.call_options.OPTIONS`) reaches the plain call with no
 other change (the `cache=` and `decode` paths pass the fields on too, but each option there is
 only as tested as its own cache tests).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from flax_mha import _options
+from flax_mha import call_options
 from flax_mha import checks
 
 
@@ -53,10 +53,9 @@ class AttentionOptions:
       raise TypeError(f"learned_sinks must be a bool, got {type(self.learned_sinks).__name__}")
 
   def keywords(self) -> dict:
-    """The fields that are `dot_product_attention` keyword options, by name, except the window
-    and sink tokens (the cache paths place those themselves)."""
-    return {name: getattr(self, name) for name in _FIELDS
-            if name in _options.OPTIONS and name not in ("local_window_size", "sink_tokens")}
+    """The fields that are `dot_product_attention` keyword options, by name: every one the
+    record holds (a cache path places the window and sink tokens as its cache needs)."""
+    return {name: getattr(self, name) for name in _FIELDS if name in call_options.OPTIONS}
 
   @classmethod
   def resolve(cls, record: "AttentionOptions | None", **aliases) -> "AttentionOptions":

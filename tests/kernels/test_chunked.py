@@ -2,7 +2,7 @@
 visits and memory.
 
 Values and gradients on every combination of bias, mask, causality, dropout and head layout are in
-tests/kernels/test_implementations.py.
+tests/kernels/test_implementations.py; the N=8192 run in tests/kernels/test_chunked_integration.py.
 
 Block sizes (3, 4) divide none of the prime lengths, so every test also covers the padding.
 """
@@ -20,7 +20,7 @@ import flax_mha
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import chunked
 from flax_mha.kernels import reference
-from conftest import call_kernel, kernel_inputs, output_and_grads
+from helpers import call_kernel, kernel_inputs, output_and_grads
 
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
 SMALL = chunked.make_attention(block_q=3, block_k=4)
@@ -106,7 +106,6 @@ def test_chunked_forward_mode_is_a_named_error():
       transform()
 
 
-
 # ---- the tiles it visits ----
 
 
@@ -157,7 +156,6 @@ def test_segment_ids_memory_is_linear():
   assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20  # [T, S] f32: 1 GiB
 
 
-
 # ---- memory ----
 
 
@@ -174,24 +172,3 @@ def test_beyond_plain_memory():
   temp_bytes = lambda fn: _fwd_bwd(fn, 8192, 8, 64).memory_analysis().temp_size_in_bytes
   assert temp_bytes(reference.attention) > 4 * 2**30
   assert temp_bytes(chunked.attention) < 256 * 2**20
-
-
-@pytest.mark.slow  # runs forward+backward at N=8192: ~10 s of CPU
-def test_beyond_plain_memory_equal_to_reference_on_a_slice():
-  """At N=8192, H=8, D=64 the chunked kernel runs, and its rows 5000..5063 (output and dquery)
-  equal the reference computed on just those rows and the keys they see."""
-  n, h, k_dim = 8192, 8, 64
-  grads = _fwd_bwd(chunked.attention, n, h, k_dim)  # (dq, dk, dv) of sum(out), causal
-  q, k, v = (jax.random.normal(key, (1, n, h, k_dim))
-             for key in jax.random.split(jax.random.key(0), 3))
-  kw = dict(scale=k_dim**-0.5, dropout_rate=0.0, dropout_rng=None)
-  dq, _, _ = grads(q, k, v)
-  out = jax.jit(lambda q, k, v: chunked.attention(q, k, v, None, None, is_causal=True, **kw))(
-      q, k, v)
-  lo, hi = 5000, 5064  # causal: these rows see keys [0, hi)
-  mask = (jnp.arange(lo, hi)[:, None] >= jnp.arange(hi))[None, None]
-  ref, vjp = jax.vjp(lambda q_rows: reference.attention(q_rows, k[:, :hi], v[:, :hi], None, mask,
-                                                         is_causal=False, **kw), q[:, lo:hi])
-  chex.assert_trees_all_close(out[:, lo:hi], ref, atol=2e-5)
-  chex.assert_trees_all_close(dq[:, lo:hi], vjp(jnp.ones_like(ref))[0], atol=1e-4)
-  chex.assert_tree_all_finite(dq)

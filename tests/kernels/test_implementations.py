@@ -4,7 +4,9 @@ other implementation against the oracle.
 The oracle (`flax_mha.kernels.reference`) is checked against float64 NumPy and finite
 differences; every other implementation against it, values and gradients, on every combination
 of bias, mask, causality, dropout and head layout, and on the inputs where implementations used
-to disagree: rows hidden by a -inf bias, rows of finfo.min logits, float64, empty dims.
+to disagree: rows hidden by a -inf bias, rows of finfo.min logits, float64, empty dims. The cases
+left to the integration part (and the slow half of the combinations) run the same tests in
+tests/kernels/test_implementations_integration.py.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from flax_mha.kernels import chunked
 from flax_mha.kernels import reference
 from flax_mha.kernels import registry
 from flax_mha.kernels import rows
-from conftest import (DIMS, call_kernel, kernel_inputs, np_attention, output_and_grads, qkv, randn,
-                      random_mask)
+from helpers import (DIMS, call_kernel, kernel_inputs, np_attention, output_and_grads, qkv, randn,
+                     random_mask)
 
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
 _inputs = functools.partial(kernel_inputs, t=T, s=S, h=H, g=G, k=K, v=V)
@@ -90,11 +92,12 @@ CASES = [(*flags, [(H, G), (H, H), (H, 1)][n % 3]) for n, flags in enumerate(
 
 
 def _oracle_cases():
-  """Each implementation on every combination of the options it takes (rows: no dropout). The
-  default run takes the half with an even number of options on: every combination of any three
-  of the four options still meets each implementation (rows, with three options: every pair
-  meets rows_one_unit); the other half is marked slow. Each compile is ~1-3 s (chunked's most)."""
-  cases = []
+  """Each implementation on every combination of the options it takes (rows: no dropout), in two
+  halves: (this file's, with an even number of options on: every combination of any three of
+  the four options still meets each implementation (rows, with three options: every pair meets
+  rows_one_unit); the other half, slow: test_implementations_integration.py). Each compile is
+  ~1-3 s (chunked's most). A case's id numbers its head layout by its place in both halves."""
+  unit, slow = [], []
   for name in TUNED:
     base = VARIANTS.get(name, (name,))[0]
     for case in CASES:
@@ -102,12 +105,16 @@ def _oracle_cases():
       if not runs_here(base, dropout_rate, *heads):
         continue
       even = (use_bias + use_mask + is_causal + (dropout_rate > 0)) % 2 == 0
-      marks = () if even or name == "rows" else (pytest.mark.slow,)
-      cases.append(pytest.param(name, *case, marks=marks))
-  return cases
+      index = len(unit) + len(slow)
+      (unit if even or name == "rows" else slow).append(pytest.param(
+          name, *case, id=f"{name}-{use_bias}-{use_mask}-{is_causal}-{dropout_rate}-heads{index}"))
+  return unit, slow
 
 
-@pytest.mark.parametrize("name,use_bias,use_mask,is_causal,dropout_rate,heads", _oracle_cases())
+ORACLE_CASES, SLOW_ORACLE_CASES = _oracle_cases()
+
+
+@pytest.mark.parametrize("name,use_bias,use_mask,is_causal,dropout_rate,heads", ORACLE_CASES)
 def test_values_and_grads_match_oracle(name, use_bias, use_mask, is_causal, dropout_rate, heads):
   q, k, v, bias, mask = _inputs(h=heads[0], g=heads[1])
   bias, mask = (bias if use_bias else None), (mask if use_mask else None)
@@ -121,7 +128,7 @@ def test_values_and_grads_match_oracle(name, use_bias, use_mask, is_causal, drop
 
 
 @pytest.mark.parametrize("implementation", [None, *SINGLE_DEVICE])
-@pytest.mark.parametrize("n", [8, pytest.param(600, marks=pytest.mark.integration)])  # None: "xla" at 8², "rows" at 600²
+@pytest.mark.parametrize("n", [8])  # None: "xla" (600², None's "rows": the integration part)
 def test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation, n):
   rng = np.random.default_rng(n)
   q, k, v = (jnp.asarray(x) for x in qkv(rng, t=n, s=n, h=2, g=1, k=4, v=3))
@@ -149,7 +156,7 @@ def test_finite_lowest_logits_are_a_uniform_row_not_a_hidden_one(implementation)
 
 
 @pytest.mark.parametrize("implementation", SINGLE_DEVICE)
-@pytest.mark.parametrize("is_causal", [pytest.param(False, marks=pytest.mark.integration), True])
+@pytest.mark.parametrize("is_causal", [True])  # False: the integration part
 def test_float64_in_float64_accuracy_out(implementation, is_causal):
   with jax.enable_x64(True):
     q, k, v, bias, mask = _inputs(2, dtype=np.float64)

@@ -15,10 +15,10 @@ import pytest
 
 import flax_mha
 from flax_mha import platforms
-from flax_mha.kernels import _confine
+from flax_mha.kernels import confine
 from flax_mha.kernels import reference
 from flax_mha.kernels import registry
-from conftest import np_attention, qkv
+from helpers import np_attention, qkv
 
 B, T, H, G, K, V = 2, 11, 6, 3, 5, 7
 R = H // G
@@ -39,7 +39,7 @@ def _runs_here(name: str) -> bool:
 
 
 SINGLE_DEVICE = [name for name in flax_mha.IMPLEMENTATIONS if _runs_here(name)]
-CUDNN_WAY = functools.partial(_confine.confined, by_visibility=True)
+CUDNN_WAY = functools.partial(confine.confined, by_visibility=True)
 
 
 def _inputs():

@@ -12,7 +12,7 @@ import pytest
 import flax_mha
 from flax_mha.kernels import reference
 from flax_mha.kernels import registry
-from conftest import np_attention, qkv
+from helpers import np_attention, qkv
 
 
 def test_every_implementation_is_registered_once_in_order():

@@ -1,7 +1,8 @@
 """The "rows" implementation (query-row blocks, exact softmax): values and gradients against the
 oracle on tile plans that exercise every path (many units, padded and causal-segmented query
 blocks, T != S, GQA, every broadcast layout of a mask and a bias, rows that see nothing), the
-work it skips, and the inputs it refuses by name (more in test_implementations.py)."""
+work it skips, and the inputs it refuses by name (more in test_implementations.py). The cases
+left to the integration part, and the slow half of the layouts, are in test_rows_integration.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import flax_mha
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import reference
 from flax_mha.kernels import rows
-from conftest import output_and_grads, qkv
+from helpers import output_and_grads, qkv
 
 SMALL_TILES = rows.make_attention(tile_forward=2**9, tile_backward=2**8)  # many trips and blocks
 
@@ -27,8 +28,7 @@ def _call(fn, q, k, v, is_causal, scale=0.37):
 
 @pytest.mark.parametrize("fn", [rows.attention, SMALL_TILES], ids=["default_tiles", "small"])
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("t,s,h,g", [(7, 11, 6, 3), pytest.param(11, 7, 6, 6, marks=pytest.mark.integration),
-                                     (37, 37, 4, 1), pytest.param(40, 24, 2, 2, marks=pytest.mark.integration)])
+@pytest.mark.parametrize("t,s,h,g", [(7, 11, 6, 3), (37, 37, 4, 1)])  # more: the integration part
 def test_values_and_grads_match_oracle(fn, is_causal, t, s, h, g):
   rng = np.random.default_rng(t * s)
   q, k, v = (jnp.asarray(x) for x in qkv(rng, t=t, s=s, h=h, g=g, k=5, v=3))
@@ -133,10 +133,12 @@ def test_unsupported_reason_reads_mods():
       0.0, mods_lib.Mods(masks=(window, mods_lib.SeqLengths(None, jnp.array([2])))))
 
 
-@pytest.mark.parametrize("window", [(5, 3), (64, 0), (0, 0), (200, 17), (900, 900)])
+WINDOWS = [(5, 3), (64, 0), (0, 0), (200, 17), (900, 900)]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("dense", [  # half in the integration part: each window and causality
-    pytest.param(False, marks=pytest.mark.integration), True], ids=["plain", "bias_and_mask"])
+@pytest.mark.parametrize("dense", [True], ids=["bias_and_mask"])  # plain: the integration part
 def test_windows_match_oracle(window, is_causal, dense):
   """A window visits one band of keys per block of rows (a band wider than S falls back to
   the full extent): values and gradients, with bias and mask read at the band's keys, GQA, T
@@ -150,30 +152,6 @@ def test_windows_match_oracle(window, is_causal, dense):
       q, k, v, bias, mask, is_causal=is_causal, local_window_size=window, implementation=impl)
   out, grads = output_and_grads(call("rows"), q, k, v, bias)
   want_out, want = output_and_grads(call("reference"), q, k, v, bias, jit=False)
-  chex.assert_trees_all_close(out, want_out, atol=2e-6, rtol=2e-6)
-  chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.integration  # two compiles of forward+backward: ~5 s each
-@pytest.mark.parametrize("window, is_causal", [((30, 10), False), ((40, 0), True)])
-def test_window_band_in_trips_with_sinks_and_t_not_s(window, is_causal):
-  """The band path in several trips (one batch element each: small tiles), T != S, sinks, a
-  bias of full batch and head dims whose gradient each trip adds at its own rows and keys, and
-  a mask: values and gradients (sinks' too) as the oracle's."""
-  rng = np.random.default_rng(11)
-  t, s, h, g = 200, 330, 4, 2
-  q, k, v = (jnp.asarray(x) for x in qkv(rng, batch=(3,), t=t, s=s, h=h, g=g, k=8, v=4))
-  bias = jnp.asarray(rng.standard_normal((3, h, t, s)), jnp.float32)
-  mask = jnp.asarray(rng.random((3, 1, 1, s)) < 0.9)
-  sinks = jnp.asarray(rng.standard_normal(h), jnp.float32)
-  mods = mods_lib.Mods(masks=(mods_lib.LocalWindow(*window),), sinks=sinks)
-  assert rows.plan(3, t, s, h, g, 0.3, is_causal, 2**6, window).band
-  call = lambda f: lambda q, k, v, bias, sinks: f(
-      q, k, v, bias, mask, is_causal=is_causal, scale=0.3, dropout_rate=0.0, dropout_rng=None,
-      mods=mods_lib.Mods(masks=mods.masks, sinks=sinks))
-  args = (q, k, v, bias, sinks)
-  out, grads = output_and_grads(call(rows.make_attention(2**6, 2**6)), *args)
-  want_out, want = output_and_grads(call(reference.attention), *args, jit=False)
   chex.assert_trees_all_close(out, want_out, atol=2e-6, rtol=2e-6)
   chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
 
@@ -221,19 +199,26 @@ LAYOUTS = [  # (bias shape, mask shape) for q [2, 9, 8, 4], k [2, 13, 4, 4]
 
 
 def _layout_cases():
-  """Every layout with every tile plan, causal and not. The default run takes half: each layout
+  """Every layout with every tile plan, causal and not, in two halves: (this file's, each layout
   under each tile plan once, causality alternating so that every layout and every tile plan
-  also meets both; the other half is marked slow."""
-  cases = []
+  also meets both; the other half, slow: test_rows_integration.py). A case's id numbers its
+  shapes by its place in both halves."""
+  unit, slow = [], []
   for i, (tiles, (bias_shape, mask_shape)) in enumerate(
       (tiles, layout) for tiles in TILES for layout in LAYOUTS):
     for is_causal in (False, True):
-      marks = () if is_causal == bool(i % 2) else (pytest.mark.slow,)
-      cases.append(pytest.param(tiles, bias_shape, mask_shape, is_causal, marks=marks))
-  return cases
+      index = len(unit) + len(slow)
+      shapes = ["None" if shape is None else f"{name}_shape{index}"
+                for name, shape in (("bias", bias_shape), ("mask", mask_shape))]
+      (unit if is_causal == bool(i % 2) else slow).append(pytest.param(
+          tiles, bias_shape, mask_shape, is_causal, id="-".join([tiles, *shapes, str(is_causal)])))
+  return unit, slow
 
 
-@pytest.mark.parametrize("tiles, bias_shape, mask_shape, is_causal", _layout_cases())
+LAYOUT_CASES, SLOW_LAYOUT_CASES = _layout_cases()
+
+
+@pytest.mark.parametrize("tiles, bias_shape, mask_shape, is_causal", LAYOUT_CASES)
 def test_bias_and_mask_of_every_broadcast_shape(tiles, bias_shape, mask_shape, is_causal):
   """Trips that cover whole batch elements, part of one (G=4: 2 or 1 key heads per trip) or a
   single unit read the right part of every mask/bias layout; dbias sums the broadcast dims."""

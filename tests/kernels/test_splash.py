@@ -1,12 +1,12 @@
-"""Splash attention (`flax_mha.kernels.splash`) without a TPU: every option it maps, forward and
-gradient, in Pallas interpret mode against the oracle; what it refuses, by name; and the Pallas
-kernel in what `implementation=None` exports for 'tpu' from this CPU."""
+"""Splash attention (`flax_mha.kernels.splash`) without a TPU: what it refuses, by name; a row
+that sees nothing; and the Pallas kernel in what `implementation=None` exports for 'tpu' from
+this CPU. Every option it maps, forward and gradient, in Pallas interpret mode against the
+oracle, is in tests/kernels/test_splash_integration.py."""
 
 from __future__ import annotations
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +15,6 @@ import pytest
 import flax_mha
 from flax_mha import platforms
 from flax_mha.kernels import splash
-from conftest import output_and_grads
 
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
 # Interpret mode takes query blocks of 8 (splash's key blocks stay 128): the smallest shapes.
@@ -53,36 +52,6 @@ def _attention(implementation, return_residual, options):
     return flax_mha.dot_product_attention(q, k, v, implementation=implementation,
                                           return_residual=return_residual, **options, **extra)
   return fn
-
-
-@pytest.mark.integration  # each case compiles splash's three Pallas kernels: 3-9 s
-@pytest.mark.parametrize("return_residual", [False, True])
-@pytest.mark.parametrize("name", OPTIONS)
-def test_interpreted_matches_oracle(name, return_residual):
-  """Values, the lse and the gradients of q, k, v (and sinks) against the oracle."""
-  s, options = OPTIONS[name]
-  options = dict(options)
-  args = _inputs(s)
-  if "sinks" in options:
-    args.append(options.pop("sinks"))
-  reduce = (lambda r: jnp.sin(r[0])) if return_residual else jnp.sin
-  got = output_and_grads(_attention(INTERPRETED, return_residual, options), *args,
-                         reduce=reduce)
-  want = output_and_grads(_attention("reference", return_residual, options), *args,
-                          reduce=reduce, jit=False)
-  chex.assert_trees_all_close(got, want, atol=5e-6, rtol=5e-6)
-
-
-@pytest.mark.integration
-def test_interpreted_bfloat16_matches_oracle():
-  """bfloat16 inputs, GQA, segment ids and causality: values and gradients to bf16 accuracy."""
-  options = dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV)
-  args = _inputs(S, jnp.bfloat16, seed=1)
-  got = output_and_grads(_attention(INTERPRETED, False, options), *args)
-  want = output_and_grads(_attention("reference", False, options), *args, jit=False)
-  chex.assert_trees_all_close(jax.tree.map(lambda x: x.astype(jnp.float32), got),
-                              jax.tree.map(lambda x: x.astype(jnp.float32), want),
-                              atol=3e-2, rtol=3e-2)
 
 
 def test_a_row_that_sees_nothing_is_zero_with_lowest_lse():

@@ -1,7 +1,8 @@
-"""flax_mha's Triton flash kernel (`flax_mha.kernels.triton`) without a GPU: every option it
-takes, forward and gradient, in Pallas interpret mode against the oracle; blocks that its loop
-bounds skip; what it refuses, by name; the Pallas kernels in what `implementation=None` exports
-for 'cuda' from this CPU; and the upstream GPU kernels with silent bugs kept out of reach."""
+"""flax_mha's Triton flash kernel (`flax_mha.kernels.triton`) without a GPU: one case in Pallas
+interpret mode against the oracle; the loop bounds; what it refuses, by name; the Pallas kernels
+in what `implementation=None` exports for 'cuda' from this CPU; and the upstream GPU kernels
+with silent bugs kept out of reach. Every option in interpret mode, skipped blocks, 16-bit
+inputs and transforms are in tests/kernels/test_triton_integration.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 import flax_mha
 from flax_mha.kernels import triton
-from conftest import output_and_grads
+from helpers import output_and_grads
 
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
 INTERPRETED = triton.make_attention(interpret=True)
@@ -88,58 +89,6 @@ def test_interpreted_gqa_causal_segments_bias_matches_oracle():
   bias with its gradient, in one compile."""
   _check(INTERPRETED, S, dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV),
          dict(bias=BIAS))
-
-
-@pytest.mark.integration  # interpret mode: two compiles
-def test_a_bias_without_gradient_gets_none_computed():
-  """A bias nothing differentiates (a constant here) costs no dBias [B, H, T, S] in the
-  backward, which still gives the oracle's q, k and v gradients; a graded one gets it."""
-  fn = lambda q, k, v, bias=BIAS: INTERPRETED(q, k, v, bias, None, is_causal=True, scale=0.3,
-                                               dropout_rate=0.0, dropout_rng=None)
-  args = _inputs(S)
-  dbias = f"f32[{B},{H},16,16]"  # the padded [B, H, T, S] the kernel would write
-  loss = lambda *a: jnp.sum(jnp.sin(fn(*a)))
-  assert dbias not in str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
-  assert dbias in str(jax.make_jaxpr(jax.grad(loss, argnums=3))(*args, BIAS))
-  oracle = lambda q, k, v: flax_mha.dot_product_attention(
-      q, k, v, BIAS, is_causal=True, scale=0.3, implementation="reference")
-  chex.assert_trees_all_close(output_and_grads(fn, *args),
-                              output_and_grads(oracle, *args, jit=False), atol=5e-6, rtol=5e-6)
-
-
-@pytest.mark.integration  # each case compiles three Pallas kernels in interpret mode: 1-4 s
-@pytest.mark.parametrize("return_residual", [False, True])
-@pytest.mark.parametrize("name", OPTIONS)
-def test_interpreted_matches_oracle(name, return_residual):
-  s, options, graded = OPTIONS[name]
-  _check(INTERPRETED, s, options, graded, return_residual)
-
-
-# Blocks of 16 over 40 and 56 tokens: the loop bounds of causality and windows skip blocks,
-# the last block is padded.
-BLOCKED = triton.make_attention(interpret=True, block_q=16, block_kv=16)
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("t, s, options, bias", [
-    (40, 40, dict(is_causal=True), False),
-    (40, 40, dict(local_window_size=(5, 17)), False),
-    (40, 40, dict(local_window_size=(3, 0), sink_tokens=18, is_causal=True), False),
-    (40, 40, dict(local_window_size=(2, 1), sink_tokens=20), False),
-    (40, 56, dict(is_causal=True), False),
-    (56, 40, dict(is_causal=True), True),  # dBias: every tile written, hidden ones as 0
-])
-def test_interpreted_skipped_blocks_match_oracle(t, s, options, bias):
-  graded = dict(bias=jnp.asarray(_rng.standard_normal((B, 1, t, s)), jnp.float32)) if bias else {}
-  _check(BLOCKED, s, options, graded, t=t)
-
-
-@pytest.mark.integration
-def test_interpreted_16_bit_matches_oracle():
-  """bfloat16 and float16 with GQA, segment ids and causality, to 16-bit accuracy."""
-  options = dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV)
-  for dtype in (jnp.bfloat16, jnp.float16):
-    _check(INTERPRETED, S, options, {}, dtype=dtype, tol=3e-2, seed=1)
 
 
 def test_a_row_that_sees_nothing_is_zero_with_lowest_lse():
@@ -217,8 +166,7 @@ EXPORTED |= {"segment_ids": dict(q_segment_ids=SEG_Q),
              "sinks": dict(sinks=jnp.ones((H,)), is_causal=True)}
 
 
-@pytest.mark.parametrize("implementation", [
-    pytest.param("triton", marks=pytest.mark.integration), None])  # the unit suite: None's
+@pytest.mark.parametrize("implementation", [None])  # "triton" by name: the integration part
 @pytest.mark.parametrize("name", [*EXPORTED, "bias"])
 def test_exports_the_pallas_kernels_for_cuda(name, implementation):
   """Forward and backward lowered for 'cuda' hold the three Triton kernels, named or through
@@ -242,7 +190,8 @@ def test_upstream_kernels_with_silent_bugs_cannot_be_reached():
   (its K/V blocks index query heads) and tokamax's Mosaic TPU kernel's dK/dV with a boolean
   mask and GQA. No flax_mha module imports either; what None exports for GQA with causality and
   a mask function holds flax_mha's own kernels on 'cuda' and splash on 'tpu', and those kernels
-  match the oracle there (test_interpreted_* here and in test_splash.py)."""
+  match the oracle there (test_interpreted_* in test_triton_integration.py and
+  test_splash_integration.py)."""
   package = pathlib.Path(flax_mha.__file__).parent
   sources = "\n".join(p.read_text() for p in package.rglob("*.py"))
   assert "pallas.ops.gpu" not in sources and "import tokamax" not in sources
@@ -287,27 +236,3 @@ def test_loop_bounds_are_the_tiles_the_index_terms_leave_visible(options):
     check(spec.kv_range(i, s // bk), tiles_seen[i])
   for j in range(s // bk):
     check(spec.q_range(j, t // bq), tiles_seen[:, j])
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("transform", ["vmap", "scan", "checkpoint"])
-def test_interpreted_under_transforms_with_grad(transform):
-  """Under vmap (over an extra leading axis), lax.scan over two layers and jax.checkpoint,
-  values and gradients equal the oracle's under the same transform."""
-  q, k, v = _inputs(S)
-  options = dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV)
-
-  def composed(implementation):
-    attend = _attention(implementation, False, options)
-    if transform == "vmap":
-      return lambda q, k, v: jax.vmap(attend)(*(jnp.stack([x, -x]) for x in (q, k, v)))
-    if transform == "checkpoint":
-      return jax.checkpoint(attend)
-    def layers(q, k, v):  # two layers: each one's output is the next one's query
-      step = lambda x, _: (attend(x, k, v[..., :K]), None)
-      return jax.lax.scan(step, q, None, length=2)[0]
-    return layers
-
-  got = output_and_grads(composed(INTERPRETED), q, k, v)
-  want = output_and_grads(composed("reference"), q, k, v, jit=False)
-  chex.assert_trees_all_close(got, want, atol=5e-6, rtol=5e-6)

@@ -1,7 +1,8 @@
 """The KV cache's decode step on NVIDIA GPUs (`flax_mha.kernels.triton_decode`) without a GPU:
 the kernel in Pallas interpret mode, run where a CUDA process would run it (the cache's step and
 `paged_attention`), equals the XLA step in values and gradients; what it refuses, by name; and
-what a decoding step exports for 'cuda' holds it."""
+what a decoding step exports for 'cuda' holds it. The other cases of the step and of
+paged_attention are in tests/kernels/test_triton_decode_integration.py."""
 
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ import pytest
 
 import flax_mha
 from flax_mha import cache as cache_lib
-from flax_mha import _options
+from flax_mha import call_options
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import decode
 from flax_mha.kernels import triton
 from flax_mha.kernels import triton_decode
-from conftest import output_and_grads
+from helpers import output_and_grads
 
 B, H, K, V = 2, 4, 16, 8
 
@@ -56,12 +56,6 @@ def _step(cache, options):
   return fn
 
 
-@pytest.mark.integration  # each case compiles the kernel in interpret mode: ~2-4 s
-@pytest.mark.parametrize("name", [n for n in CACHE_CASES if n != "gqa_one_token"])
-def test_cache_step_equals_the_xla_step(name):
-  _check_cache_step(name)
-
-
 def test_cache_step_equals_the_xla_step_gqa():
   _check_cache_step("gqa_one_token")
 
@@ -91,75 +85,9 @@ def _paged_case(seed=0, t=2, g=2, page=16, n=3, pool=8, dtype=jnp.float32):
   return arr(B, t, H, K), arr(pool, page, g, K), v_pages, lengths, table
 
 
-@pytest.mark.integration  # the kernel in interpret mode: ~3 s a case
-@pytest.mark.parametrize("options", [{}, dict(local_window_size=(20, 0), logit_soft_cap=3.0,
-                                              sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0]))],
-                         ids=["plain", "window_soft_cap_sinks"])
-def test_paged_attention_equals_the_xla_decode(options):
-  """Through paged_attention: pages read in place by the table, NaN past each length unseen."""
-  q, k_pages, v_pages, lengths, table = _paged_case()
-  fn = lambda impl: lambda q, k, v: flax_mha.paged_attention(q, k, v, lengths, table,
-                                                             implementation=impl, **options)
-  got = output_and_grads(fn(INTERPRETED), q, k_pages, v_pages)
-  want = output_and_grads(fn(None), q, k_pages, v_pages)
-  assert bool(jnp.isfinite(got[0]).all())
-  chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-6)
-
-
-def _over_layers(fn):
-  """fn(q, k_pages, v_pages) summed over layers: a lax.scan over stacked [layers, ...] pools."""
-  def layers(q, k_layers, v_layers):
-    step = lambda total, kv: (total + fn(q, *kv), None)
-    zeros = jnp.zeros(q.shape[:-1] + (v_layers.shape[-1],), q.dtype)
-    return jax.lax.scan(step, zeros, (k_layers, v_layers))[0]
-  return layers
-
-
-# name -> (transform of fn(q, k_pages, v_pages), how its arguments are built from one case's)
-PAGED_TRANSFORMS = {
-    "vmap": (lambda f: jax.vmap(f, in_axes=(0, None, None)),
-             lambda q, k, v: (jnp.stack([q, -q]), k, v)),
-    "scan_over_layers": (_over_layers,
-                         lambda q, k, v: (q, jnp.stack([k, 0.5 * k]), jnp.stack([v, 2.0 * v]))),
-    "checkpoint": (jax.checkpoint, lambda q, k, v: (q, k, v)),
-}
-
-
-@pytest.mark.integration  # the kernel in interpret mode: ~3 s a case
-@pytest.mark.parametrize("transform", sorted(PAGED_TRANSFORMS))
-def test_paged_attention_under_transforms(transform):
-  """The kernel under vmap (two queries over one pool), a scan over layers (a pool per layer)
-  and jax.checkpoint, jitted with gradients: as the XLA decode under the same transform."""
-  q, k_pages, v_pages, lengths, table = _paged_case()
-  wrap, arguments = PAGED_TRANSFORMS[transform]
-  fn = lambda impl: wrap(lambda q, k, v: flax_mha.paged_attention(
-      q, k, v, lengths, table, local_window_size=(20, 0), implementation=impl))
-  args = arguments(q, k_pages, v_pages)
-  got = output_and_grads(fn(INTERPRETED), *args)
-  want = output_and_grads(fn(None), *args)
-  assert bool(jnp.isfinite(got[0]).all())
-  chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-6)
-
-
-@pytest.mark.integration
-def test_bfloat16_pages():
-  q, k_pages, v_pages, lengths, table = _paged_case(dtype=jnp.bfloat16, t=1)
-  v_pages = jnp.nan_to_num(v_pages)
-  mods, _ = _options.build((B,), 1, 48, H, q.dtype, True,
-                                    q_positions=lengths[:, None] - 1,
-                                    kv_positions=jnp.where(jnp.arange(48) < lengths[:, None],
-                                                           jnp.arange(48), -1))
-  cfg, cfg_bwd = decode.configs(0.25, 0.0, 1, 48, K, 16)
-  got, _ = triton_decode.paged_attention(q, k_pages, v_pages, table, lengths, mods, cfg, cfg_bwd,
-                                         interpret=True)
-  want, _ = decode.paged(q, k_pages, v_pages, table, lengths, mods, cfg, cfg_bwd, 2)
-  assert got.dtype == jnp.bfloat16
-  chex.assert_trees_all_close(got.astype(jnp.float32), want.astype(jnp.float32), atol=3e-2)
-
-
 def _mods(**options):
   q_pos, kv_pos = jnp.zeros((B, 1), jnp.int32), jnp.zeros((B, 32), jnp.int32)
-  return _options.build((B,), 1, 32, H, jnp.float32, True, q_positions=q_pos,
+  return call_options.build((B,), 1, 32, H, jnp.float32, True, q_positions=q_pos,
                                  kv_positions=kv_pos, **options)[0]
 
 

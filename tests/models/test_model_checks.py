@@ -29,7 +29,7 @@ from experiments.tasks import PAD, get_task
 from flax_mha import sharding
 from flax_mha.models.decoding import beam_search, greedy_decode
 from flax_mha.models import lm as lm_model
-from flax_mha.models import _tokens as tokens_lib
+from flax_mha.models import tokens as tokens_lib
 from flax_mha.models import lm_nnx
 from flax_mha.models.lm import DecoderLM, LMConfig
 from flax_mha.models.transformer import Transformer, TransformerConfig
@@ -126,7 +126,7 @@ def test_inside_jit_every_id_outside_the_vocabulary_gives_nan_logits(name, bad):
 
 
 def test_the_embedding_keeps_rows_in_range_and_nans_the_others():
-  """`flax_mha.models._tokens.embed` over flax's linen and NNX Embed: rows of ids in [0, C)
+  """`flax_mha.models.tokens.embed` over flax's linen and NNX Embed: rows of ids in [0, C)
   are the table's (NumPy indexing), every other id's row all NaN."""
   vocab, width = 7, 5
   table = np.random.default_rng(0).normal(size=(vocab, width)).astype(np.float32)

@@ -1,4 +1,6 @@
-"""flax_mha.models.transformer: shapes, masks, causality, cache equivalence, variants, bad configs."""
+"""flax_mha.models.transformer: logits against a NumPy forward, masks, causality, dropout,
+variants, bad configs. Cached decoding and training are in
+tests/models/test_transformer_integration.py."""
 
 import functools
 
@@ -7,12 +9,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import flax_mha
 from flax_mha.models.transformer import Transformer, TransformerConfig, sinusoidal_positions
-from conftest import np_layer_norm, np_mha, randn
+from helpers import np_layer_norm, np_mha, randn
 
 VOCAB, B, S, T = 13, 3, 7, 5
 
@@ -40,7 +41,7 @@ def batch():
 def np_transformer(cfg, params, src, tgt_in):
   """The Transformer's logits [B, T, C] in float64 NumPy, from its params and the paper: embeddings
   scaled by sqrt(D) plus positions, post-LN (or pre-LN with a final norm) residual blocks of
-  attention (tests/conftest.py's np_mha) and a ReLU FFN, logits by the shared embedding (or a
+  attention (tests/helpers.py's np_mha) and a ReLU FFN, logits by the shared embedding (or a
   dense layer)."""
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   d = cfg.d_model
@@ -138,28 +139,6 @@ def test_decoder_is_causal():
   assert not np.allclose(changed[:, 3:], base[:, 3:])
 
 
-@pytest.mark.parametrize("overrides", [{}, {"pre_layer_norm": True, "learned_positions": True},
-                                       {"num_kv_heads": 1}])
-@pytest.mark.integration  # a whole model end to end: seconds of compiles
-def test_cached_decoding_equals_full_recompute(overrides):
-  cfg, variables = make(**overrides)
-  src, tgt = batch()
-  tgt = tgt.at[2, 3:].set(4)  # no padding in the teacher-forced prefix
-  model = Transformer(cfg)
-  full = model.apply(variables, src, tgt)
-  cache = model.apply(variables, src, T, method=Transformer.init_cache)
-  steps = []
-  for t in range(T):
-    logits, cache = model.apply(variables, tgt[:, t:t + 1], cache, method=Transformer.logits)
-    steps.append(logits)
-  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
-  # A prefix in one call, then steps, equals it too.
-  cache = model.apply(variables, src, T, method=Transformer.init_cache)
-  head, cache = model.apply(variables, tgt[:, :3], cache, method=Transformer.logits)
-  tail, _ = model.apply(variables, tgt[:, 3:], cache, method=Transformer.logits)
-  np.testing.assert_allclose(jnp.concatenate([head, tail], axis=1), full, atol=1e-5)
-
-
 def test_dropout_only_in_training_and_deterministic():
   cfg, variables = make(dropout_rate=0.3)
   src, tgt = batch()
@@ -215,36 +194,6 @@ def test_matches_a_flax_linen_attention_model():
   ours = Transformer(cfg).apply(variables, src, tgt)
   theirs = Transformer(cfg.replace(attention_cls=LinenAttention)).apply(variables, src, tgt)
   np.testing.assert_allclose(ours, theirs, atol=1e-5)
-
-
-@pytest.mark.integration  # a whole model end to end: seconds of compiles
-def test_overfits_copy_task():
-  cfg = TransformerConfig(vocab_size=VOCAB, d_model=32, num_heads=2, d_ff=64, dropout_rate=0.0,
-                          num_encoder_layers=1, num_decoder_layers=1, max_len=16)
-  rng = np.random.default_rng(1)
-  ys = rng.integers(3, VOCAB, (32, 6))
-  src = jnp.asarray(ys, jnp.int32)
-  tgt_in = jnp.asarray(np.concatenate([np.ones((32, 1)), ys], 1), jnp.int32)
-  tgt_out = jnp.asarray(np.concatenate([ys, np.full((32, 1), 2)], 1), jnp.int32)
-  model = Transformer(cfg)
-  params = model.init(jax.random.key(0), src, tgt_in)["params"]
-  opt = optax.adam(3e-3)
-  state = opt.init(params)
-
-  @jax.jit
-  def step(params, state):
-    def loss_fn(p):
-      logits = model.apply({"params": p}, src, tgt_in)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, tgt_out).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, state = opt.update(grads, state)
-    return optax.apply_updates(params, updates), state, loss
-
-  first = None
-  for _ in range(150):
-    params, state, loss = step(params, state)
-    first = loss if first is None else first
-  assert float(loss) < 0.1 * float(first)
 
 
 @pytest.mark.parametrize("field, value, match", [

@@ -1,4 +1,5 @@
-"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_train.py does).
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
+(tests/test_train_mesh_integration.py does).
 
 FSDP with remat: the training step of the tiny dates (Transformer) and LM configs on data=2 x
 fsdp=4 with train.remat=layer must give the single-device losses for 20 steps, with parameters

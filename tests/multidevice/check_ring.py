@@ -1,7 +1,8 @@
-"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/kernels/test_ring.py does).
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
+(tests/kernels/test_ring_integration.py does).
 
 Ring attention over 4 sequence shards (x 2 batch shards) must equal the float64 NumPy attention
-of tests/conftest.py in values and single-device `flax_mha.kernels.reference` in loss and gradients:
+of tests/helpers.py in values and single-device `flax_mha.kernels.reference` in loss and gradients:
 causal and not, MHA, GQA and MQA, T != S, V != K, on meshes with Auto, Explicit and mixed axes,
 and as the `implementation` callable of `flax_mha.dot_product_attention`; that the compiled
 program receives n - 1 key/value shards forward and n + n (K/V, dK/dV) backward; and that
@@ -20,7 +21,7 @@ from flax_mha import sharding
 from flax_mha.kernels import reference
 from flax_mha import ring_implementation
 from flax_mha.kernels.seq_parallel import ring_attention
-from tests.conftest import np_attention
+from tests.helpers import np_attention
 
 B, H, K, V = 2, 6, 5, 7  # distinct sizes so a swapped axis fails
 

@@ -1,4 +1,5 @@
-"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/kernels/test_ring.py does).
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
+(tests/kernels/test_ring_integration.py does).
 
 The ring's step kernel on an accelerator: each step runs the platform's Block, here flax_mha's
 Triton kernel in Pallas interpret mode standing in for the CPU's chunked tiles, merged through
@@ -15,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import flax_mha
+from flax_mha import dispatch
 from flax_mha import sharding
+from flax_mha.kernels import registry
 from flax_mha.kernels import ring as ring_lib
 from flax_mha.kernels import triton
 from flax_mha.kernels.seq_parallel import sequence_parallel_attention
@@ -31,8 +34,26 @@ def _counted(fn):
   return run
 
 
-INTERPRETED = ring_lib.Block("triton", *map(_counted, triton.make_block(interpret=True)),
+INTERPRETED = ring_lib.Block("triton_interpreted",
+                             *map(_counted, triton.make_block(interpret=True)),
                              triton.options_reason)
+
+
+def use_interpreted_blocks():
+  """The interpreted Triton Block as the CPU's first choice for a ring step, added as any new
+  step kernel is: its registration, its Block, its place in the dispatch's preference."""
+  registry.register(registry.Kernel("triton_interpreted", triton.attention,
+                                    triton.options_reason, "the Triton kernel, interpreted",
+                                    layouts=("ring_block",)))
+  ring_lib.BLOCKS["triton_interpreted"] = INTERPRETED
+  dispatch.STEP_PREFERENCE["ring_block"]["cpu"] = ("triton_interpreted", "chunked")
+  said = ring_lib.explain_step(*(jax.ShapeDtypeStruct((B, 8, H, 16), jnp.float32),) * 3)
+  assert said.implementation == "triton_interpreted", said
+
+
+def restore_blocks():
+  del dispatch.STEP_PREFERENCE["ring_block"]["cpu"], ring_lib.BLOCKS["triton_interpreted"]
+  registry.unregister("triton_interpreted")
 SEG = np.repeat(np.arange(3), [5, 9, 2])[None].repeat(B, 0)  # three documents in 16 tokens
 CASES = {  # name -> (T, S, G, options)
     "gqa_causal": (8, 16, 3, dict(is_causal=True)),
@@ -59,7 +80,7 @@ def ring(layout, options):
 
 
 def check_blocks(rng):
-  ring_lib.PLATFORM_BLOCKS["cpu"] = INTERPRETED
+  use_interpreted_blocks()
   for name, (t, s, g, options) in CASES.items():
     q, k, v = random_qkv(rng, t, s, g)
     for layout in ("contiguous", "zigzag"):
@@ -73,7 +94,7 @@ def check_blocks(rng):
   TRACED.clear()
   check("mask_mod_falls_back", ring("contiguous", options), (q, k, v), expected(q, k, v, options))
   assert not TRACED, TRACED
-  del ring_lib.PLATFORM_BLOCKS["cpu"]
+  restore_blocks()
 
 
 def check_export():

@@ -1,4 +1,5 @@
-"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/kernels/test_ring.py does).
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
+(tests/kernels/test_ring_integration.py does).
 
 Every sequence-parallel strategy x layout on data x seq = 2 x 4 devices must equal single-device
 `flax_mha.dot_product_attention` (the reference implementation) in output, loss and gradients to
@@ -17,7 +18,7 @@ import numpy as np
 
 import flax_mha
 from flax_mha import sharding
-from flax_mha.kernels import _layouts, seq_parallel
+from flax_mha.kernels import layouts, seq_parallel
 
 B, T, H, G, K, V = 2, 16, 8, 4, 5, 3  # Ulysses splits H and G over the 4 sequence devices
 STRATEGIES = ("ring", "all_gather", "ulysses")
@@ -32,8 +33,8 @@ def segment_ids(rng):
 def cases(rng):
   """(name, options of dot_product_attention, the (strategy, layout) pairs to run, key/value
   heads): every pair for the first case, each strategy once (layouts in turn) for the rest."""
-  every = [(s, layout) for s in STRATEGIES for layout in _layouts.LAYOUTS]
-  turn = lambda strategies, start: [(s, _layouts.LAYOUTS[(start + i) % 3])
+  every = [(s, layout) for s in STRATEGIES for layout in layouts.LAYOUTS]
+  turn = lambda strategies, start: [(s, layouts.LAYOUTS[(start + i) % 3])
                                     for i, s in enumerate(strategies)]
   ids = segment_ids(rng)
   table = jnp.asarray(rng.standard_normal(2 * T), jnp.float32)
@@ -113,7 +114,7 @@ def check_keyword_options(rng):
   q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
              for shape in ((B, T, H, K), (B, T, G, K), (B, T, G, V)))
   want = loss_and_grads(options, "reference", q, k, v)
-  for strategy, layout in zip(STRATEGIES, _layouts.LAYOUTS):
+  for strategy, layout in zip(STRATEGIES, layouts.LAYOUTS):
     attend = functools.partial(flax_mha.sequence_parallel_attention, mesh=mesh,
                                strategy=strategy, layout=layout, batch_axis="data", **options)
     check(f"keywords/{strategy}/{layout}", grads_of(attend, q, k, v), want)

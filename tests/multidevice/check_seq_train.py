@@ -1,5 +1,5 @@
-"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_train.py does), with
-one check's name as the argument:
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
+(tests/test_train_mesh_integration.py does), with one check's name as the argument:
 
   ulysses   the tiny LM with H = G = 4 heads (configs/lm.py's tiny has 2 and 1, which 4 sequence
             devices cannot split) on data=2 x seq=4 with mesh.seq_strategy=ulysses;

@@ -1,4 +1,5 @@
-"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_sharding.py does).
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
+(tests/test_sharding_integration.py does).
 
 Every layout (data, model, data x model) must give the unsharded loss and gradients for
 MultiHeadAttention (MHA and GQA), the FFN and a small Transformer, with parameters, optimizer

@@ -1,4 +1,5 @@
-"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_train.py does).
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
+(tests/test_train_mesh_integration.py does).
 
 The experiment runner on a data x model x seq = 2 x 2 x 2 mesh (batch split, heads and FFN split,
 sequence-parallel attention by the config's default strategy and layout) must log the

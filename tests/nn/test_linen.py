@@ -1,6 +1,7 @@
 """flax_mha.nn.linen, the core of the linen front end (projections, GQA, masks, sown weights,
-dropout, the KV cache, bad input), against the float64 NumPy forward pass of tests/conftest.py
-(np_mha) and flax.linen's attention modules. The modern options are in test_linen_options.py."""
+dropout, the KV cache, bad input), against the float64 NumPy forward pass of tests/helpers.py
+(np_mha) and flax.linen's attention modules. The modern options are in test_linen_options.py,
+decoding under x64 in test_linen_integration.py."""
 
 import functools
 
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 
 import flax_mha
-from conftest import (DIMS, load_across, np_mha, own_params, random_params, randn,
-                      random_mask)
+from helpers import (DIMS, load_across, np_mha, own_params, random_params, randn,
+                     random_mask)
 
 B, T, S, H, G, K, V = (DIMS[d] for d in "BTSHGKV")
 DQ, DK, DV, DOUT = 19, 23, 29, 17  # model widths: query, key and value inputs, output
@@ -233,20 +234,6 @@ def test_flax_float_masks_mean_attend(rng):
                              rtol=1e-5)
   np.testing.assert_allclose(got, ours.apply(params, xq, xk, xv, mask=float_pad.astype(jnp.int32)))
   np.testing.assert_allclose(got, np_mha(params, xq, xk, xv, mask=float_pad != 0), **TOL)
-
-
-@pytest.mark.integration  # a whole model end to end: seconds of compiles
-def test_decode_under_x64(rng):
-  """Regression: under jax_enable_x64 the cache update mixed int64 zeros with the int32 index."""
-  with jax.enable_x64(True):
-    x, decoder, params, cache, want = _decode_setup(rng)
-    outs = []
-    for t in range(x.shape[1]):
-      out, state = decoder.apply({**params, "cache": cache}, x[:, t:t + 1], mutable=["cache"])
-      cache = state["cache"]
-      outs.append(out)
-    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), want, atol=1e-5, rtol=1e-5)
-  assert not jax.config.jax_enable_x64
 
 
 def test_callable_implementation_is_passed_through(rng):

@@ -1,8 +1,9 @@
 """The modern options of flax_mha.nn.linen: normalize_qk, logit_soft_cap, local_window_size, rotary
-embeddings, segment ids and positions, with and without the KV cache.
+embeddings, segment ids and positions, with and without the KV cache (MQA and the slow decoding
+cases: test_linen_options_integration.py).
 
 Checked against flax.linen (normalize_qk) and against the float64 NumPy forward pass of
-tests/conftest.py (np_mha: projections, LayerNorm, half-split RoPE, soft cap, masks). Dimension
+tests/helpers.py (np_mha: projections, LayerNorm, half-split RoPE, soft cap, masks). Dimension
 key (flax_mha/__init__.py): B batch, T query length, S key length, L a shared length, H query
 heads, G key/value heads, K qk head dim (even for rotary), V value head dim. Sizes are distinct.
 """
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import flax_mha
-from conftest import load_across, np_mha, np_window, own_params, random_params, randn
+from helpers import load_across, np_mha, np_window, own_params, random_params, randn
 
 B, T, S, L, H, G, K, V = 2, 5, 7, 11, 6, 3, 22, 13  # K even (K/2 = 11 is odd: a real pairing)
 DQ, DK, DV, DOUT = 19, 23, 29, 17  # model widths: query, key and value inputs, output
@@ -126,10 +127,13 @@ def _by_hand(params, x, **options):
   return jnp.einsum("...hv,hvd->...d", out, p["out"]["kernel"]) + p["out"]["bias"]
 
 
-@pytest.mark.parametrize("g", [G, pytest.param(1, marks=pytest.mark.integration)])
-@pytest.mark.parametrize("cap,window,is_causal", [
+SOFT_CAP_AND_WINDOW = [  # (cap, window, is_causal)
     (None, 2, False), (3.0, None, False), (1.7, (3, 0), False), (2.3, (2, 4), True),
-    (0.9, 1, True)])
+    (0.9, 1, True)]
+
+
+@pytest.mark.parametrize("g", [G])  # MQA (g = 1): test_linen_options_integration.py
+@pytest.mark.parametrize("cap,window,is_causal", SOFT_CAP_AND_WINDOW)
 def test_soft_cap_and_window(rng, variant, g, cap, window, is_causal):
   x = randn(rng, B, L, DQ)
   model = _self_model(num_kv_heads=g, logit_soft_cap=cap, local_window_size=window)
@@ -217,15 +221,13 @@ DECODE_CASES = {
 }
 
 
-def _decode_cases():
-  """Every case one token a step; two a step (the last step one) for the options whose cache
-  mask or positions move with the step's width, the rest of those marked slow."""
-  return [pytest.param(case, chunk, marks=(pytest.mark.slow,) if chunk == 2 and case not in (
-      "rotary", "window", "everything") else ()) for case in sorted(DECODE_CASES)
-          for chunk in (1, 2)]
+# The options whose cache mask or positions move with the step's width: decoded two tokens a
+# step too (the rest two a step: test_linen_options_integration.py, slow).
+TWO_A_STEP = ("rotary", "window", "everything")
 
 
-@pytest.mark.parametrize("case,chunk", _decode_cases())
+@pytest.mark.parametrize("case,chunk", [(case, chunk) for case in sorted(DECODE_CASES)
+                                        for chunk in (1, 2) if chunk == 1 or case in TWO_A_STEP])
 def test_decode_equals_full_causal(rng, case, chunk):
   config = DECODE_CASES[case]
   x = randn(rng, B, L, DQ)

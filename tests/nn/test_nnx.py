@@ -1,10 +1,10 @@
 """flax_mha.nn.nnx: one behavioural suite over both front ends (parity with flax.nnx itself:
-tests/nn/test_nnx_flax.py).
+tests/nn/test_nnx_flax.py; decoding a sequence step by step: tests/nn/test_nnx_integration.py).
 
 The suite runs each test against the linen module (`flax_mha.MultiHeadAttention`, behind a small
 adapter) and the NNX module (`flax_mha.nn.nnx.MultiHeadAttention`), given the same random params
 through `linen_params_to_nnx`, and checks both against the float64 NumPy forward pass of
-tests/conftest.py (np_mha, with the modern options: rotary, windows, soft cap, normalize_qk,
+tests/helpers.py (np_mha, with the modern options: rotary, windows, soft cap, normalize_qk,
 segment ids).
 """
 
@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import flax_mha
-from conftest import DIMS, np_mha, np_window, randn, random_mask
+from helpers import DIMS, np_mha, np_window, randn, random_mask
 from flax_mha.nn import nnx as fnnx
 
 B, T, S, H, G, K, V = (DIMS[d] for d in "BTSHGKV")
@@ -123,18 +123,21 @@ class NnxFrontEnd:
     return self.module(x, decode=True)
 
 
+def front_end(kind, in_features=DQ, in_kv_features=None, in_v_features=None, **kwargs):
+  """(the `kind` front end, "linen" or "nnx", its linen params): equal random params in both."""
+  module = fnnx.MultiHeadAttention(
+      in_features=in_features, in_kv_features=in_kv_features, in_v_features=in_v_features,
+      rngs=nnx.Rngs(0), **kwargs)
+  params = _random_params(module)
+  if kind == "linen":
+    return LinenFrontEnd(params, **kwargs), params
+  return NnxFrontEnd(fnnx.linen_params_to_nnx(params, module)), params
+
+
 @pytest.fixture(params=["linen", "nnx"])
 def make_attention(request):
-  """make_attention(**kwargs) -> (front end, linen params): equal random params in both."""
-  def make(in_features=DQ, in_kv_features=None, in_v_features=None, **kwargs):
-    module = fnnx.MultiHeadAttention(
-        in_features=in_features, in_kv_features=in_kv_features, in_v_features=in_v_features,
-        rngs=nnx.Rngs(0), **kwargs)
-    params = _random_params(module)
-    if request.param == "linen":
-      return LinenFrontEnd(params, **kwargs), params
-    return NnxFrontEnd(fnnx.linen_params_to_nnx(params, module)), params
-  return make
+  """make_attention(**kwargs) -> (front end, linen params), for each front end in turn."""
+  return functools.partial(front_end, request.param)
 
 
 def _cross_inputs(rng, batch=(B,)):
@@ -268,17 +271,6 @@ def test_dropout_on_weights_per_rng(make_attention, rng):
       out1, np.einsum("bthv,hvd->btd", out_BTHV, p["out"]["kernel"]) + p["out"]["bias"], **TOL)
 
 
-@pytest.mark.integration  # decoding a sequence step by step: one compile per step shape
-@pytest.mark.parametrize("g", [G, 1])  # G = H: test_decode_equals_flax
-def test_decode_equals_recompute(make_attention, rng, g):
-  attn, params = make_attention(**{**GQA_KW, "num_kv_heads": g})
-  x = randn(rng, B, L, DQ)
-  attn.init_cache((B, L, DQ))
-  outs = [attn.step(x[:, a:b]) for a, b in ((0, 2), (2, 3), (3, 6), (6, 7))]  # T = 2, 1, 3, 1
-  want = np_mha(params, x, x, x, is_causal=True)
-  np.testing.assert_allclose(np.concatenate(outs, axis=1), want, **TOL)
-
-
 def test_inputs_v_without_inputs_k(make_attention, rng):
   attn, _ = make_attention(**GQA_KW)
   x = randn(rng, B, T, DQ)
@@ -349,22 +341,6 @@ def test_cross_segment_ids(make_attention, rng):
                               return_weights=True)
   np.testing.assert_allclose(out, want, **TOL)
   np.testing.assert_allclose(weights, want_weights, **TOL)
-
-
-@pytest.mark.integration  # decoding a sequence step by step: one compile per step shape
-@pytest.mark.parametrize("g", [G, 1])
-def test_modern_decode_equals_recompute(make_attention, rng, g):
-  """Rotary at cache_index + arange(T), the window at absolute cache positions, GQA."""
-  config = MODERN_CONFIGS["all"]
-  attn, params = make_attention(**{**GQA_KW, "num_kv_heads": g, "qkv_features": H * KR,
-                                   **config})
-  x = randn(rng, B, L, DQ)
-  full, _ = attn(x, is_causal=True)
-  attn.init_cache((B, L, DQ))
-  outs = [attn.step(x[:, a:b]) for a, b in ((0, 2), (2, 3), (3, 6), (6, 7))]  # T = 2, 1, 3, 1
-  np.testing.assert_allclose(np.concatenate(outs, axis=1), full, **TOL)
-  np.testing.assert_allclose(full, _np_modern(params, config, x, _causal_visible(config)),
-                             **TOL)
 
 
 def test_segment_ids_refused_when_decoding(make_attention, rng):

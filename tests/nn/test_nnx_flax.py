@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import flax_mha
-from conftest import randn, random_mask
+from helpers import randn, random_mask
 from flax_mha.nn import nnx as fnnx
 from test_nnx import (B, DK, DOUT, DQ, DV, FLAX_ARGS, FLAX_HAS_IS_CAUSAL, G, GQA_KW, H, K, L, S,
                       T, TOL, _call_sowing, _cross_inputs, _pure, _randomize, _shapes)

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import flax_mha
-from conftest import np_mha, randn, random_mask
+from helpers import np_mha, randn, random_mask
 from flax_mha.nn import nnx as fnnx
 from test_nnx import (B, DOUT, DQ, G, GQA_KW, H, K, L, NNX_JIT_WORKS, T, TOL, V, _pure,
                       _random_params)

@@ -1,6 +1,6 @@
 """`flax_mha.AttentionOptions`, the one record of a layer's own options, in both front ends.
 
-Checked against the float64 NumPy forward pass of tests/conftest.py (np_mha). Dimension key
+Checked against the float64 NumPy forward pass of tests/helpers.py (np_mha). Dimension key
 (flax_mha/__init__.py): B batch, L length, H heads, K head dim (even for rotary); sizes distinct.
 """
 
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import flax_mha
-from conftest import np_mha, random_params, randn
+from helpers import np_mha, random_params, randn
 from flax_mha.nn import nnx as fnnx
 
 B, L, H, K, D = 2, 7, 3, 10, 13
@@ -73,7 +73,10 @@ def test_bad_options_raise_at_construction_naming_the_field(kwargs, error, messa
 def test_window_is_stored_as_the_pair_and_keywords_name_pure_api_options():
   options = flax_mha.AttentionOptions(local_window_size=4, logit_soft_cap=CAP)
   assert options.local_window_size == (4, 4)
-  assert options.keywords() == {"logit_soft_cap": CAP}
+  # Every option the record holds, the window and sink tokens included (the cache paths place
+  # those as their cache needs).
+  assert options.keywords() == {"logit_soft_cap": CAP, "local_window_size": (4, 4),
+                                "sink_tokens": 0}
   with pytest.raises(TypeError, match="attention_options must be a flax_mha.AttentionOptions"):
     flax_mha.MultiHeadAttention(num_heads=H, qkv_features=H * K,
                                 attention_options={"logit_soft_cap": CAP}).init(

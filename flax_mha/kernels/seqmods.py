@@ -2,7 +2,7 @@
 terms a device evaluates on its local tokens.
 
 A device of a sequence-parallel strategy holds some query rows and some key rows in an order of
-the layout's (`flax_mha.kernels._layouts`), not necessarily contiguous. Its local problem is an
+the layout's (`flax_mha.kernels.layouts`), not necessarily contiguous. Its local problem is an
 ordinary call of the chunked kernel with offsets 0, made exact by `localize`: every term that
 reads an index as a position (causality, windows, lengths, `mask_mod`, `score_mod`) is rewritten
 to read the tokens' TRUE positions `q_pos`, `kv_pos` instead, and every term that indexes arrays
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import _layouts
+from flax_mha.kernels import layouts
 
 # What a leaf of `Mods` is split along: the query's tokens [B, T], the keys' [B, S], the batch
 # [B], the query heads [H] (sinks), or nothing (a mod's closed-over arrays: replicated).
@@ -130,11 +130,11 @@ class Plan:
 
   def positions(self, length: int, device):
     """True positions [length / n] of `device`'s tokens (an int or traced index)."""
-    return jnp.asarray(_layouts.order(self.layout, length, self.n))[device]
+    return jnp.asarray(layouts.order(self.layout, length, self.n))[device]
 
   def all_positions(self, length: int):
     """True positions [length] of the tokens in device-major order (what an all-gather holds)."""
-    return jnp.asarray(_layouts.order(self.layout, length, self.n).reshape(-1))
+    return jnp.asarray(layouts.order(self.layout, length, self.n).reshape(-1))
 
   def block(self, local_length: int) -> int:
     return block(self.layout, local_length)

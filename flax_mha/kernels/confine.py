@@ -27,7 +27,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from flax_mha.kernels import _shared
+from flax_mha.kernels import common
 
 
 def _bad(x):
@@ -71,7 +71,7 @@ def _sees_bad(kv_bad_BSG, bias, mask, is_causal, query_shape):
   b, t, h, _ = query_shape
   s, g = kv_bad_BSG.shape[1:]
   bad_BHS = jnp.repeat(kv_bad_BSG.transpose(0, 2, 1), h // g, axis=1)
-  visible = _shared.visible_mask(mask, is_causal, t, s)
+  visible = common.visible_mask(mask, is_causal, t, s)
   if bias is not None:
     finite = bias > -jnp.inf
     visible = finite if visible is None else visible & finite

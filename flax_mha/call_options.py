@@ -1,5 +1,10 @@
-"""The keyword conveniences of `dot_product_attention` as mask and score terms (`flax_mha.mods`),
-each checked at the boundary with an error that names the argument."""
+"""The keyword options of one `dot_product_attention` call (window, lengths, segment ids,
+positions, soft cap, mask/score functions, sinks) built into mask and score terms
+(`flax_mha.mods`), each checked at the boundary with an error that names the argument.
+
+`OPTIONS` lists their names, `build` turns them into the terms the implementations read. A
+layer's record of its own options is another thing: `flax_mha.nn.options.AttentionOptions`.
+"""
 
 from __future__ import annotations
 

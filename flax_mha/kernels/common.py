@@ -1,12 +1,20 @@
-"""Facts every implementation shares: the dtype the softmax runs in and what a query row sees."""
+"""What every implementation shares, the package's internal API for its kernels.
+
+Numerics: the dtype the softmax runs in (`softmax_dtype`), a row's log-sum-exp from its
+statistics (`row_lse`) and the sinks' gradient from it (`sink_grad`). What a query row sees:
+the dense visibility of a mask and causality (`visible_mask`), segment ids merged with
+sequence lengths for kernels that take ids (`segment_ids_with_lengths`). Argument handling: an
+accelerator kernel's refusal as an error (`check_options`), padding to tiles (`round_up`), and a
+custom-VJP kernel under forward-mode differentiation (`without_forward_mode`).
+"""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from flax_mha import masks as masks_lib
 from flax_mha import mods as mods_lib
+from flax_mha import platforms
 from flax_mha.kernels import registry
 
 
@@ -34,6 +42,7 @@ def sink_grad(sinks_H, lse_BTH, out_BTHV, dout_BTHV):
 
 
 def round_up(n: int, multiple: int) -> int:
+  """n rounded up to a multiple of `multiple` (a length padded to whole tiles)."""
   return -(-n // multiple) * multiple
 
 
@@ -90,3 +99,17 @@ def without_forward_mode(name: str, fn, *args):
         "jax.linearize of a custom_vjp function): its backward is a custom VJP. Use "
         "implementation='xla' or 'reference' for forward mode, or reverse mode (jax.grad, "
         f"jax.vjp, jax.jacrev) with {name!r}.") from e
+
+
+def accelerator_refusal(call: registry.Call, platform: str, elsewhere: str, options_reason,
+                        not_staged: str) -> str | None:
+  """The registry's question for a kernel of one accelerator `platform`: `elsewhere` (naming
+  the kernel and its platform) on any other platform; there, `options_reason(call)`, or
+  `not_staged` in a process that neither has the platform nor stages it (so that None does
+  not stage it for every call; named explicitly it still exports from any process)."""
+  if call.platform != platform:
+    return f"{elsewhere}, not {call.platform!r}"
+  reason = options_reason(call)
+  if reason is None and not platforms.stages_for(platform):
+    reason = not_staged
+  return reason

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import numpy as np
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.attention import dot_product_attention, dot_product_attention_weights
+from flax_mha.nn.options import AttentionOptions
 from flax_mha.rotary import apply_rotary
 
 
@@ -136,7 +139,7 @@ def check_cache_call(cache, *, keys_from_q: bool, inputs_q, q_segment_ids, kv_se
       raise ValueError(f"{name} is not taken with cache= (one document per row: positions "
                        "say where each token is, a negative one marks padding)")
   rolling = getattr(cache, "window", None)
-  if mask is not None and (rolling is not None or isinstance(cache, cache_lib.PagedKVCache)):
+  if mask is not None and not cache.takes_mask:
     raise ValueError("mask is only taken with a full KVCache (a rolling or paged cache's slots "
                      "move): mark padding with negative positions")
   if rolling is not None and (window is None or cache.window != window[0] or
@@ -146,12 +149,13 @@ def check_cache_call(cache, *, keys_from_q: bool, inputs_q, q_segment_ids, kv_se
                      f"local_window_size={window}, sink_tokens={sink_tokens}")
 
 
-def attend_cached(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT, mask, *, window,
-                  sink_tokens: int, implementation, dropout_rate: float, dropout_rng,
-                  **options):
-  """(output [B, T, H, V], updated cache) of both front ends' cached step (flax_mha.cache)."""
-  if getattr(cache, "window", None) is None and window is not None:  # compared by position
-    options.update(local_window_size=window, sink_tokens=sink_tokens)
+def attend_cached(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT, mask, *,
+                  implementation, dropout_rate: float, dropout_rng, local_window_size=None,
+                  sink_tokens: int = 0, **options):
+  """(output [B, T, H, V], updated cache) of both front ends' cached step (flax_mha.cache): a
+  full cache compares the layer's window by position, a rolling one brings its own."""
+  if getattr(cache, "window", None) is None and local_window_size is not None:
+    options.update(local_window_size=local_window_size, sink_tokens=sink_tokens)
   options.update(dropout_rate=dropout_rate if dropout_rng is not None else 0.0,
                  dropout_rng=dropout_rng)
   if mask is not None:
@@ -277,26 +281,48 @@ def attend(query_THK, key_SGK, value_SGV, bias, mask, *, implementation, sow: bo
   return out_THV, weights
 
 
-def forward(front, inputs_q, inputs_k, inputs_v, *, mask, bias, is_causal: bool, q_segment_ids,
+class FrontEnd(typing.Protocol):
+  """What `forward` asks of a front end (linen's and NNX's modules): its record and settings,
+  and the steps that touch its variables."""
+  options: AttentionOptions  # the layer's own attention options
+  implementation: Any  # dot_product_attention's `implementation`
+  dropout_rate: float
+
+  def check_attributes(self, inputs_q, inputs_k, inputs_v) -> None:
+    """Refuse attributes that do not fit the inputs (widths, heads, rates)."""
+
+  def project_qkv(self, inputs_q, inputs_k, inputs_v) -> tuple[Any, Any, Any]:
+    """(query [..., T, H, K], key [..., S, G, K], value [..., S, G, V]), normalised."""
+
+  def sink_logits(self) -> Any:
+    """The learned sink logits [H], or None."""
+
+  def decode_start(self) -> Any:
+    """flax's decode cache index (0 before the cache exists)."""
+
+  def decode_step(self, query_THK, key_SGK, value_SGV, mask, **options) -> Any:
+    """flax's decode convention: the output, or None when the call only made the cache
+    (linen's init call, which then attends causally)."""
+
+  def sow_attention_weights(self, weights) -> None:
+    """Keep the attention weights [..., H, T, S] (sow_weights=True)."""
+
+  def project_out(self, out_THV, in_features: int) -> Any:
+    """[..., T, H, V] -> [..., T, out_features] (in_features: inputs_q's width D_q)."""
+
+
+def forward(front: FrontEnd, inputs_q, inputs_k, inputs_v, *, mask, bias, is_causal: bool, q_segment_ids,
             kv_segment_ids, q_positions, kv_positions, sow_weights: bool, cache, decode: bool,
             dropout_rng):
   """Both front ends' call: output [..., T, out_features], or (output, updated cache) with
   `cache`. Check, project, rotate, then attend (through `cache`, flax's decode cache, or
   plainly) and project out.
 
-  `front` is the module, which holds the parameters and state; it gives `attention_options`'s
-  record as `options` (an `AttentionOptions`), `implementation`, `dropout_rate`, and the steps
-  that touch its variables: `_check(inputs_q, inputs_k, inputs_v)`, `_project(...)` -> (query
-  [..., T, H, K], key [..., S, G, K], value [..., S, G, V]), `_sinks()` -> [H] or None,
-  `_decode_start()` (the cache index), `_decode_step(query, key, value, mask, **options)` ->
-  output, or None when it only made the cache (linen's init call, which then attends causally),
-  `_sow(weights)` and `_out(out_THV, D_q)` (D_q: inputs_q's width, linen's default
-  out_features).
+  `front` is the module, which holds the parameters and state: a `FrontEnd`.
   """
   inputs_k, inputs_v, keys_from_q = resolve_inputs(inputs_q, inputs_k, inputs_v)
-  front._check(inputs_q, inputs_k, inputs_v)
+  front.check_attributes(inputs_q, inputs_k, inputs_v)
   opts = front.options
-  window, sink_tokens = opts.local_window_size, opts.sink_tokens
   rotary = opts.rotary_max_wavelength
   check_call(decode=decode, rotary=rotary is not None or cache is not None,
              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -304,31 +330,29 @@ def forward(front, inputs_q, inputs_k, inputs_v, *, mask, bias, is_causal: bool,
   if cache is not None:
     check_cache_call(cache, keys_from_q=keys_from_q, inputs_q=inputs_q,
                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                     kv_positions=kv_positions, bias=bias, mask=mask, window=window,
-                     sink_tokens=sink_tokens)
+                     kv_positions=kv_positions, bias=bias, mask=mask,
+                     window=opts.local_window_size, sink_tokens=opts.sink_tokens)
     if q_positions is None:
       q_positions = cache_lib.next_positions(cache, inputs_q.shape[-2])
-  query_THK, key_SGK, value_SGV = front._project(inputs_q, inputs_k, inputs_v)
+  query_THK, key_SGK, value_SGV = front.project_qkv(inputs_q, inputs_k, inputs_v)
   if rotary is not None:
     query_THK, key_SGK = rotate(
         query_THK, key_SGK, q_positions, kv_positions, keys_from_q=keys_from_q,
-        start=front._decode_start() if decode and cache is None else 0, max_wavelength=rotary)
+        start=front.decode_start() if decode and cache is None else 0, max_wavelength=rotary)
   mask = as_bool_mask(mask)
   options = dict(implementation=front.implementation, dropout_rate=front.dropout_rate,
-                 dropout_rng=dropout_rng, sinks=front._sinks(), **opts.keywords())
+                 dropout_rng=dropout_rng, sinks=front.sink_logits(), **opts.keywords())
   if cache is not None:
     out_THV, cache = attend_cached(query_THK, key_SGK, value_SGV, cache, q_positions, mask,
-                                   window=window, sink_tokens=sink_tokens, **options)
-    return front._out(out_THV, inputs_q.shape[-1]), cache
+                                   **options)
+    return front.project_out(out_THV, inputs_q.shape[-1]), cache
   out_THV = None
   if decode:
-    out_THV = front._decode_step(query_THK, key_SGK, value_SGV, mask, window=window,
-                                 sink_tokens=sink_tokens, **options)
+    out_THV = front.decode_step(query_THK, key_SGK, value_SGV, mask, **options)
   if out_THV is None:  # not decoding, or flax's init call, which attends like a decoder
     out_THV, weights = attend(
         query_THK, key_SGK, value_SGV, bias, mask, sow=sow_weights, is_causal=is_causal or decode,
-        local_window_size=window, sink_tokens=sink_tokens, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, **options)
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **options)
     if weights is not None:
-      front._sow(weights)
-  return front._out(out_THV, inputs_q.shape[-1])
+      front.sow_attention_weights(weights)
+  return front.project_out(out_THV, inputs_q.shape[-1])

@@ -1,0 +1,232 @@
+"""A few queries over a KV cache, read where it lies: the step of a contiguous cache
+(`flax_mha.cache.attend`) and paged attention over a page pool (`flax_mha.paged`), each with
+the kernel that `flax_mha.dispatch` chooses for its `registry.Call` (layout "cache" or
+"paged") on each platform, staged with `lax.platform_dependent` where the platforms' choices
+differ, as `dot_product_attention` stages its own. Past FEW_QUERIES queries (a prefill) the
+dispatch says "dense": the caller hands the keys to `dot_product_attention`.
+
+The kernels behind the names (ENTRIES): "xla", dense over the smallest power-of-two prefix of
+slots that holds every filled one (a `lax.switch` over static prefixes: the step costs what is
+filled, not the capacity); "decode", the decode kernel walking each row's pages in place;
+"triton_decode", the Triton decode kernel (on 'cuda'), which reads a row's filled blocks or
+pages in place. `explain` says which runs for a step, and why.
+
+Shapes: B batch, T new tokens, H query heads, G key/value heads, K, V head dims, S slots (a
+cache's capacity, or a row's pages times the page size), P pages.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from flax_mha import call_options
+from flax_mha import checks
+from flax_mha import dispatch
+from flax_mha.attention import attention_head_major
+from flax_mha.kernels import decode
+from flax_mha.kernels import registry
+from flax_mha.kernels import triton_decode
+
+MIN_PREFIX = 256  # the "xla" step attends over the smallest of MIN_PREFIX·2^i slots
+
+
+def _prefixes(capacity: int) -> list[int]:
+  sizes, size = [], MIN_PREFIX
+  while size < capacity:
+    sizes.append(size)
+    size *= 2
+  return sizes + [capacity]
+
+
+def _xla_cache(query_BTHK, keys, values, kv_pos, *, q_positions, mask, options, prefixes,
+               **unused):
+  """The step dense over the smallest prefix of slots holding every filled one (a lax.switch
+  over static prefixes); without `prefixes` (a rolling cache with its chunk), over all."""
+  del unused  # the kernel, the mods and the scale of the other entries
+  capacity = keys.shape[2]
+
+  def over(size):
+    def attend(q, k, v, kv_pos):
+      return attention_head_major(q, k[:, :, :size], v[:, :, :size],
+                                  None if mask is None else mask[..., :size], is_causal=True,
+                                  q_positions=q_positions, kv_positions=kv_pos[:, :size],
+                                  **options)
+    return attend
+
+  sizes = _prefixes(capacity) if prefixes else [capacity]
+  operands = (query_BTHK, keys, values, kv_pos)
+  if len(sizes) == 1:
+    return over(sizes[0])(*operands)
+  filled = jnp.max(jnp.where(kv_pos >= 0, jnp.arange(capacity) + 1, 0))
+  index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), filled), len(sizes) - 1)
+  return jax.lax.switch(index, [over(size) for size in sizes], *operands)
+
+
+def _triton_cache(query_BTHK, keys, values, kv_pos, *, mods, scale, kernel, **unused):
+  del kv_pos, unused  # the positions are the mods' Positions term
+  return kernel.cache_attention(query_BTHK, keys, values, mods, scale)
+
+
+def _decode_paged(query, k_pages, v_pages, page_indices, lengths, *, mods, cfg, cfg_bwd,
+                  **unused):
+  del unused
+  return decode.paged(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd,
+                      decode.SPLITS)
+
+
+def _triton_paged(query, k_pages, v_pages, page_indices, lengths, *, mods, cfg, cfg_bwd,
+                  kernel, **unused):
+  del unused
+  return kernel.paged_attention(query, k_pages, v_pages, page_indices, lengths, mods, cfg,
+                                cfg_bwd)
+
+
+# (kernel name, layout) -> its entry: a new step kernel adds its line here.
+ENTRIES = {("xla", "cache"): _xla_cache, ("triton_decode", "cache"): _triton_cache,
+           ("decode", "paged"): _decode_paged, ("triton_decode", "paged"): _triton_paged}
+
+
+# While `explain` traces a step on shapes, the step's Calls are recorded here.
+_RECORDED = contextvars.ContextVar("flax_mha_steps_recorded", default=None)
+
+
+def _call(query_BTHK, keys_BSGK, values_BSGV, mask, mods, dropout_rate, layout, page=None):
+  call = registry.Call.of(query_BTHK, keys_BSGK, values_BSGV, None, mask, is_causal=True,
+                          dropout_rate=dropout_rate, mods=mods, platform="cpu", layout=layout,
+                          page=page)
+  recorded = _RECORDED.get()
+  if recorded is not None:
+    recorded.append(call)
+  return call
+
+
+def explain(query, cache, positions=None, *, platform: str | None = None,
+            **options) -> dispatch.Explanation:
+  """What a step of `query` [B, T, H, K] (arrays or `jax.ShapeDtypeStruct`s) over `cache` (a
+  `KVCache` or `PagedKVCache`) runs with `implementation=None` on `platform` (None: the default
+  backend's), why, and what every kernel of the step's layout says of it: the dispatch of
+  `flax_mha.cache.attend(query, key, value, cache, positions, **options)`. Nothing is
+  computed. A call that is not a step (more than FEW_QUERIES queries, `return_residual`)
+  reads "dense": `flax_mha.explain` on the cache's keys says what then runs."""
+  from flax_mha import cache as cache_lib  # the cache's types import this module
+  platform = dispatch.check_platform(platform)
+  b, t = query.shape[:2]
+  heads = cache.k_pages.shape[2] if hasattr(cache, "k_pages") else cache.key.shape[1]
+  chunk = lambda dims: jax.ShapeDtypeStruct((b, t, heads, dims), query.dtype)
+  key_dim = cache.k_pages.shape[-1] if hasattr(cache, "k_pages") else cache.key.shape[-1]
+  value_dim = cache.v_pages.shape[-1] if hasattr(cache, "v_pages") else cache.value.shape[-1]
+  recorded = []
+  token = _RECORDED.set(recorded)
+  try:
+    jax.eval_shape(lambda q, k, v, c, p: cache_lib.attend(q, k, v, c, p, **options), query,
+                   chunk(key_dim), chunk(value_dim), cache, positions)
+  finally:
+    _RECORDED.reset(token)
+  if not recorded:
+    return dispatch.Explanation("dense", "not a step (an implementation named, or "
+                                "return_residual): the keys go to dot_product_attention",
+                                platform, {})
+  return dispatch.explanation(dataclasses.replace(recorded[0], platform=platform))
+
+
+def _api(x_BGSK):
+  return jax.ShapeDtypeStruct((x_BGSK.shape[0], x_BGSK.shape[2], x_BGSK.shape[1],
+                               x_BGSK.shape[3]), x_BGSK.dtype)
+
+
+def _run(call, kernel, entry_args, operands, layout):
+  """The chosen entry for `call` (by name: `kernel` asked for, refused by name when it cannot
+  take the call), staged per platform where the platforms' choices differ."""
+  if kernel is not None:  # its platform is checked where it is traced and lowered
+    triton_decode.require(kernel, triton_decode.options_reason(call))
+    return ENTRIES[kernel.name, layout](*operands, kernel=kernel, **entry_args)
+  picks = dispatch.per_platform(call)
+  entry = lambda name: functools.partial(ENTRIES[name, layout], kernel=triton_decode.KERNEL,
+                                         **entry_args)
+  if len(set(picks.values())) == 1:
+    return entry(picks["cpu"])(*operands)
+  return jax.lax.platform_dependent(*operands, default=entry(picks["rocm"]),
+                                    **{p: entry(name) for p, name in picks.items()})
+
+
+def cache_step(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, *, prefixes,
+               kernel=None, **options):
+  """A few queries over a contiguous cache's slots (keys head-major, with a rolling cache's
+  chunk after its slots and `prefixes` False), with the kernel `dispatch` chooses for the
+  step, or `kernel` (a `triton_decode.DecodeKernel`) when asked for by name: [B, T, H, V];
+  None when `dispatch` says "dense" (the caller hands the keys to dot_product_attention)."""
+  mask = options.pop("mask", None)
+  b, t, h, k_dim = query_BTHK.shape
+  mods, call = _step_call(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, mask,
+                          options)
+  if kernel is None and dispatch.choose(call).name == "dense":
+    return None
+  entry_args = dict(q_positions=q_positions_BT, mask=mask, options=options, prefixes=prefixes,
+                    mods=mods, scale=checks.checked_scale(options.get("scale"), k_dim))
+  return _run(call, kernel, entry_args, (query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS),
+              "cache")
+
+
+def _step_call(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, mask, options):
+  """(mods over the whole cache, the step's `registry.Call`)."""
+  b, t, h, _ = query_BTHK.shape
+  opts = {k: v for k, v in options.items() if k not in ("scale", "dropout_rate", "dropout_rng")}
+  mods, _ = call_options.build((b,), t, kv_pos_BS.shape[1], h, query_BTHK.dtype, True,
+                               q_positions=q_positions_BT, kv_positions=kv_pos_BS, **opts)
+  call = _call(query_BTHK, _api(keys_BGSK), _api(values_BGSV), mask, mods,
+               options.get("dropout_rate", 0.0), "cache")
+  return mods, call
+
+
+def choose_cache_step(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT,
+                      platform: str, **options) -> dispatch.Choice:
+  """What `dispatch` chooses on `platform` for a step of a contiguous cache (shapes suffice)."""
+  mask = options.pop("mask", None)
+  _, call = _step_call(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, mask,
+                       options)
+  return dispatch.choose(dataclasses.replace(call, platform=platform))
+
+
+def paged_step(query, k_pages, v_pages, page_indices, q_positions, kv_lengths, *,
+               is_causal: bool, scale, kernel=None, forced: str | None = None,
+               dropout_rate: float = 0.0, return_residual: bool = False, **options):
+  """A few queries over each row's pages read in place, with the kernel `dispatch` chooses,
+  `kernel` (a `triton_decode.DecodeKernel`) or the kernel named `forced` ("decode", whatever
+  the number of queries); None when the choice is "dense" or `forced` refuses the call (the
+  caller gathers the pages). [B, T, H, V] (and the lse [B, T, H] with `return_residual`)."""
+  mods, call, cfg, cfg_bwd = _paged_call(query, k_pages, v_pages, page_indices, q_positions,
+                                         kv_lengths, is_causal, scale, dropout_rate, options)
+  entry_args = dict(mods=mods, cfg=cfg, cfg_bwd=cfg_bwd)
+  operands = (query, k_pages, v_pages, page_indices, kv_lengths)
+  if forced is not None:
+    if registry.get(forced).refuses(call) is not None:
+      return None
+    out, lse_BHT = ENTRIES[forced, "paged"](*operands, **entry_args)
+  elif kernel is None and dispatch.choose(call).name == "dense":
+    return None
+  else:
+    out, lse_BHT = _run(call, kernel, entry_args, operands, "paged")
+  lse_BTH = jax.lax.stop_gradient(lse_BHT.transpose(0, 2, 1))
+  return (out, lse_BTH) if return_residual else out
+
+
+def _paged_call(query, k_pages, v_pages, page_indices, q_positions, kv_lengths, is_causal,
+                scale, dropout_rate, options):
+  """(mods, the paged `registry.Call`, the decode kernel's configs)."""
+  (b, t, h, k_dim), (n, page) = query.shape, (page_indices.shape[1], k_pages.shape[1])
+  s = n * page
+  slot = jnp.arange(s, dtype=jnp.int32)
+  kv_positions = jnp.where(slot < kv_lengths[:, None], slot, -1)
+  opts = {k: v for k, v in options.items() if k != "dropout_rng"}
+  mods, _ = call_options.build((b,), t, s, h, query.dtype, is_causal, q_positions=q_positions,
+                               kv_positions=kv_positions, **opts)
+  scale = checks.checked_scale(scale, k_dim)
+  cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, block_k=decode.paged_block(page, n))
+  spec = lambda pages: jax.ShapeDtypeStruct((b, s, *pages.shape[2:]), pages.dtype)
+  call = _call(query, spec(k_pages), spec(v_pages), None, mods, dropout_rate, "paged", page)
+  return mods, call, cfg, cfg_bwd

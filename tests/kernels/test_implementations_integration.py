@@ -1,0 +1,32 @@
+"""Every implementation against the oracle at the cases tests/kernels/test_implementations.py
+leaves out, each through that file's own test: rows hidden by a -inf bias at 600² (where None
+picks "rows"), float64 without causality, and (slow) the half of the option combinations with
+an odd number of options on."""
+
+from __future__ import annotations
+
+import pytest
+
+import test_implementations as unit
+
+pytestmark = pytest.mark.integration  # 600² rows, float64 programs: seconds a case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,use_bias,use_mask,is_causal,dropout_rate,heads",
+                         unit.SLOW_ORACLE_CASES)
+def test_values_and_grads_match_oracle(name, use_bias, use_mask, is_causal, dropout_rate, heads):
+  unit.test_values_and_grads_match_oracle(name, use_bias, use_mask, is_causal, dropout_rate,
+                                          heads)
+
+
+@pytest.mark.parametrize("implementation", [None, *unit.SINGLE_DEVICE])
+@pytest.mark.parametrize("n", [600])  # None: "rows" at 600²
+def test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation, n):
+  unit.test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation, n)
+
+
+@pytest.mark.parametrize("implementation", unit.SINGLE_DEVICE)
+@pytest.mark.parametrize("is_causal", [False])
+def test_float64_in_float64_accuracy_out(implementation, is_causal):
+  unit.test_float64_in_float64_accuracy_out(implementation, is_causal)

@@ -1,0 +1,84 @@
+"""Every `python -m experiments.` command that README.md, docs/*.md and flax_mha's comments cite
+runs, so a cited command cannot rot unnoticed. How the commands are found is the unit part,
+tests/test_bench.py.
+
+A benchmark runs with --smoke (tiny shapes, one round, no figures) in place of --quick, on a
+config's tiny variant; a training run on the tiny variant for 2 steps. Each runs in a subprocess
+in a scratch directory, so what a command writes (docs/benchmark_cpu.md, runs/...) lands there,
+never in the repository; the runs share a jax compilation cache. A GPU command is skipped where
+jax sees no GPU.
+
+Commands of SLOW_MODULES compile whole training steps (15-30 s each on the 2-core machine) and
+are marked slow (`make test-slow`); tests/test_train_integration.py trains the same runner in
+every run.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from test_bench import COMMANDS, MODULES, REPO
+
+pytestmark = pytest.mark.integration  # subprocesses, one a module
+
+SLOW_MODULES = ("experiments.train", "experiments.bench.training", "experiments.bench.nnx")
+TRAIN_SMOKE = ["--config.train.steps=2", "--config.train.log_every=1",
+               "--config.train.checkpoint_every=2", "--config.eval.every=2",
+               "--config.eval.num_examples=4", "--config.eval.batch_size=4"]
+
+
+def _tiny(args: list[str], scratch: pathlib.Path) -> list[str]:
+  """`--config configs/x.py[:arg]` -> the config's tiny variant (`:tiny`, `:arg,tiny`; a
+  cited tiny one stays);
+  `--workdir W` -> a folder of `scratch` named after W (commands citing one workdir share it,
+  as a resumed run does; different ones do not)."""
+  out = list(args)
+  for i, word in enumerate(out[:-1]):
+    if word == "--config":
+      path, _, arg = out[i + 1].partition(":")
+      if "tiny" not in arg.split(","):
+        out[i + 1] = f"{path}:{arg},tiny" if arg else f"{path}:tiny"
+    elif word == "--workdir":
+      out[i + 1] = str(scratch / "runs" / re.sub(r"\W", "_", out[i + 1]))
+  return out
+
+
+def smoke_argv(command: str, scratch: pathlib.Path) -> tuple[dict, list[str]]:
+  """(environment additions, argv) of the smoke run of `command`."""
+  words = shlex.split(command)
+  env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S+", w))
+  words = words[len(env):]
+  module, args = words[2], _tiny(words[3:], scratch)
+  if module == "experiments.train":
+    args += TRAIN_SMOKE
+  else:
+    args = [a for a in args if a != "--quick"] + ["--smoke"]
+  return env, [sys.executable, "-m", module, *args]
+
+
+@pytest.mark.parametrize("module", [
+    pytest.param(m, marks=[pytest.mark.slow] if m in SLOW_MODULES else [], id=m) for m in MODULES])
+def test_cited_commands_run(module, tmp_path):
+  """The module's cited commands, one after the other: later ones reuse the programs the first
+  compiled (a shared jax compilation cache)."""
+  commands = [c for c in COMMANDS if f"python -m {module} " in f"{c} "]
+  for device in ("gpu", "tpu"):  # an accelerator's commands wait for a machine with one
+    if jax.default_backend() != device:
+      commands = [c for c in commands if f"--device {device}" not in c]
+  (tmp_path / "configs").symlink_to(REPO / "configs")  # the cited paths are the repository's
+  for command in commands:
+    extra_env, argv = smoke_argv(command, tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **extra_env)
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"{command}\nran as {shlex.join(argv)}, failed:\n" + (
+        result.stderr[-4000:])

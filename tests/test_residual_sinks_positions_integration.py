@@ -1,0 +1,17 @@
+"""Attention sinks and the softmax statistics (`return_residual`) in every implementation, the
+half of the cases tests/test_residual_sinks_positions.py leaves out (sinks without causality,
+causality without sinks), through that file's own test."""
+
+from __future__ import annotations
+
+import pytest
+
+import test_residual_sinks_positions as unit
+
+pytestmark = pytest.mark.integration  # a compile of values and one of gradients a case
+
+
+@pytest.mark.parametrize("impl,with_sinks,is_causal", [
+    (impl, flag, not flag) for impl in sorted(unit.IMPLS) for flag in (False, True)])
+def test_sinks_and_lse_match_numpy_values_and_gradients(impl, with_sinks, is_causal):
+  unit.test_sinks_and_lse_match_numpy_values_and_gradients(impl, with_sinks, is_causal)

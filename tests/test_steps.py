@@ -1,0 +1,93 @@
+"""One chooser for every entrance: a KV cache's step and paged attention get their kernel from
+`flax_mha.dispatch` (layouts "cache" and "paged" of one `registry.Call`), with one threshold
+for "a few queries", and `flax_mha.steps.explain` says what runs on each platform and why."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import flax_mha
+from flax_mha import cache as cache_lib
+from flax_mha import dispatch
+from flax_mha import steps
+from flax_mha.kernels import registry
+from flax_mha.kernels import triton_decode
+
+B, H, G, K = 2, 4, 2, 16
+
+
+def _query(t):
+  return jax.ShapeDtypeStruct((B, t, H, K), jnp.float32)
+
+
+def _caches():
+  return {"contiguous": cache_lib.KVCache.create(B, 64, G, K),
+          "rolling": cache_lib.KVCache.create(B, 64, G, K, window=8),
+          "paged": cache_lib.PagedKVCache.create(8, 16, jnp.zeros((B, 4), jnp.int32), G, K)}
+
+
+def test_the_step_kernels_are_registered_by_layout():
+  assert registry.names("cache") == ("xla", "triton_decode")
+  assert registry.names("paged") == ("decode", "triton_decode")
+  assert "triton_decode" not in flax_mha.IMPLEMENTATIONS
+  kernel = registry.get("triton_decode")
+  assert (kernel.platform, kernel.staged) == ("cuda", True)
+  with pytest.raises(ValueError, match="implementation must be None, a callable or one of"):
+    flax_mha.dot_product_attention(*(jnp.ones((B, 8, H, K)),) * 3, implementation="triton_decode")
+
+
+@pytest.mark.parametrize("kind, on_cpu", [("contiguous", "xla"), ("rolling", "xla"),
+                                          ("paged", "decode")])
+def test_explain_names_the_step_kernel_per_platform(kind, on_cpu):
+  cache = _caches()[kind]
+  said = steps.explain(_query(1), cache, platform="cpu")
+  assert said.implementation == on_cpu and "FEW_QUERIES = 32" in said.reason
+  assert said.alternatives["triton_decode"].startswith("refuses: the Triton decode kernel is for "
+                                                       "NVIDIA GPUs")
+  cuda = steps.explain(_query(1), cache, platform="cuda")
+  assert cuda.implementation == on_cpu and "stage_accelerator_kernels()" in cuda.reason
+  with flax_mha.stage_accelerator_kernels():
+    assert steps.explain(_query(1), cache, platform="cuda").implementation == "triton_decode"
+    masked = steps.explain(_query(1), cache, platform="cuda",
+                           mask_mod=lambda b, h, i, j: i >= j)
+    assert masked.implementation == on_cpu and "not MaskMod" in masked.reason
+  assert steps.explain(_query(1), cache, platform="tpu").implementation == on_cpu
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_one_threshold_for_a_few_queries(kind):
+  """FEW_QUERIES queries are a step on every entrance, one more are not (the keys then go to
+  dot_product_attention); the dense rule's "decode" uses the same bound."""
+  cache = _caches()[kind]
+  few = dispatch.FEW_QUERIES
+  assert steps.explain(_query(few), cache, platform="cpu").implementation != "dense"
+  beyond = steps.explain(_query(few + 1), cache, platform="cpu")
+  assert beyond.implementation == "dense" and f"> FEW_QUERIES = {few}" in beyond.reason
+  assert dispatch.DECODE_MAX_QUERIES == few
+  residual = steps.explain(_query(1), cache, platform="cpu", return_residual=True)
+  assert residual.implementation == ("dense" if kind == "contiguous" else "decode")
+
+
+def test_the_decode_kernel_named_is_refused_by_its_options():
+  cache = _caches()["contiguous"]
+  interpreted = triton_decode.make_attention(interpret=True)
+  q = jnp.ones((B, 1, H, K))
+  with pytest.raises(ValueError, match="implementation='triton_decode' cannot run: .*dropout"):
+    cache_lib.attend(q, q[:, :, :G], q[:, :, :G], cache, implementation=interpreted,
+                     dropout_rate=0.5, dropout_rng=jax.random.key(0))
+
+
+def test_dispatch_reads_the_kernels_through_the_registry():
+  """The rule imports no kernel module: what it asks of a kernel is its `refuses`, its
+  declared platform and staging, and its `hints`."""
+  tree = ast.parse(pathlib.Path(dispatch.__file__).read_text())
+  imported = {node.module + "." + alias.name if isinstance(node, ast.ImportFrom) else alias.name
+              for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+              for alias in node.names}
+  kernels = {name for name in imported if name.startswith("flax_mha.kernels.")}
+  assert kernels == {"flax_mha.kernels.registry"}
