@@ -321,7 +321,7 @@ class PagedKVCache:
       options = dict(options, implementation=kernel)
     cache = update_pages(self, key_BTGK, value_BTGV, positions_BT)
     dtype = query_BTHK.dtype
-    out = paged.attend_pages(query_BTHK, cache.k_pages.astype(dtype),
+    out = paged.positioned_paged_attention(query_BTHK, cache.k_pages.astype(dtype),
                              cache.v_pages.astype(dtype), cache.page_indices, positions_BT,
                              jnp.minimum(cache.length, cache.capacity), **options)
     return out, cache

@@ -59,15 +59,16 @@ def paged_attention(query, k_pages, v_pages, lengths, page_indices, *, is_causal
   lengths = _check_lengths(lengths, b)
   _check_table(lengths, page_indices, t, k_pages.shape[:2])
   q_positions = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)
-  return attend_pages(query, k_pages, v_pages, page_indices, q_positions, lengths,
-                      is_causal=is_causal, scale=scale, local_window_size=local_window_size,
-                      logit_soft_cap=logit_soft_cap, sinks=sinks, sink_tokens=sink_tokens,
-                      return_residual=return_residual, implementation=implementation)
+  return positioned_paged_attention(
+      query, k_pages, v_pages, page_indices, q_positions, lengths, is_causal=is_causal,
+      scale=scale, local_window_size=local_window_size, logit_soft_cap=logit_soft_cap,
+      sinks=sinks, sink_tokens=sink_tokens, return_residual=return_residual,
+      implementation=implementation)
 
 
-def attend_pages(query, k_pages, v_pages, page_indices, q_positions, kv_lengths, *,
-                 is_causal: bool = True, scale=None, return_residual: bool = False,
-                 implementation=None, **options):
+def positioned_paged_attention(query, k_pages, v_pages, page_indices, q_positions, kv_lengths,
+                               *, is_causal: bool = True, scale=None,
+                               return_residual: bool = False, implementation=None, **options):
   """`paged_attention` with the queries' positions given (q_positions [B, T]; negative: padding,
   seeing nothing): what a paged KV cache's prefill of prompts of different lengths needs."""
   _check_pages(query, k_pages, v_pages, page_indices)

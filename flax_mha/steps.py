@@ -51,12 +51,12 @@ def _xla_cache(query_BTHK, keys, values, kv_pos, *, q_positions, mask, options, 
   capacity = keys.shape[2]
 
   def over(size):
-    def attend(q, k, v, kv_pos):
+    def prefix_attention(q, k, v, kv_pos):
       return attention_head_major(q, k[:, :, :size], v[:, :, :size],
                                   None if mask is None else mask[..., :size], is_causal=True,
                                   q_positions=q_positions, kv_positions=kv_pos[:, :size],
                                   **options)
-    return attend
+    return prefix_attention
 
   sizes = _prefixes(capacity) if prefixes else [capacity]
   operands = (query_BTHK, keys, values, kv_pos)

@@ -149,7 +149,7 @@ def check_cache_call(cache, *, keys_from_q: bool, inputs_q, q_segment_ids, kv_se
                      f"local_window_size={window}, sink_tokens={sink_tokens}")
 
 
-def attend_cached(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT, mask, *,
+def cached_attention(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT, mask, *,
                   implementation, dropout_rate: float, dropout_rng, local_window_size=None,
                   sink_tokens: int = 0, **options):
   """(output [B, T, H, V], updated cache) of both front ends' cached step (flax_mha.cache): a
@@ -198,8 +198,8 @@ def flax_decode_step(query_THK, key_SGK, value_SGV, cached_key, cached_value, in
     mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + mask.shape)
     mask = flat(jnp.broadcast_to(mask, (*batch, *mask.shape[len(batch):])))
   positions = jnp.broadcast_to(index + jnp.arange(t, dtype=jnp.int32), (cache.key.shape[0], t))
-  out, cache = attend_cached(flat(query_THK), flat(key_SGK), flat(value_SGV), cache, positions,
-                             mask, **kwargs)
+  out, cache = cached_attention(flat(query_THK), flat(key_SGK), flat(value_SGV), cache,
+                                positions, mask, **kwargs)
   unflat = lambda x: x.reshape(*batch, *x.shape[1:])
   flax_layout = lambda x: unflat(x.transpose(0, 2, 1, 3))  # back to [..., S_max, G, K]
   return unflat(out), flax_layout(cache.key), flax_layout(cache.value)
@@ -266,7 +266,7 @@ def _check_sees_a_key(mask) -> None:
         "attends everywhere)")
 
 
-def attend(query_THK, key_SGK, value_SGV, bias, mask, *, implementation, sow: bool,
+def plain_attention(query_THK, key_SGK, value_SGV, bias, mask, *, implementation, sow: bool,
            dropout_rate: float, dropout_rng, **options):
   """(output [..., T, H, V], weights [..., H, T, S] when `sow`, else None) of both front ends'
   attention step; without a dropout rng (deterministic) no dropout runs. `options` are the rest
@@ -343,14 +343,14 @@ def forward(front: FrontEnd, inputs_q, inputs_k, inputs_v, *, mask, bias, is_cau
   options = dict(implementation=front.implementation, dropout_rate=front.dropout_rate,
                  dropout_rng=dropout_rng, sinks=front.sink_logits(), **opts.keywords())
   if cache is not None:
-    out_THV, cache = attend_cached(query_THK, key_SGK, value_SGV, cache, q_positions, mask,
-                                   **options)
+    out_THV, cache = cached_attention(query_THK, key_SGK, value_SGV, cache, q_positions, mask,
+                                      **options)
     return front.project_out(out_THV, inputs_q.shape[-1]), cache
   out_THV = None
   if decode:
     out_THV = front.decode_step(query_THK, key_SGK, value_SGV, mask, **options)
   if out_THV is None:  # not decoding, or flax's init call, which attends like a decoder
-    out_THV, weights = attend(
+    out_THV, weights = plain_attention(
         query_THK, key_SGK, value_SGV, bias, mask, sow=sow_weights, is_causal=is_causal or decode,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **options)
     if weights is not None:
