@@ -52,12 +52,13 @@ The same rule serves every entrance. A `Call`'s layout says which: "dense" above
 (`dot_product_attention`); "cache" (a contiguous KV cache's step, `flax_mha.cache.attend`) and
 "paged" (`flax_mha.paged_attention`) are steps up to FEW_QUERIES queries (the one threshold of
 "a few queries", which also bounds "decode" above), run by the first kernel of
-STEP_PREFERENCE[layout][platform] that takes the call, and "dense" beyond (the keys go to
+`STEP_PREFERENCE[layout][platform]` that takes the call, and "dense" beyond (the keys go to
 `dot_product_attention`). "ring_block" (one step of ring attention) runs the first kernel of
-STEP_PREFERENCE["ring_block"] that takes it, whatever T. `flax_mha.steps` and
+`STEP_PREFERENCE["ring_block"]` that takes it, whatever T. `flax_mha.steps` and
 `flax_mha.kernels.ring` stage those choices per platform; `flax_mha.steps.explain` and
-`flax_mha.kernels.ring.explain_step` report them. The rule reads the kernels through the registry only:
-their `refuses`, their declared platform and staging, and the measures their `hints` offer.
+`flax_mha.kernels.ring.explain_step` report them. The rule reads the kernels through the
+registry only: their `refuses`, their declared platform and staging, and the measures their
+`hints` offer.
 """
 
 from __future__ import annotations
