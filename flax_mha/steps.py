@@ -161,7 +161,7 @@ def cache_step(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, *,
   step, or `kernel` (a `triton_decode.DecodeKernel`) when asked for by name: [B, T, H, V];
   None when `dispatch` says "dense" (the caller hands the keys to dot_product_attention)."""
   mask = options.pop("mask", None)
-  b, t, h, k_dim = query_BTHK.shape
+  k_dim = query_BTHK.shape[-1]
   mods, call = _step_call(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, mask,
                           options)
   if kernel is None and dispatch.choose(call).name == "dense":
@@ -181,15 +181,6 @@ def _step_call(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, ma
   call = _call(query_BTHK, _api(keys_BGSK), _api(values_BGSV), mask, mods,
                options.get("dropout_rate", 0.0), "cache")
   return mods, call
-
-
-def choose_cache_step(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT,
-                      platform: str, **options) -> dispatch.Choice:
-  """What `dispatch` chooses on `platform` for a step of a contiguous cache (shapes suffice)."""
-  mask = options.pop("mask", None)
-  _, call = _step_call(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, mask,
-                       options)
-  return dispatch.choose(dataclasses.replace(call, platform=platform))
 
 
 def paged_step(query, k_pages, v_pages, page_indices, q_positions, kv_lengths, *,
