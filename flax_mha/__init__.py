@@ -79,6 +79,7 @@ from flax_mha.masks import padding_mask
 from flax_mha.masks import segment_mask
 from flax_mha.paged import paged_attention
 from flax_mha.remat import remat_implementation
+from flax_mha.rotary import Rope
 from flax_mha.rotary import apply_rotary
 
 __version__ = "0.1.0"
@@ -93,6 +94,7 @@ _LAZY = {
     "MultiHeadAttention": ("flax_mha.nn.linen", "MultiHeadAttention"),
     "SelfAttention": ("flax_mha.nn.linen", "SelfAttention"),
     "AttentionOptions": ("flax_mha.nn.options", "AttentionOptions"),
+    "Norm": ("flax_mha.nn.options", "Norm"),
     "Transformer": ("flax_mha.models.transformer", "Transformer"),
     "TransformerConfig": ("flax_mha.models.transformer", "TransformerConfig"),
     "DecoderLM": ("flax_mha.models.lm", "DecoderLM"),

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from flax_mha import checks
 from flax_mha.nn import shared
-from flax_mha.nn.options import ALIASES, AttentionOptions
+from flax_mha.nn.options import ALIASES, AttentionOptions, Norm, qk_norm
 
 Initializer = Callable[..., Any]
 
@@ -32,6 +32,8 @@ class MultiHeadAttention(nn.Module):
       the value head dim V may differ from the query/key head dim K.
     dropout_rate: dropout on the attention weights, in [0, 1).
     use_bias: biases in the four projections.
+    out_use_bias: the output projection's bias, when it differs from use_bias (Qwen2: biases in
+      query, key and value only); None follows use_bias.
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: parameter dtype.
     precision: precision of the projections.
@@ -43,9 +45,10 @@ class MultiHeadAttention(nn.Module):
       initialised with the full-length input; each later call appends its T tokens and attends
       causally to everything cached. An adapter over the same cache as `cache=` (preferred:
       the cache as data, rolling caches for local layers, rows of different lengths).
-    normalize_qk: flax.linen's `normalize_qk` (ViT-22B, arXiv:2302.05442): LayerNorm over the
-      head dim K of the projected queries and keys (scale [K], no bias, epsilon 1e-6), params
-      `query_ln` and `key_ln`; applied before rotary and the cache.
+    normalize_qk: flax.linen's `normalize_qk` (ViT-22B, arXiv:2302.05442): True for LayerNorm
+      over the head dim K of the projected queries and keys (scale [K], no bias, epsilon 1e-6),
+      params `query_ln` and `key_ln`; or a `flax_mha.Norm` for another kind (RMSNorm: Qwen3,
+      OLMo 2; Gemma 3's (1 + scale)), under the same names; applied before rotary and the cache.
     attention_options: a `flax_mha.AttentionOptions`, this layer's own options (soft cap, window,
       sink tokens, rotary, learned sinks): see there.
     logit_soft_cap, local_window_size, sink_tokens, rotary_max_wavelength, learned_sinks: the
@@ -59,6 +62,7 @@ class MultiHeadAttention(nn.Module):
   v_features: int | None = None
   dropout_rate: float = 0.0
   use_bias: bool = True
+  out_use_bias: bool | None = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
   precision: Any = None
@@ -67,7 +71,7 @@ class MultiHeadAttention(nn.Module):
   bias_init: Initializer = nn.initializers.zeros_init()
   implementation: str | Callable | None = None
   decode: bool = False
-  normalize_qk: bool = False
+  normalize_qk: bool | Norm = False
   # Aliases of attention_options' fields (flax_mha.nn.options.ALIASES), for existing code.
   logit_soft_cap: float | None = None
   local_window_size: int | tuple[int, int] | None = None
@@ -175,7 +179,7 @@ class MultiHeadAttention(nn.Module):
       if width % h:
         raise ValueError(f"{name}={width} must be divisible by num_heads={h}")
     checks.check_rate("dropout_rate", self.dropout_rate)
-    shared.check_rotary(self.options.rotary_max_wavelength, qkv, h)
+    shared.check_rotary(self.options.rotary, qkv, h)
 
   def project_qkv(self, inputs_q, inputs_k, inputs_v):
     """query [..., T, H, K], key [..., S, G, K], value [..., S, G, V] (query/key normalised)."""
@@ -187,10 +191,9 @@ class MultiHeadAttention(nn.Module):
     query_THK = dense(features=(h, k_dim), name="query")(inputs_q)
     key_SGK = dense(features=(g, k_dim), name="key")(inputs_k)
     value_SGV = dense(features=(g, v_dim), name="value")(inputs_v)
-    if self.normalize_qk:
-      # epsilon spelled out: flax's normalize_qk uses LayerNorm's default, 1e-6.
-      norm = functools.partial(nn.LayerNorm, epsilon=1e-6, use_bias=False, dtype=self.dtype,
-                               param_dtype=self.param_dtype)
+    norm = qk_norm(self.normalize_qk)
+    if norm is not None:
+      norm = functools.partial(make_norm, norm, dtype=self.dtype, param_dtype=self.param_dtype)
       query_THK = norm(name="query_ln")(query_THK)
       key_SGK = norm(name="key_ln")(key_SGK)
     return query_THK, key_SGK, value_SGV
@@ -202,7 +205,8 @@ class MultiHeadAttention(nn.Module):
         features=self.out_features or in_features, axis=(-2, -1),
         dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.out_kernel_init or self.kernel_init, bias_init=self.bias_init,
-        use_bias=self.use_bias, precision=self.precision, name="out")(out_THV)
+        use_bias=self.use_bias if self.out_use_bias is None else self.out_use_bias,
+        precision=self.precision, name="out")(out_THV)
 
   def sink_logits(self):
     """The learned sink logits [H] (None without `learned_sinks`)."""
@@ -250,6 +254,30 @@ class MultiHeadAttention(nn.Module):
           f"dropout_rate={self.dropout_rate} with deterministic=False needs a dropout_rng "
           "argument or a 'dropout' rng stream (apply(..., rngs={'dropout': key})), got neither")
     return self.make_rng("dropout") if dropout_rng is None else dropout_rng
+
+
+class RMSNorm(nn.Module):
+  """A `Norm` of the RMS kinds over the last axis: param 'scale' [D] (ones at init, zeros for
+  Gemma's one-plus kind); float32 inside, `dtype` out (default the input's)."""
+  norm: Norm
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    one_plus = self.norm.kind == "rms_one_plus"
+    init = nn.initializers.zeros_init() if one_plus else nn.initializers.ones_init()
+    scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
+    return shared.rms_norm(x, scale, epsilon=self.norm.epsilon, one_plus=one_plus,
+                           dtype=self.dtype)
+
+
+def make_norm(norm: Norm, *, dtype=None, param_dtype=jnp.float32, name=None) -> nn.Module:
+  """The linen layer of `norm`: flax's `LayerNorm` for kind "layer", else `RMSNorm`."""
+  if norm.kind == "layer":
+    return nn.LayerNorm(epsilon=norm.epsilon, use_bias=norm.use_bias, dtype=dtype,
+                        param_dtype=param_dtype, name=name)
+  return RMSNorm(norm, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 class SelfAttention(MultiHeadAttention):

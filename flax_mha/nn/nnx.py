@@ -37,7 +37,7 @@ from flax import traverse_util
 
 from flax_mha import checks
 from flax_mha.nn import shared
-from flax_mha.nn.options import ALIASES, AttentionOptions
+from flax_mha.nn.options import ALIASES, AttentionOptions, Norm, qk_norm
 from flax_mha import sharding
 from flax_mha.attention import check_implementation
 
@@ -74,14 +74,18 @@ class MultiHeadAttention(nnx.Module):
     in_v_features: width of inputs_v (default in_kv_features).
     dtype, param_dtype, precision: as in `flax.nnx.MultiHeadAttention`.
     use_bias, kernel_init, out_kernel_init, bias_init, out_bias_init: likewise.
+    out_use_bias: the output projection's bias when it differs from use_bias (Qwen2: biases in
+      query, key and value only); None follows use_bias.
     dropout_rate: dropout on the attention weights, in [0, 1).
     deterministic: default of the call argument (needed when dropout_rate > 0); `eval()`,
       `train()` and `nnx.view` set it.
     implementation: None, a name in `flax_mha.IMPLEMENTATIONS` or a callable, passed to
       `flax_mha.dot_product_attention`.
     decode: default of the call argument: KV-cache decoding after `init_cache`.
-    normalize_qk: LayerNorm over K of the projected queries and keys (scale [K], no bias,
-      epsilon 1e-6), `query_ln`/`key_ln` as in flax; applied before rotary and the cache.
+    normalize_qk: True for LayerNorm over K of the projected queries and keys (scale [K], no
+      bias, epsilon 1e-6), `query_ln`/`key_ln` as in flax; or a `flax_mha.Norm` of another
+      kind (RMSNorm, Gemma's one-plus), under the same names; applied before rotary and the
+      cache.
     attention_options: a `flax_mha.AttentionOptions`, this layer's own options (soft cap, window,
       sink tokens, rotary, learned sinks): see there.
     logit_soft_cap, local_window_size, sink_tokens, rotary_max_wavelength, learned_sinks: the
@@ -101,8 +105,9 @@ class MultiHeadAttention(nnx.Module):
                out_kernel_init: Initializer | None = None,
                bias_init: Initializer = nnx.initializers.zeros_init(),
                out_bias_init: Initializer | None = None, use_bias: bool = True,
+               out_use_bias: bool | None = None,
                implementation: str | Callable | None = None, decode: bool = False,
-               normalize_qk: bool = False, logit_soft_cap: float | None = None,
+               normalize_qk: bool | Norm = False, logit_soft_cap: float | None = None,
                local_window_size: int | tuple[int, int] | None = None,
                rotary_max_wavelength: float | None = None, sink_tokens: int = 0,
                learned_sinks: bool = False, attention_options: AttentionOptions | None = None,
@@ -126,7 +131,7 @@ class MultiHeadAttention(nnx.Module):
     self.head_dim = self.qkv_features // num_heads  # K, named as flax names it
     self.v_head_dim = self.v_features // num_heads  # V
     checks.check_rate("dropout_rate", dropout_rate)
-    shared.check_rotary(self.options.rotary_max_wavelength, self.qkv_features, num_heads)
+    shared.check_rotary(self.options.rotary, self.qkv_features, num_heads)
     check_implementation(implementation)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
@@ -142,11 +147,14 @@ class MultiHeadAttention(nnx.Module):
     self.query = linear("query", self.in_features, (h, k), kernel_init, bias_init)
     self.key = linear("key", self.in_kv_features, (g, k), kernel_init, bias_init)
     self.value = linear("value", self.in_v_features, (g, v), kernel_init, bias_init)
-    norm = functools.partial(_qk_norm, k, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    norm = qk_norm(normalize_qk)
+    norm = functools.partial(_qk_norm, k, norm=norm, dtype=dtype, param_dtype=param_dtype,
+                             rngs=rngs)
     self.query_ln = norm("query_ln") if normalize_qk else _data(None)
     self.key_ln = norm("key_ln") if normalize_qk else _data(None)
+    self.out_use_bias = use_bias if out_use_bias is None else out_use_bias
     self.out = linear("out", (h, v), self.out_features, out_kernel_init or kernel_init,
-                      out_bias_init or bias_init, axis=(-2, -1))
+                      out_bias_init or bias_init, axis=(-2, -1), use_bias=self.out_use_bias)
     self.sinks = _data(None)
     if self.options.learned_sinks:  # zeros at init, as a linen module's 'sinks' param
       init = _partitioned(nnx.initializers.zeros_init(), "sinks", 1)
@@ -365,8 +373,8 @@ def nnx_to_linen_params(module: MultiHeadAttention) -> dict:
   for name in PROJECTIONS:
     layer = getattr(module, name)
     params[name] = {"kernel": layer.kernel[...]}
-    if module.use_bias:  # without, flax 0.10 keeps Param(None), later flax None
-      params[name]["bias"] = layer.bias[...]
+    if module.out_use_bias if name == "out" else module.use_bias:
+      params[name]["bias"] = layer.bias[...]  # without, flax 0.10 keeps Param(None), later None
   for name in QK_NORMS if module.normalize_qk else ():
     params[name] = {"scale": getattr(module, name).scale[...]}
   if module.sinks is not None:
@@ -384,10 +392,43 @@ def _linear(name, in_features, out_features, kernel_init, bias_init, *, axis=-1,
       bias_init=_partitioned(bias_init, f"{name}/bias", len(out)), **kwargs)
 
 
-def _qk_norm(head_dim: int, name: str, **kwargs) -> nnx.LayerNorm:
-  """flax's normalize_qk LayerNorm over K: scale only, epsilon 1e-6 (its default, spelled out)."""
-  scale_init = _partitioned(nnx.initializers.ones_init(), f"{name}/scale", 1)
-  return nnx.LayerNorm(head_dim, epsilon=1e-6, use_bias=False, scale_init=scale_init, **kwargs)
+def _qk_norm(head_dim: int, name: str, *, norm: Norm, **kwargs) -> nnx.Module:
+  """The qk-norm over K (flax's: LayerNorm, scale only, epsilon 1e-6)."""
+  return make_norm(norm, head_dim, partition=_partitioned_as(f"{name}/scale"), **kwargs)
+
+
+class RMSNorm(nnx.Module):
+  """A `Norm` of the RMS kinds over the last axis: param 'scale' [D] (ones at init, zeros for
+  Gemma's one-plus kind); float32 inside, `dtype` out (default the input's)."""
+
+  def __init__(self, norm: Norm, num_features: int, *, dtype=None, param_dtype=jnp.float32,
+               scale_init=None, rngs: nnx.Rngs):
+    self.norm, self.dtype = norm, dtype
+    one_plus = norm.kind == "rms_one_plus"
+    init = scale_init or (nnx.initializers.zeros_init() if one_plus else
+                          nnx.initializers.ones_init())
+    self.scale = nnx.Param(init(rngs.params(), (num_features,), param_dtype))
+
+  def __call__(self, x):
+    return shared.rms_norm(x, self.scale[...], epsilon=self.norm.epsilon,
+                           one_plus=self.norm.kind == "rms_one_plus", dtype=self.dtype)
+
+
+def make_norm(norm: Norm, num_features: int, *, partition=lambda init: init, **kwargs):
+  """The NNX layer of `norm`: `nnx.LayerNorm` for kind "layer", else `RMSNorm`; `partition`
+  annotates the scale's initialiser (e.g. with logical axes)."""
+  one_plus = norm.kind == "rms_one_plus"
+  scale_init = partition(nnx.initializers.zeros_init() if one_plus else
+                         nnx.initializers.ones_init())
+  if norm.kind == "layer":
+    return nnx.LayerNorm(num_features, epsilon=norm.epsilon, use_bias=norm.use_bias,
+                         scale_init=scale_init, **kwargs)
+  return RMSNorm(norm, num_features, scale_init=scale_init, **kwargs)
+
+
+def _partitioned_as(path: str):
+  """`_partitioned` for a 1-d parameter at `path`, as a function of the initialiser."""
+  return lambda init: _partitioned(init, path, 1)
 
 
 def _partitioned(init: Initializer, path: str, ndim: int) -> Initializer:

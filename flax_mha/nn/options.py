@@ -17,6 +17,7 @@ import dataclasses
 
 from flax_mha import call_options
 from flax_mha import checks
+from flax_mha.rotary import Rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +36,18 @@ class AttentionOptions:
       the cache write. Needs an even qk head dim K.
     learned_sinks: a learned sink logit per query head (param 'sinks' [H], zeros at init) that
       joins every row's softmax without a value (gpt-oss).
+    rope: a `flax_mha.rotary.Rope` (scaled frequencies, a rotated fraction of K, interleaved
+      pairs: Hugging Face's variants), the fuller spelling of rotary_max_wavelength (give one
+      of the two): queries and keys are rotated by it before the cache write.
+    scale: the logits' scale, None for 1/sqrt(K) (Gemma 2 and 3: query_pre_attn_scalar**-0.5).
   """
   logit_soft_cap: float | None = None
   local_window_size: int | tuple[int, int] | None = None
   sink_tokens: int = 0
   rotary_max_wavelength: float | None = None
   learned_sinks: bool = False
+  rope: Rope | None = None
+  scale: float | None = None
 
   def __post_init__(self):
     checks.check_positive_real("logit_soft_cap", self.logit_soft_cap, optional=True)
@@ -51,11 +58,30 @@ class AttentionOptions:
                                optional=True)
     if not isinstance(self.learned_sinks, bool):
       raise TypeError(f"learned_sinks must be a bool, got {type(self.learned_sinks).__name__}")
+    if self.rope is not None and not isinstance(self.rope, Rope):
+      raise TypeError(f"rope must be a flax_mha.rotary.Rope or None, got "
+                      f"{type(self.rope).__name__}")
+    if self.rope is not None and self.rotary_max_wavelength is not None:
+      raise ValueError(f"give rotary_max_wavelength or rope, not both: rope carries "
+                       f"max_wavelength={self.rope.max_wavelength}, got rotary_max_wavelength="
+                       f"{self.rotary_max_wavelength}")
+    checks.check_positive_real("scale", self.scale, optional=True)
+
+  @property
+  def rotary(self) -> Rope | None:
+    """The rotation queries and keys get: `rope`, Rope(rotary_max_wavelength), or None."""
+    if self.rope is not None or self.rotary_max_wavelength is None:
+      return self.rope
+    return Rope(self.rotary_max_wavelength)
 
   def keywords(self) -> dict:
     """The fields that are `dot_product_attention` keyword options, by name: every one the
-    record holds (a cache path places the window and sink tokens as its cache needs)."""
-    return {name: getattr(self, name) for name in _FIELDS if name in call_options.OPTIONS}
+    record holds (a cache path places the window and sink tokens as its cache needs), and the
+    scale when one is set."""
+    keywords = {name: getattr(self, name) for name in _FIELDS if name in call_options.OPTIONS}
+    if self.scale is not None:
+      keywords["scale"] = self.scale
+    return keywords
 
   @classmethod
   def resolve(cls, record: "AttentionOptions | None", **aliases) -> "AttentionOptions":
@@ -79,3 +105,51 @@ _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Attention
 # New options are fields only, reached through `attention_options=`.
 ALIASES = ("logit_soft_cap", "local_window_size", "sink_tokens", "rotary_max_wavelength",
            "learned_sinks")
+
+
+NORM_KINDS = ("layer", "rms", "rms_one_plus")
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+  """A normalisation's kind, epsilon and bias: the model norms of `flax_mha.models.LMConfig` and
+  the modules' qk-norm (`normalize_qk=Norm(...)`). Its parameter is 'scale' [D] in every kind
+  (and 'bias' for a LayerNorm with use_bias).
+
+  Attributes:
+    kind: "layer": LayerNorm, (x - mean) / std · scale + bias (flax's `LayerNorm`; GPT-2);
+      "rms": RMSNorm, x / rms(x) · scale, scale ones at init (Llama, Mistral, Qwen);
+      "rms_one_plus": Gemma's RMSNorm, x / rms(x) · (1 + scale), scale zeros at init.
+      The RMS kinds compute in float32 and cast the result to the layer's dtype, as Hugging
+      Face's do.
+    epsilon: added to the variance (or mean square) before the root, a number > 0.
+    use_bias: a LayerNorm's bias (None: True for a LayerNorm; the RMS kinds have none).
+  """
+  kind: str = "layer"
+  epsilon: float = 1e-6
+  use_bias: bool | None = None
+
+  def __post_init__(self):
+    if self.kind not in NORM_KINDS:
+      raise ValueError(f"Norm.kind must be one of {NORM_KINDS}, got {self.kind!r}")
+    checks.check_positive_real("Norm.epsilon", self.epsilon)
+    if self.use_bias is None:
+      object.__setattr__(self, "use_bias", self.kind == "layer")
+    if not isinstance(self.use_bias, bool):
+      raise TypeError(f"Norm.use_bias must be a bool, got {type(self.use_bias).__name__}")
+    if self.use_bias and self.kind != "layer":
+      raise ValueError(f"Norm.use_bias is a LayerNorm's: kind {self.kind!r} has no bias")
+
+
+# flax's normalize_qk=True: LayerNorm over K with a scale only, epsilon 1e-6.
+FLAX_QK_NORM = Norm("layer", 1e-6, use_bias=False)
+
+
+def qk_norm(normalize_qk) -> Norm | None:
+  """The Norm of the modules' `normalize_qk` (False: None; True: flax's LayerNorm; a Norm)."""
+  if isinstance(normalize_qk, Norm):
+    return normalize_qk
+  if not isinstance(normalize_qk, bool):
+    raise TypeError(f"normalize_qk must be a bool or a flax_mha.Norm, got "
+                    f"{type(normalize_qk).__name__}")
+  return FLAX_QK_NORM if normalize_qk else None

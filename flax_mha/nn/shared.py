@@ -37,6 +37,16 @@ PARAM_AXES = (
 )
 
 
+def rms_norm(x, scale, *, epsilon: float, one_plus: bool, dtype=None):
+  """x / sqrt(mean(x², last axis) + epsilon) · scale (or · (1 + scale), Gemma's), computed in
+  float32 (float64 for float64 x) and cast to `dtype` (default x's), as Hugging Face's RMSNorms."""
+  compute = jnp.promote_types(x.dtype, jnp.float32)
+  xc = x.astype(compute)
+  normed = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + epsilon)
+  scale = scale.astype(compute)
+  return (normed * (1 + scale if one_plus else scale)).astype(dtype or x.dtype)
+
+
 def resolve_inputs(inputs_q, inputs_k, inputs_v):
   """(inputs_k, inputs_v, keys_from_q) with flax's defaults, checked.
 
@@ -66,16 +76,19 @@ def check_inputs(inputs_q, inputs_k, inputs_v):
                      slice(-2, -1), "share the length S")
 
 
-def check_rotary(wavelength, qkv_features: int, num_heads: int) -> None:
-  """rotary_max_wavelength (None: off) is a positive finite Python number, with an even K."""
-  if checks.check_positive_real("rotary_max_wavelength", wavelength, optional=True) is None:
+def check_rotary(rope, qkv_features: int, num_heads: int) -> None:
+  """The layer's rotation (a `Rope`, or None: off) fits its qk head dim K: an even rotated
+  width."""
+  if rope is None:
     return
   k = qkv_features // num_heads
-  if k % 2:
+  try:
+    rope.rotated_width(k)
+  except ValueError as e:
     raise ValueError(
-        "rotary_max_wavelength needs an even qk head dim K = qkv_features / num_heads "
-        "(the rotation pairs feature i with i + K/2), got "
-        f"K={k} (qkv_features={qkv_features}, num_heads={num_heads})")
+        "rotary_max_wavelength needs an even qk head dim K = qkv_features / num_heads (the "
+        "rotation pairs features; with a `rope`, an even rotated width int(K * fraction)), got "
+        f"K={k} (qkv_features={qkv_features}, num_heads={num_heads}): {e}") from None
 
 
 def check_call(*, decode: bool, rotary: bool, q_segment_ids, kv_segment_ids, q_positions,
@@ -90,12 +103,12 @@ def check_call(*, decode: bool, rotary: bool, q_segment_ids, kv_segment_ids, q_p
   for name, x in (("q_positions", q_positions), ("kv_positions", kv_positions)):
     if x is not None:
       raise ValueError(
-          f"{name} was given but rotary_max_wavelength is None: positions are only used "
-          "by the rotary embedding; set rotary_max_wavelength (e.g. 10_000.0)")
+          f"{name} was given but rotary_max_wavelength is None (and so is rope): positions are "
+          "only used by the rotary embedding; set rotary_max_wavelength (e.g. 10_000.0)")
 
 
 def rotate(query_THK, key_SGK, q_positions, kv_positions, *, keys_from_q: bool, start,
-           max_wavelength: float):
+           rope):
   """query [..., T, H, K] and key [..., S, G, K] rotated at their positions.
 
   Defaults: queries at start + arange(T) (start is the cache index when decoding, else 0);
@@ -107,7 +120,7 @@ def rotate(query_THK, key_SGK, q_positions, kv_positions, *, keys_from_q: bool, 
     kv_positions = q_positions if keys_from_q else start + jnp.arange(key_SGK.shape[-3])
   _check_positions("q_positions", q_positions, query_THK.shape[:-2], "[..., T]")
   _check_positions("kv_positions", kv_positions, key_SGK.shape[:-2], "[..., S]")
-  rotate_at = functools.partial(apply_rotary, max_wavelength=max_wavelength)
+  rotate_at = functools.partial(apply_rotary, rope=rope)
   return rotate_at(query_THK, q_positions), rotate_at(key_SGK, kv_positions)
 
 
@@ -323,7 +336,7 @@ def forward(front: FrontEnd, inputs_q, inputs_k, inputs_v, *, mask, bias, is_cau
   inputs_k, inputs_v, keys_from_q = resolve_inputs(inputs_q, inputs_k, inputs_v)
   front.check_attributes(inputs_q, inputs_k, inputs_v)
   opts = front.options
-  rotary = opts.rotary_max_wavelength
+  rotary = opts.rotary
   check_call(decode=decode, rotary=rotary is not None or cache is not None,
              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
              q_positions=q_positions, kv_positions=kv_positions)
@@ -338,7 +351,7 @@ def forward(front: FrontEnd, inputs_q, inputs_k, inputs_v, *, mask, bias, is_cau
   if rotary is not None:
     query_THK, key_SGK = rotate(
         query_THK, key_SGK, q_positions, kv_positions, keys_from_q=keys_from_q,
-        start=front.decode_start() if decode and cache is None else 0, max_wavelength=rotary)
+        start=front.decode_start() if decode and cache is None else 0, rope=rotary)
   mask = as_bool_mask(mask)
   options = dict(implementation=front.implementation, dropout_rate=front.dropout_rate,
                  dropout_rng=dropout_rng, sinks=front.sink_logits(), **opts.keywords())
