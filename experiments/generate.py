@@ -10,6 +10,11 @@ the Transformer answers a source, the LM continues `prompt BOS`. Greedy by defau
 --temperature, --top_k or --top_p it samples, reproducibly for a --seed. Decoding stops at EOS
 or after --max_new_tokens (default: the length the run's held-out answers were decoded with).
 A checkpoint saved with another model, task or seed than config.json says is refused by name.
+
+A Hugging Face checkpoint directory generates text the same way (experiments/generate_hf.py):
+
+  python -m experiments.generate --checkpoint path/to/llama --prompt "Once upon a time" \
+      --max_new_tokens 64 [--serve --batch_size 4] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import sys
 import jax
 from absl import app, flags, logging
 
-from experiments import checkpoints, run_config, train
+from experiments import checkpoints, generate_hf, run_config, train
 from experiments.tasks import EOS
 from flax_mha.models import decoding
 
@@ -82,15 +87,32 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
+  if (f.workdir is None) == (f.checkpoint is None):
+    raise app.UsageError("give one of --workdir (a training run) and --checkpoint (a Hugging "
+                         "Face checkpoint directory)")
   try:
+    if f.checkpoint is not None:
+      generate_hf.generate(
+          f.checkpoint, f.prompt, max_new_tokens=f.max_new_tokens or 32,
+          sampler=sampler_from(f.temperature, f.top_k, f.top_p), seed=f.seed, serve=f.serve,
+          batch_size=f.batch_size, page_size=f.page_size, dtype=f.dtype)
+      return
     generate(f.workdir, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens,
              temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed)
-  except (run_config.ConfigMismatch, PromptError) as e:
+  except (run_config.ConfigMismatch, ValueError, FileNotFoundError) as e:  # PromptError too
     sys.exit(f"error: {e}")  # the reason alone: no traceback to read it in
 
 
 if __name__ == "__main__":  # flags only here: importing this module defines none
   flags.DEFINE_string("workdir", None, "a training run's workdir (experiments.train)")
+  flags.DEFINE_string("checkpoint", None, "a Hugging Face checkpoint directory (config.json, "
+                      "safetensors, tokenizer.json) instead of a workdir")
+  flags.DEFINE_boolean("serve", False, "with --checkpoint: continuous batching (serving.serve) "
+                       "instead of one batch (decoding.generate)")
+  flags.DEFINE_integer("batch_size", 4, "with --serve: rows decoded at once", lower_bound=1)
+  flags.DEFINE_integer("page_size", 16, "with --serve: tokens per cache page", lower_bound=1)
+  flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "with --checkpoint: the parameters' "
+                    "and computation's dtype (default: the checkpoint's)")
   flags.DEFINE_multi_string("prompt", None, "text to answer; repeat for several")
   flags.DEFINE_integer("samples", 1, "continuations per prompt", lower_bound=1)
   flags.DEFINE_integer("max_new_tokens", None, "tokens at most per continuation (default: the "
@@ -101,5 +123,5 @@ if __name__ == "__main__":  # flags only here: importing this module defines non
   flags.DEFINE_float("top_p", None, "sample from the nucleus of this probability", lower_bound=0.0,
                      upper_bound=1.0)
   flags.DEFINE_integer("seed", 0, "the sampling seed (same seed, same samples)")
-  flags.mark_flags_as_required(["workdir", "prompt"])
+  flags.mark_flags_as_required(["prompt"])
   app.run(main)

@@ -32,17 +32,26 @@ def test_lazy_names_are_the_front_ends_and_models():
 
 def test_the_dependencies_are_what_the_library_imports():
   """pyproject's [project] dependencies name jax, jaxlib and flax, and flax_mha imports nothing
-  else outside the standard library (numpy comes with jax; jaxlib is what jax runs on). Optax,
-  ml_collections and chex are the experiments' and the tests' (their extras)."""
+  else outside the standard library (numpy comes with jax; jaxlib is what jax runs on), but for
+  the Hugging Face loader, which imports its own extra. Optax, ml_collections and chex are the
+  experiments' and the tests' (their extras)."""
   project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
   declared = {re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in project["dependencies"]}
   assert declared == {"jax", "jaxlib", "flax"}, declared
-  imported = set()
+  # The Hugging Face loader alone also imports its extra, `hf` (safetensors, tokenizers).
+  hf_extra = {re.match(r"[A-Za-z0-9_.-]+", d).group(0)
+              for d in project["optional-dependencies"]["hf"]}
+  assert hf_extra == {"safetensors", "tokenizers"}, hf_extra
+  everything = set()
   for path in (ROOT / "flax_mha").rglob("*.py"):
+    imported = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
       if isinstance(node, ast.Import):
         imported.update(alias.name.split(".")[0] for alias in node.names)
       elif isinstance(node, ast.ImportFrom) and node.level == 0:
         imported.add(node.module.split(".")[0])
-  third_party = imported - set(sys.stdlib_module_names) - {"flax_mha"}
-  assert third_party == {"jax", "flax", "numpy"}, third_party
+    third_party = imported - set(sys.stdlib_module_names) - {"flax_mha"}
+    allowed = {"jax", "flax", "numpy"} | (hf_extra if path.name == "hf.py" else set())
+    assert third_party <= allowed, (path, third_party - allowed)
+    everything |= third_party
+  assert everything == {"jax", "flax", "numpy"} | hf_extra, everything

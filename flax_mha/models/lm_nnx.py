@@ -10,38 +10,60 @@ vocabulary.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
+
 from flax import nnx
 
 from flax_mha import checks
 from flax_mha.models import tokens as tokens_lib
 from flax_mha.models import lm
 from flax_mha.models.lm import LMConfig
-from flax_mha.nn.nnx import SelfAttention
+from flax_mha.nn.nnx import SelfAttention, make_norm
 
 
 class Block(nnx.Module):
-  """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)), as `flax_mha.models.lm.Block`."""
+  """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)) (post_norms: each branch's output
+  normalised too), as `flax_mha.models.lm.Block`."""
 
   def __init__(self, cfg: LMConfig, local: bool, *, rngs: nnx.Rngs):
-    d = cfg.d_model
-    self.attention_norm = nnx.LayerNorm(d, dtype=cfg.dtype, rngs=rngs)
+    d, f = cfg.d_model, cfg.d_ff
+    norm = lambda: make_norm(cfg.norm, d, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                             rngs=rngs)
+    dense = functools.partial(nnx.Linear, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                              use_bias=cfg.mlp_bias, rngs=rngs)
+    self.config, self.mlp_kind = cfg, cfg.mlp
+    self.attention_norm = norm()
     self.attention = SelfAttention(
-        cfg.num_heads, d, num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype, use_bias=False,
-        normalize_qk=cfg.normalize_qk, attention_options=cfg.attention_options(local),
+        cfg.num_heads, d, qkv_features=cfg.num_heads * cfg.k_dim, out_features=d,
+        num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        use_bias=cfg.qkv_bias, out_use_bias=cfg.out_bias, normalize_qk=cfg.normalize_qk,
+        attention_options=cfg.attention_options(local),
         implementation=cfg.attention_implementation, rngs=rngs)
-    self.mlp_norm = nnx.LayerNorm(d, dtype=cfg.dtype, rngs=rngs)
-    self.mlp_in = nnx.Linear(d, cfg.d_ff, dtype=cfg.dtype, rngs=rngs)
-    self.mlp_out = nnx.Linear(cfg.d_ff, d, dtype=cfg.dtype, rngs=rngs)
+    self.mlp_norm = norm()
+    if cfg.mlp != "gelu":
+      self.mlp_gate = dense(d, f)
+    self.mlp_in = dense(d, f)
+    self.mlp_out = dense(f, d)
+    if cfg.post_norms:
+      self.post_attention_norm, self.post_mlp_norm = norm(), norm()
+
+  def mlp(self, h):
+    """As the linen Block's: gelu(h·in)·out, or act(h·gate) * (h·in) then ·out."""
+    if self.mlp_kind == "gelu":
+      return self.mlp_out(nnx.gelu(self.mlp_in(h)))
+    act = nnx.silu if self.mlp_kind == "swiglu" else nnx.gelu
+    return self.mlp_out(act(self.mlp_gate(h)) * self.mlp_in(h))
 
   def __call__(self, x, segment_ids, positions, cache=None):
     """x [B, L, D] -> (x, this layer's updated cache, or None without one)."""
+    post = lambda name, h: getattr(self, name)(h) if hasattr(self, name) else h
     h = self.attention(self.attention_norm(x), is_causal=cache is None,
-                       segment_ids=segment_ids, positions=positions, cache=cache)
+                       segment_ids=segment_ids,
+                       positions=self.config.attention_positions(positions, cache), cache=cache)
     if cache is not None:
       h, cache = h
-    x = x + h
-    return x + self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x)))), cache
+    x = x + post("post_attention_norm", h)
+    return x + post("post_mlp_norm", self.mlp(self.mlp_norm(x))), cache
 
 
 class DecoderLM(lm.Decodable, nnx.Module):
@@ -54,11 +76,19 @@ class DecoderLM(lm.Decodable, nnx.Module):
       raise ValueError(f"the NNX DecoderLM has no dropout or remat: LMConfig.dropout_rate must "
                        f"be 0 and remat 'none', got {config.dropout_rate} and {config.remat!r}")
     self.config = config
-    self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=config.dtype,
-                           embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
+    table = functools.partial(nnx.Embed, features=config.d_model, dtype=config.dtype,
+                              param_dtype=config.param_dtype,
+                              embedding_init=nnx.initializers.normal(stddev=1.0), rngs=rngs)
+    self.embed = table(config.vocab_size)
+    if config.positions == "learned":
+      self.position_embed = table(config.max_positions)
     for i in range(config.num_layers):  # named as the linen model's blocks
       setattr(self, f"block_{i}", Block(config, config.is_local(i), rngs=rngs))
-    self.final_norm = nnx.LayerNorm(config.d_model, dtype=config.dtype, rngs=rngs)
+    self.final_norm = make_norm(config.norm, config.d_model, dtype=config.dtype,
+                                param_dtype=config.param_dtype, rngs=rngs)
+    if not config.tie_embeddings:
+      self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
+                                dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, cache=None):
     cfg = self.config
@@ -66,14 +96,16 @@ class DecoderLM(lm.Decodable, nnx.Module):
     checks.check_concrete_token_ids("tokens", tokens, cfg.vocab_size)
     if cache is None:
       segment_ids, positions = lm.one_document(tokens, segment_ids, positions)
-    scale = jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
-    x = tokens_lib.embed(self.embed, tokens, cfg.vocab_size).astype(cfg.dtype) * scale
+    x = lm.embed_tokens(cfg, self.embed, tokens, positions,
+                        getattr(self, "position_embed", None))
     caches = []
     for i in range(cfg.num_layers):
       x, layer_cache = getattr(self, f"block_{i}")(
           x, segment_ids, positions, None if cache is None else cache[i])
       caches.append(layer_cache)
-    logits_BLC = (self.embed.attend(self.final_norm(x)) / scale).astype(jnp.float32)
+    x = self.final_norm(x)
+    logits_BLC = lm.output_logits(
+        cfg, self.embed.attend(x) if cfg.tie_embeddings else self.lm_head(x))
     return logits_BLC if cache is None else (logits_BLC, tuple(caches))
 
 

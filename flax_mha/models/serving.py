@@ -281,7 +281,7 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
   out, peak = (np.asarray(x) for x in _serve(plan, params, padded, lengths, limit_arr,
                                               len(prompts), rng))
   seconds = time.perf_counter() - start
-  outputs = [_until_stop(out[i, :limit], stop_tokens) for i, limit in enumerate(limits)]
+  outputs = [until_stop(out[i, :limit], stop_tokens) for i, limit in enumerate(limits)]
   return outputs, ServeStats(sum(map(len, outputs)), seconds, int(peak[0]), page_size,
                              int(peak[1]), int(peak[2]))
 
@@ -322,7 +322,7 @@ def serve_static(model, params, prompts, max_new_tokens, *, batch_size: int, sto
         sampler=sampler, stop_tokens=tuple(stop_tokens), rng=rng))
     done = {}
     for row, i in enumerate(group):
-      done.setdefault(i, _until_stop(new[row, :limits[i]], stop_tokens))
+      done.setdefault(i, until_stop(new[row, :limits[i]], stop_tokens))
     outputs += [done[i] for i in sorted(done)]
   seconds = time.perf_counter() - start
   return outputs, ServeStats(sum(map(len, outputs)), seconds, 0, 0)
@@ -349,7 +349,8 @@ def _limits(max_new_tokens, n: int) -> list[int]:
   return [checks.check_int("max_new_tokens", m) for m in limits]
 
 
-def _until_stop(tokens, stop_tokens) -> list[int]:
+def until_stop(tokens, stop_tokens) -> list[int]:
+  """The ids of `tokens` up to and including the first stop token (all of them without one)."""
   out = []
   for token in tokens:
     out.append(int(token))

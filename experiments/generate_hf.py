@@ -1,0 +1,64 @@
+"""Generate text from a Hugging Face checkpoint directory: `python -m experiments.generate
+--checkpoint DIR --prompt TEXT` runs this (see experiments/generate.py for the flags).
+
+The directory holds config.json, the safetensors weights and tokenizer.json
+(`flax_mha.models.hf` loads them, without torch). The prompts are encoded by the tokenizer as
+it is configured (its post-processor adds a BOS token where the family's does), decoded
+greedily or by sampling through `flax_mha.models.decoding.generate` (all prompts in one batch),
+or with `serve=True` by continuous batching (`flax_mha.models.serving.serve`); a row stops at
+the checkpoint's end-of-sequence ids (generation_config.json, else config.json).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import numpy as np
+
+from flax_mha.models import decoding, hf, serving
+
+
+def generate(directory: str, prompts, *, max_new_tokens: int = 32, sampler=decoding.Greedy(),
+             seed: int = 0, serve: bool = False, batch_size: int = 4, page_size: int = 16,
+             dtype=None, out=sys.stdout) -> list[str]:
+  """Print each prompt with its continuation, then the new tokens per second (compilation
+  included: one run of the command); return the continuations' texts."""
+  model, variables = hf.load(directory, dtype=dtype)
+  tokenizer = hf.load_tokenizer(directory)
+  stops = hf.stop_tokens(directory)
+  ids = [tokenizer.encode(text).ids for text in prompts]
+  for text, row in zip(prompts, ids):
+    if not row:
+      raise ValueError(f"--prompt {text!r} encodes to no tokens")
+  rng = jax.random.key(seed)
+  start = time.perf_counter()
+  if serve:
+    longest = max(map(len, ids)) + max_new_tokens
+    num_pages = batch_size * -(-longest // page_size)
+    new, _ = serving.serve(model, variables, ids, max_new_tokens, batch_size=batch_size,
+                           page_size=page_size, num_pages=num_pages, stop_tokens=stops,
+                           sampler=sampler, rng=rng)
+  else:
+    new = _batch(model, variables, ids, max_new_tokens, sampler, stops, rng)
+  seconds = time.perf_counter() - start
+  texts = [tokenizer.decode(row, skip_special_tokens=True) for row in new]
+  for text, continuation in zip(prompts, texts):
+    out.write(f"{text}{continuation}\n")
+  count = sum(map(len, new))
+  out.write(f"{count} new tokens in {seconds:.2f} s ({count / seconds:.1f} tokens/s, "
+            f"compilation included)\n")
+  return texts
+
+
+def _batch(model, variables, ids, max_new_tokens, sampler, stops, rng) -> list[list[int]]:
+  """`decoding.generate` of every prompt in one right-padded batch, each row cut after its
+  first stop token."""
+  prompts = np.zeros((len(ids), max(map(len, ids))), np.int32)
+  for row, prompt in enumerate(ids):
+    prompts[row, :len(prompt)] = prompt
+  tokens = np.asarray(decoding.generate(
+      model, variables, (prompts,), prompts, np.array([len(p) for p in ids], np.int32),
+      max_new_tokens=max_new_tokens, sampler=sampler, stop_tokens=stops, rng=rng))
+  return [serving.until_stop(row, stops) for row in tokens]

@@ -1,0 +1,298 @@
+"""Hugging Face checkpoints (safetensors) into flax_mha's decoder, without torch.
+
+  model, variables = hf.load("path/to/checkpoint")          # linen DecoderLM and its params
+  module = hf.load_nnx("path/to/checkpoint")                # the NNX DecoderLM, state loaded
+  tokens = flax_mha.models.decoding.generate(model, variables, (prompts,), prompts, lengths,
+                                             max_new_tokens=32)
+
+A checkpoint directory holds `config.json` and `model.safetensors`, or shards listed by
+`model.safetensors.index.json`. The family comes from config.json's model_type
+(`flax_mha.models.hf_config` turns the config into an `LMConfig`); the tensors are read one at
+a time from the memory-mapped files, each mapped by its family's table below (the checkpoint's
+name, our parameter paths, a transform as data), cast, and placed (on a mesh by the model's
+sharding rules, `flax_mha.models.lm.PARAM_AXES`), so the host holds about one tensor beyond
+what is placed. A tensor that no rule matches, a parameter that no tensor fills, and a tensor
+of the wrong shape are refused by name: nothing is guessed.
+
+Needs the `hf` extra (safetensors; tokenizers for `load_tokenizer`). Dimension key: D d_model,
+H heads, G kv heads, K head dim, F MLP width, C vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax import traverse_util
+
+from flax_mha import sharding as sharding_lib
+from flax_mha.models import lm
+from flax_mha.models import lm_nnx
+from flax_mha.models.hf_config import config_from_hf, family
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One checkpoint tensor `name` ({i}: a layer index) fills `targets`, our parameter paths
+  ('/'-joined, {i} likewise), through the transform named `transform` (TRANSFORMS)."""
+  name: str
+  targets: tuple[str, ...]
+  transform: str = "same"
+
+
+def _heads(n: str):
+  """[n·K, D] (torch's Linear [out, in]) -> [D, n, K]."""
+  return lambda x, c: (x.T.reshape(x.shape[1], getattr(c, n), -1),)
+
+
+def _split3(x, c):
+  """GPT-2's fused Conv1D [D, 3·H·K] (or bias [3·H·K]) -> query, key, value [D, H, K]
+  (biases [H, K])."""
+  return tuple(p.reshape(*p.shape[:-1], c.num_heads, -1) for p in np.split(x, 3, axis=-1))
+
+
+# name -> (checkpoint array [torch's layout], LMConfig) -> our arrays, one per target.
+TRANSFORMS = {
+    "same": lambda x, c: (x,),
+    "t": lambda x, c: (x.T,),  # torch's Linear [out, in] -> [in, out]
+    "q": _heads("num_heads"),
+    "kv": _heads("num_kv_heads"),
+    "o": lambda x, c: (x.T.reshape(c.num_heads, -1, x.shape[0]),),  # [D, H·K] -> [H, K, D]
+    "q_bias": lambda x, c: (x.reshape(c.num_heads, -1),),
+    "kv_bias": lambda x, c: (x.reshape(c.num_kv_heads, -1),),
+    "qkv": _split3,
+    "heads_in": lambda x, c: (x.reshape(c.num_heads, -1, x.shape[-1]),),  # [H·K, D] -> [H, K, D]
+}
+
+_LAYER = "model.layers.{i}."
+_BLOCK = "block_{i}/"
+_ATTN = _BLOCK + "attention/"
+
+
+def _llama_table(norms: dict[str, str], extra=()) -> tuple[Rule, ...]:
+  """The Llama-shaped tables: embeddings, q/k/v/o (with optional biases), the gated MLP, the
+  block norms named by `norms` (checkpoint name -> ours) and `extra` rules."""
+  attn = [Rule(_LAYER + f"self_attn.{p}_proj.weight", (_ATTN + f"{ours}/kernel",), t)
+          for p, ours, t in (("q", "query", "q"), ("k", "key", "kv"), ("v", "value", "kv"),
+                             ("o", "out", "o"))]
+  attn += [Rule(_LAYER + f"self_attn.{p}_proj.bias", (_ATTN + f"{ours}/bias",), t)
+           for p, ours, t in (("q", "query", "q_bias"), ("k", "key", "kv_bias"),
+                              ("v", "value", "kv_bias"), ("o", "out", "same"))]
+  mlp = [Rule(_LAYER + f"mlp.{p}_proj.weight", (_BLOCK + f"mlp_{ours}/kernel",), "t")
+         for p, ours in (("gate", "gate"), ("up", "in"), ("down", "out"))]
+  block_norms = [Rule(_LAYER + f"{theirs}.weight", (_BLOCK + f"{ours}/scale",))
+                 for theirs, ours in norms.items()]
+  return (Rule("model.embed_tokens.weight", ("embed/embedding",)),
+          Rule("model.norm.weight", ("final_norm/scale",)),
+          Rule("lm_head.weight", ("lm_head/kernel",), "t"),
+          *attn, *mlp, *block_norms, *extra)
+
+
+_LLAMA_NORMS = {"input_layernorm": "attention_norm", "post_attention_layernorm": "mlp_norm"}
+_GEMMA2_NORMS = {"input_layernorm": "attention_norm",
+                 "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "mlp_norm",
+                 "post_feedforward_layernorm": "post_mlp_norm"}
+_QK_NORMS = (Rule(_LAYER + "self_attn.q_norm.weight", (_ATTN + "query_ln/scale",)),
+             Rule(_LAYER + "self_attn.k_norm.weight", (_ATTN + "key_ln/scale",)))
+
+
+def _gpt2_table() -> tuple[Rule, ...]:
+  """GPT-2 (names without the `transformer.` prefix, which the loader strips): Conv1D weights
+  are [in, out] already."""
+  h = "h.{i}."
+  rules = [Rule("wte.weight", ("embed/embedding",)),
+           Rule("wpe.weight", ("position_embed/embedding",)),
+           Rule(h + "attn.c_attn.weight", tuple(_ATTN + f"{p}/kernel" for p in
+                                                ("query", "key", "value")), "qkv"),
+           Rule(h + "attn.c_attn.bias", tuple(_ATTN + f"{p}/bias" for p in
+                                              ("query", "key", "value")), "qkv"),
+           Rule(h + "attn.c_proj.weight", (_ATTN + "out/kernel",), "heads_in"),
+           Rule(h + "attn.c_proj.bias", (_ATTN + "out/bias",)),
+           Rule(h + "mlp.c_fc.weight", (_BLOCK + "mlp_in/kernel",)),
+           Rule(h + "mlp.c_fc.bias", (_BLOCK + "mlp_in/bias",)),
+           Rule(h + "mlp.c_proj.weight", (_BLOCK + "mlp_out/kernel",)),
+           Rule(h + "mlp.c_proj.bias", (_BLOCK + "mlp_out/bias",))]
+  for theirs, ours in (("h.{i}.ln_1", _BLOCK + "attention_norm"),
+                       ("h.{i}.ln_2", _BLOCK + "mlp_norm"), ("ln_f", "final_norm")):
+    rules += [Rule(f"{theirs}.weight", (f"{ours}/scale",)),
+              Rule(f"{theirs}.bias", (f"{ours}/bias",))]
+  return tuple(rules)
+
+
+TABLES = {
+    "gpt2": _gpt2_table(),
+    "llama": _llama_table(_LLAMA_NORMS),
+    "qwen2": _llama_table(_LLAMA_NORMS),
+    "qwen3": _llama_table(_LLAMA_NORMS, _QK_NORMS),
+    "gemma": _llama_table(_LLAMA_NORMS),
+    "gemma2": _llama_table(_GEMMA2_NORMS),
+    "gemma3": _llama_table(_GEMMA2_NORMS, _QK_NORMS),
+}
+# Buffers that older checkpoints saved beside the parameters (GPT-2's causal mask): skipped.
+IGNORED = {"gpt2": re.compile(r"h\.\d+\.attn\.(masked_)?bias")}
+_PREFIX = {"gpt2": "transformer."}
+
+
+def load(directory, *, dtype=None, mesh=None, **overrides):
+  """(the linen `DecoderLM`, its variables {'params': ...}) of the checkpoint in `directory`.
+
+  dtype: the parameters' and the computation's (default: the checkpoint's, so a bfloat16 one
+    stays bfloat16). mesh: a `jax.sharding.Mesh` (`flax_mha.sharding.make_mesh`): each
+    parameter is placed as the model's sharding rules say as it is read. overrides: other
+    `LMConfig` fields (e.g. attention_implementation).
+  """
+  directory = pathlib.Path(directory)
+  config = read_config(directory)
+  cfg = config_from_hf(config, dtype=dtype, **overrides)
+  model = lm.DecoderLM(cfg)
+  abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+  want = traverse_util.flatten_dict(abstract["params"], sep="/")
+  places = {}
+  if mesh is not None:
+    places = traverse_util.flatten_dict(
+        sharding_lib.shardings_for(abstract["params"], mesh, lm.PARAM_AXES), sep="/")
+  params = read_params(directory, family(config), cfg, want, places)
+  return model, {"params": traverse_util.unflatten_dict(params, sep="/")}
+
+
+def load_nnx(directory, *, dtype=None, mesh=None, **overrides) -> lm_nnx.DecoderLM:
+  """The NNX `DecoderLM` of the checkpoint in `directory`, its state loaded (arguments as
+  `load`'s); no random initialisation runs."""
+  model, variables = load(directory, dtype=dtype, mesh=mesh, **overrides)
+  module = nnx.eval_shape(lambda: lm_nnx.DecoderLM(model.config, rngs=nnx.Rngs(0)))
+  state = nnx.state(module, nnx.Param)
+  nnx.replace_by_pure_dict(state, variables["params"])
+  nnx.update(module, state)
+  return module
+
+
+def read_config(directory) -> dict:
+  """config.json of a checkpoint directory, as a dict."""
+  path = pathlib.Path(directory) / "config.json"
+  if not path.is_file():
+    raise FileNotFoundError(f"no config.json in {directory}: a checkpoint directory holds "
+                            "config.json and model.safetensors (or its shards and index)")
+  return json.loads(path.read_text(encoding="utf-8"))
+
+
+def tensor_files(directory) -> list[pathlib.Path]:
+  """The safetensors files of a checkpoint: the shards its index names, or model.safetensors."""
+  directory = pathlib.Path(directory)
+  index = directory / "model.safetensors.index.json"
+  if index.is_file():
+    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    return [directory / name for name in sorted(set(weight_map.values()))]
+  single = directory / "model.safetensors"
+  if not single.is_file():
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in "
+                            f"{directory} (torch .bin checkpoints are not read: no torch here)")
+  return [single]
+
+
+def read_params(directory, fam: str, cfg: lm.LMConfig, want: dict, places: dict) -> dict:
+  """{our path: array} for every path of `want` (path -> ShapeDtypeStruct), read tensor by
+  tensor through the family's table and placed by `places` (path -> sharding; default device
+  otherwise)."""
+  from safetensors import safe_open  # the `hf` extra: imported where it is used
+
+  rules = [(_pattern(rule.name), rule) for rule in TABLES[fam]]
+  got = {}
+  for path in tensor_files(directory):
+    with safe_open(str(path), framework="numpy") as f:
+      for name in f.keys():
+        short = name.removeprefix(_PREFIX.get(fam, ""))
+        if fam in IGNORED and IGNORED[fam].fullmatch(short):
+          continue
+        rule, layer = _rule_for(name, short, rules, fam)
+        targets = [target.replace("{i}", layer) for target in rule.targets]
+        for target, array in zip(targets, _transform(rule, f.get_tensor(name), name, targets,
+                                                     cfg, want)):
+          _place(got, target, array, name, want, places)
+  missing = sorted(set(want) - set(got))
+  if missing:
+    raise ValueError(f"the checkpoint in {directory} lacks tensors for {len(missing)} "
+                     f"parameters of its {fam} config, e.g. {missing[:6]} (each filled by "
+                     f"{_filled_by(missing[0], fam)})")
+  return got
+
+
+def _pattern(name: str) -> re.Pattern:
+  return re.compile(re.escape(name).replace(r"\{i\}", r"(\d+)"))
+
+
+def _rule_for(name: str, short: str, rules, fam: str):
+  """(the one rule matching tensor `short`, its layer index as a string)."""
+  hits = [(rule, m) for pattern, rule in rules if (m := pattern.fullmatch(short))]
+  if len(hits) != 1:
+    raise ValueError(f"tensor {name!r} matches {len(hits)} rules of the {fam} table "
+                     f"{[rule.name for rule, _ in hits]}: an unexpected tensor (a family this "
+                     "loader does not read, or an architecture variant it does not implement)")
+  rule, m = hits[0]
+  return rule, (m.group(1) if m.groups() else "")
+
+
+def _transform(rule: Rule, tensor, name: str, targets: list[str], cfg, want: dict):
+  """The rule's transform of `tensor`, a tensor that cannot take it refused by name."""
+  try:
+    return TRANSFORMS[rule.transform](tensor, cfg)
+  except ValueError as e:  # a reshape or split that the tensor's shape does not allow
+    wants = {t: tuple(want[t].shape) for t in targets if t in want}
+    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, which does not give "
+                     f"the parameters {wants} of its config ({e})") from None
+
+
+def _place(got: dict, target: str, array, name: str, want: dict, places: dict) -> None:
+  """Check `array` against the parameter `target`, cast it and place it in `got`."""
+  if target not in want:
+    raise ValueError(f"tensor {name!r} fills parameter {target!r}, which its config does not "
+                     "have: an unexpected tensor (e.g. an untied lm_head for tied embeddings, "
+                     "biases the config says are absent, a layer past num_hidden_layers)")
+  spec = want[target]
+  if tuple(array.shape) != tuple(spec.shape):
+    raise ValueError(f"tensor {name!r} gives parameter {target!r} shape {tuple(array.shape)}, "
+                     f"its config wants {tuple(spec.shape)}")
+  if target in got:
+    raise ValueError(f"parameter {target!r} is filled twice (again by {name!r})")
+  array = np.ascontiguousarray(array, dtype=spec.dtype)
+  got[target] = jax.device_put(array, places.get(target))
+
+
+def _filled_by(path: str, fam: str) -> str:
+  """The checkpoint tensor name that fills our parameter `path`, for error messages."""
+  layer = re.search(r"block_(\d+)/", path)
+  for rule in TABLES[fam]:
+    for target in rule.targets:
+      if re.sub(r"block_\d+/", "block_{i}/", path) == target:
+        return repr(_PREFIX.get(fam, "") + rule.name.replace("{i}", layer.group(1) if layer
+                                                              else "{i}"))
+  return "no rule"
+
+
+def load_tokenizer(directory):
+  """The `tokenizers.Tokenizer` of the checkpoint's tokenizer.json (the `hf` extra)."""
+  from tokenizers import Tokenizer  # the `hf` extra: imported where it is used
+
+  path = pathlib.Path(directory) / "tokenizer.json"
+  if not path.is_file():
+    raise FileNotFoundError(f"no tokenizer.json in {directory}")
+  return Tokenizer.from_file(str(path))
+
+
+def stop_tokens(directory) -> tuple[int, ...]:
+  """The end-of-sequence ids of generation_config.json, else config.json (eos_token_id: an int,
+  a list or absent)."""
+  directory = pathlib.Path(directory)
+  for name in ("generation_config.json", "config.json"):
+    path = directory / name
+    if path.is_file():
+      eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+      if eos is not None:
+        return tuple(eos) if isinstance(eos, list) else (eos,)
+  return ()

@@ -1,0 +1,161 @@
+"""Hugging Face configs (config.json) as `LMConfig`s: every supported family a preset of the one
+configurable decoder, `flax_mha.models.lm.DecoderLM`.
+
+Conventions, where the two libraries say one thing two ways:
+- transformers' `sliding_window=W` lets a query see itself and the W - 1 keys before it, so it is
+  `local_window=W - 1` here (flax_mha counts the keys before the query).
+- Rope scaling ("linear", "llama3", "yarn") reads `rope_parameters` (transformers 5) or
+  `rope_scaling` (4.x) through `flax_mha.rotary.Rope.from_hf`; any other type is refused by name.
+  Gemma 3's per-layer-type rope parameters give its local layers their own base.
+- Gemma's `hidden_act="gelu"` is its legacy spelling of the tanh approximation, as transformers
+  reads it.
+
+Anything a family's config sets that this decoder does not implement is refused by name: never
+approximated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from flax_mha.models.lm import LMConfig
+from flax_mha.nn.options import Norm
+from flax_mha.rotary import Rope
+
+# model_type -> the family whose preset and tensor table serve it.
+FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen2",
+            "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# hidden_act -> (LMConfig.mlp, for the gated families).
+_GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
+
+
+def family(config: Mapping) -> str:
+  """The family of a config dict, or a ValueError naming its model_type."""
+  model_type = config.get("model_type")
+  if model_type not in FAMILIES:
+    raise ValueError(f"model_type {model_type!r} is not supported: supported are "
+                     f"{sorted(FAMILIES)} (a multimodal 'gemma3' checkpoint: load its text model, "
+                     "model_type 'gemma3_text')")
+  return FAMILIES[model_type]
+
+
+def checkpoint_dtype(config: Mapping):
+  """The dtype config.json records (`dtype`, or 4.x's `torch_dtype`; float32 when absent)."""
+  name = config.get("dtype") or config.get("torch_dtype") or "float32"
+  if name not in DTYPES:
+    raise ValueError(f"checkpoint dtype {name!r} is not supported: {sorted(DTYPES)}")
+  return DTYPES[name]
+
+
+def config_from_hf(config: Mapping, *, dtype: Any = None, **overrides) -> LMConfig:
+  """The `LMConfig` of a Hugging Face config dict. `dtype` (default: the checkpoint's) is the
+  parameters' and the computation's; `overrides` set other fields (e.g. attention_implementation)."""
+  fam = family(config)
+  dtype = checkpoint_dtype(config) if dtype is None else jnp.dtype(dtype).type
+  fields = _GPT2(config) if fam == "gpt2" else _rotary_family(config, fam)
+  return LMConfig(dtype=dtype, param_dtype=dtype, dropout_rate=0.0, learned_sinks=False,
+                  sink_tokens=0, **{**fields, **overrides})
+
+
+def _GPT2(c: Mapping) -> dict:  # pylint: disable=invalid-name
+  _refuse(c, activation_function=("gelu_new",), scale_attn_weights=(True, None),
+          scale_attn_by_inverse_layer_idx=(False, None), reorder_and_upcast_attn=(False, None),
+          add_cross_attention=(False, None))
+  d = c["n_embd"]
+  return dict(
+      vocab_size=c["vocab_size"], d_model=d, num_heads=c["n_head"], num_kv_heads=c["n_head"],
+      num_layers=c["n_layer"], d_ff=c.get("n_inner") or 4 * d, local_window=None,
+      logit_soft_cap=None, norm=Norm("layer", c.get("layer_norm_epsilon", 1e-5)), mlp="gelu",
+      mlp_bias=True, qkv_bias=True, out_bias=True,
+      tie_embeddings=_tied(c, True), scale_embeddings=False, scale_logits=False,
+      positions="learned", max_positions=c["n_positions"])
+
+
+def _rotary_family(c: Mapping, fam: str) -> dict:
+  """The fields of the rotary families (Llama, Mistral, Qwen2/3, Gemma 1-3)."""
+  gemma = fam.startswith("gemma")
+  act = c.get("hidden_activation") or c.get("hidden_act", "silu")
+  if gemma and act == "gelu":  # Gemma's legacy spelling of the tanh approximation
+    act = "gelu_pytorch_tanh"
+  if act not in _GATED:
+    raise ValueError(f"hidden_act {act!r} is not supported: {sorted(_GATED)}")
+  _refuse(c, mlp_bias=(False, None), attention_dropout=(0.0, 0, None))
+  heads = c["num_attention_heads"]
+  k = c.get("head_dim") or c["hidden_size"] // heads
+  layer_types = _layer_types(c, fam)
+  window = c.get("sliding_window") if "local" in (layer_types or ()) else None
+  fields = dict(
+      vocab_size=c["vocab_size"], d_model=c["hidden_size"], num_heads=heads,
+      num_kv_heads=c.get("num_key_value_heads") or heads, num_layers=c["num_hidden_layers"],
+      d_ff=c["intermediate_size"], head_dim=k, layer_types=layer_types,
+      local_window=None if window is None else window - 1,
+      logit_soft_cap=c.get("attn_logit_softcapping"),
+      final_logit_soft_cap=c.get("final_logit_softcapping"),
+      norm=Norm("rms_one_plus" if gemma else "rms", c.get("rms_norm_eps", 1e-6), use_bias=False),
+      post_norms=fam in ("gemma2", "gemma3"), mlp=_GATED[act], mlp_bias=False,
+      qkv_bias=fam == "qwen2" or bool(c.get("attention_bias", False)),
+      out_bias=bool(c.get("attention_bias", False)) and fam != "qwen2",
+      tie_embeddings=_tied(c, gemma or fam == "qwen2"), scale_embeddings=gemma,
+      scale_logits=False, positions="rotary", **_ropes(c, k, layer_types))
+  if fam in ("qwen3", "gemma3"):
+    fields["normalize_qk"] = Norm("rms_one_plus" if gemma else "rms", c.get("rms_norm_eps", 1e-6),
+                                  use_bias=False)
+  if "query_pre_attn_scalar" in c and fam != "gemma":
+    fields["attention_scale"] = c["query_pre_attn_scalar"] ** -0.5
+  return fields
+
+
+def _layer_types(c: Mapping, fam: str) -> tuple[str, ...] | None:
+  """Each layer local or global: config.layer_types when given; else all local for a config
+  with a sliding window (Mistral), all global otherwise."""
+  types = c.get("layer_types")
+  n = c["num_hidden_layers"]
+  if types is None:
+    uses_window = c.get("sliding_window") is not None and c.get("use_sliding_window", True)
+    types = ["sliding_attention" if uses_window else "full_attention"] * n
+  names = {"sliding_attention": "local", "full_attention": "global"}
+  unknown = sorted(set(types) - set(names))
+  if unknown or len(types) != n:
+    raise ValueError(f"layer_types {types} must be {n} of {sorted(names)} (unknown: {unknown})")
+  if "sliding_attention" in types and not c.get("sliding_window"):
+    raise ValueError(f"layer_types has sliding layers but sliding_window is "
+                     f"{c.get('sliding_window')!r}")
+  if fam == "gemma" and "sliding_attention" in types:
+    raise ValueError("Gemma (1) has no sliding layers; got layer_types with some")
+  return tuple(names[t] for t in types)
+
+
+def _ropes(c: Mapping, k: int, layer_types) -> dict:
+  """rope (the global layers') and local_rope (the local ones', where it differs)."""
+  params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+  per_type = params and all(isinstance(v, Mapping) for v in params.values())
+  if not per_type:
+    rope = Rope.from_hf(c, k)
+    local = rope
+    if "rope_local_base_freq" in c:  # Gemma 3 in transformers 4.x: scaling on global only
+      local = Rope(max_wavelength=c["rope_local_base_freq"])
+    return dict(rope=rope, local_rope=None if local == rope else local)
+  rope = Rope.from_hf(c, k, layer_type="full_attention") if "full_attention" in params else None
+  local = (Rope.from_hf(c, k, layer_type="sliding_attention")
+           if "sliding_attention" in params else None)
+  if rope is None:  # every layer local
+    rope, local = local, None
+  return dict(rope=rope, local_rope=local if "local" in (layer_types or ()) else None)
+
+
+def _tied(c: Mapping, default: bool) -> bool:
+  tied = c.get("tie_word_embeddings")
+  return default if tied is None else bool(tied)
+
+
+def _refuse(c: Mapping, **supported) -> None:
+  """Raise a ValueError naming the first key whose value is not among its supported ones
+  (an absent key reads as None)."""
+  for key, values in supported.items():
+    if c.get(key) not in values:
+      raise ValueError(f"{key}={c.get(key)!r} is not supported (supported: "
+                       f"{[v for v in values if v is not None]})")
