@@ -19,8 +19,9 @@ Tokens/s is the new tokens over the median seconds of a whole `generate` (prefil
 Peak memory is the worker's peak resident set (ru_maxrss), weights, compilation and caches
 included. "same tokens" says whether batch row 0's float32 tokens equal the other side's.
 
-`--part load` measures the loader alone: the peak resident set a load adds, against the
-checkpoint's bytes (no second full copy of the weights).
+`--part load` measures the loader alone, in a process of its own: the peak resident set during
+the load over the resident set just before it (the runtime started), against the checkpoint's
+bytes: no second full copy of the weights.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ def _peak_mib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _resident_mib() -> float:
+  """The resident set now (Linux: /proc/self/status)."""
+  with open("/proc/self/status") as f:
+    kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+  return kib / 1024
+
+
 def _timed(run, rounds: int) -> dict:
   """A worker's report: `run()` once untimed (its tokens: row 0's), then `rounds` timed."""
   tokens = run()
@@ -113,7 +121,7 @@ def _time_load(directory) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   from flax_mha.models import hf  # pylint: disable=import-outside-toplevel
   jax.block_until_ready(jax.numpy.zeros(1))  # the runtime up before the baseline
-  before = _peak_mib()
+  before = _resident_mib()  # now, not the peak so far: the added peak is not understated
   _, variables = hf.load(directory)
   jax.block_until_ready(variables)
   size = sum(p.stat().st_size for p in hf.tensor_files(directory)) / 2 ** 20

@@ -206,15 +206,20 @@ def read_params(directory, fam: str, cfg: lm.LMConfig, want: dict, places: dict)
   got = {}
   for path in tensor_files(directory):
     with safe_open(str(path), framework="numpy") as f:
-      for name in f.keys():
-        short = name.removeprefix(_PREFIX.get(fam, ""))
-        if fam in IGNORED and IGNORED[fam].fullmatch(short):
-          continue
-        rule, layer = _rule_for(name, short, rules, fam)
-        targets = [target.replace("{i}", layer) for target in rule.targets]
-        for target, array in zip(targets, _transform(rule, f.get_tensor(name), name, targets,
-                                                     cfg, want)):
-          _place(got, target, array, name, want, places)
+      names = list(f.keys())
+    for name in names:
+      short = name.removeprefix(_PREFIX.get(fam, ""))
+      if fam in IGNORED and IGNORED[fam].fullmatch(short):
+        continue
+      rule, layer = _rule_for(name, short, rules, fam)
+      targets = [target.replace("{i}", layer) for target in rule.targets]
+      # The file mapped for one tensor at a time: the pages read count in the resident set
+      # while mapped, so a mapping held across the load would add the whole checkpoint.
+      with safe_open(str(path), framework="numpy") as f:
+        tensor = f.get_tensor(name)
+      for target, array in zip(targets, _transform(rule, tensor, name, targets, cfg, want)):
+        _place(got, target, array, name, want, places)
+      del tensor
   missing = sorted(set(want) - set(got))
   if missing:
     raise ValueError(f"the checkpoint in {directory} lacks tensors for {len(missing)} "

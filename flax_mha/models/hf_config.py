@@ -57,8 +57,8 @@ def config_from_hf(config: Mapping, *, dtype: Any = None, **overrides) -> LMConf
   fam = family(config)
   dtype = checkpoint_dtype(config) if dtype is None else jnp.dtype(dtype).type
   fields = _GPT2(config) if fam == "gpt2" else _rotary_family(config, fam)
-  return LMConfig(dtype=dtype, param_dtype=dtype, dropout_rate=0.0, learned_sinks=False,
-                  sink_tokens=0, **{**fields, **overrides})
+  return LMConfig(**{"dtype": dtype, "param_dtype": dtype, "dropout_rate": 0.0,
+                     "learned_sinks": False, "sink_tokens": 0, **fields, **overrides})
 
 
 def _GPT2(c: Mapping) -> dict:  # pylint: disable=invalid-name

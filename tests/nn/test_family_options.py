@@ -1,8 +1,9 @@
 """The attention options that Hugging Face families need, in both front ends: an attention
 `scale`, RMSNorm qk-norm (Qwen3's and Gemma 3's one-plus), and rotary variants through a `Rope`
 (llama3 and YaRN scaling, a rotated fraction, interleaved pairs). Each against a float64 NumPy
-forward pass, decoded through full, rolling and paged caches, under every implementation that
-takes positions, and differentiated (checked numerically in float64).
+forward pass and under every implementation that takes positions; decoded through a paged
+cache. The full and rolling caches and the gradients (checked numerically in float64):
+test_family_options_integration.py.
 
 Dimension key (flax_mha/__init__.py): B batch, L length, D width, H query heads, G key/value
 heads, K head dim, J the rotated width. Sizes are distinct.
@@ -140,9 +141,9 @@ def _decode(model, params, x, cache, chunk=1):
   return jnp.concatenate(outs, axis=1)
 
 
-@pytest.mark.parametrize("case", ["all", "partial_interleaved", "yarn"])
-@pytest.mark.parametrize("kind", ["full", "rolling", "paged"])
-def test_cached_decoding_equals_the_full_causal_call(rng, case, kind):
+def decoded_equals_full(rng, case, kind):
+  """Decoding `case` two tokens a step through a full, rolling or paged cache gives the full
+  causal call's output (the NumPy forward)."""
   x = randn(rng, B, L, D)
   window = WINDOW if kind == "rolling" else None
   model = _linen(case, window)
@@ -156,15 +157,10 @@ def test_cached_decoding_equals_the_full_causal_call(rng, case, kind):
   np.testing.assert_allclose(_decode(model, params, x, cache, chunk=2), want, **TOL)
 
 
-@pytest.mark.parametrize("case", ["all", "rms_qk"])
-def test_gradients_match_finite_differences(rng, case):
-  """In float64: the parameters' and the input's gradients of the linen layer."""
-  with jax.enable_x64(True):
-    x = randn(rng, B, L, D, dtype=np.float64)
-    model = _linen(case, param_dtype=jnp.float64)
-    params = jax.tree.map(lambda a: a.astype(np.float64), random_params(model, x))
-    loss = lambda p, x: jnp.sum(jnp.sin(model.apply(p, x, is_causal=True)))
-    jax.test_util.check_grads(loss, (params, x), order=1, modes=["rev"], atol=1e-5, rtol=1e-5)
+def test_cached_decoding_equals_the_full_causal_call(rng):
+  """The paged cache with every option; the other caches and cases:
+  test_family_options_integration.py."""
+  decoded_equals_full(rng, "all", "paged")
 
 
 def test_bad_options_are_refused_by_name():
