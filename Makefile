@@ -8,15 +8,25 @@ WORKDIR ?= runs/dates
 
 .PHONY: run test test-integration test-slow test-min bench docs docs-serve venv clean
 
+# What training needs (the experiments extra) for `make run`; everything (the test extra:
+# peers, docs, hf) for the rest.
+RUN_STAMP := $(VENV)/.installed-experiments
+
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
+
+$(RUN_STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[experiments]'
+	touch $(RUN_STAMP)
 
 venv: $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/python -m experiments.train --config configs/dates.py --workdir $(WORKDIR)
 
 # The unit suite (pyproject's default markers: not slow, not integration): in-process, minutes.
