@@ -52,7 +52,7 @@ PROMPT, NEW = 128, 128
 
 def make_checkpoint(directory: pathlib.Path, smoke: bool) -> pathlib.Path:
   """The random Llama checkpoint (float32 safetensors), made by transformers once."""
-  if (directory / "config.json").is_file():
+  if (directory / "model.safetensors").is_file():  # written after config.json
     return directory
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
@@ -176,8 +176,9 @@ def main():
     timer = _time_flax if system == "flax_mha" else _time_transformers
     print(json.dumps(timer(args.checkpoint, dtype, int(batch), rounds, new)))
     return
-  directory = pathlib.Path(args.checkpoint or os.path.join(
-      tempfile.gettempdir(), "flax_mha_bench_llama" + ("_smoke" if args.smoke else "")))
+  scratch = (tempfile.mkdtemp(prefix="flax_mha_bench_") if args.smoke else
+             os.path.join(tempfile.gettempdir(), "flax_mha_bench_llama"))  # kept: 0.5 GB
+  directory = pathlib.Path(args.checkpoint or scratch)
   make_checkpoint(directory, args.smoke)
   extra = ["--smoke"] if args.smoke else []
   sections = {"generation": lambda: generation(directory, rounds, turns, new, extra),
