@@ -31,7 +31,7 @@ class Block(nnx.Module):
                              rngs=rngs)
     dense = functools.partial(nnx.Linear, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                               use_bias=cfg.mlp_bias, rngs=rngs)
-    self.config, self.mlp_kind = cfg, cfg.mlp
+    self.config = cfg
     self.attention_norm = norm()
     self.attention = SelfAttention(
         cfg.num_heads, d, qkv_features=cfg.num_heads * cfg.k_dim, out_features=d,
@@ -49,9 +49,9 @@ class Block(nnx.Module):
 
   def mlp(self, h):
     """As the linen Block's: gelu(h·in)·out, or act(h·gate) * (h·in) then ·out."""
-    if self.mlp_kind == "gelu":
+    if self.config.mlp == "gelu":
       return self.mlp_out(nnx.gelu(self.mlp_in(h)))
-    act = nnx.silu if self.mlp_kind == "swiglu" else nnx.gelu
+    act = nnx.silu if self.config.mlp == "swiglu" else nnx.gelu
     return self.mlp_out(act(self.mlp_gate(h)) * self.mlp_in(h))
 
   def __call__(self, x, segment_ids, positions, cache=None):
