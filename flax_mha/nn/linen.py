@@ -265,11 +265,8 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    one_plus = self.norm.kind == "rms_one_plus"
-    init = nn.initializers.zeros_init() if one_plus else nn.initializers.ones_init()
-    scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
-    return shared.rms_norm(x, scale, epsilon=self.norm.epsilon, one_plus=one_plus,
-                           dtype=self.dtype)
+    scale = self.param("scale", self.norm.scale_init, (x.shape[-1],), self.param_dtype)
+    return shared.rms_norm(x, scale, self.norm, dtype=self.dtype)
 
 
 def make_norm(norm: Norm, *, dtype=None, param_dtype=jnp.float32, name=None) -> nn.Module:

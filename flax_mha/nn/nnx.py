@@ -401,25 +401,19 @@ class RMSNorm(nnx.Module):
   """A `Norm` of the RMS kinds over the last axis: param 'scale' [D] (ones at init, zeros for
   Gemma's one-plus kind); float32 inside, `dtype` out (default the input's)."""
 
-  def __init__(self, norm: Norm, num_features: int, *, dtype=None, param_dtype=jnp.float32,
-               scale_init=None, rngs: nnx.Rngs):
+  def __init__(self, norm: Norm, num_features: int, *, scale_init, dtype=None,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
     self.norm, self.dtype = norm, dtype
-    one_plus = norm.kind == "rms_one_plus"
-    init = scale_init or (nnx.initializers.zeros_init() if one_plus else
-                          nnx.initializers.ones_init())
-    self.scale = nnx.Param(init(rngs.params(), (num_features,), param_dtype))
+    self.scale = nnx.Param(scale_init(rngs.params(), (num_features,), param_dtype))
 
   def __call__(self, x):
-    return shared.rms_norm(x, self.scale[...], epsilon=self.norm.epsilon,
-                           one_plus=self.norm.kind == "rms_one_plus", dtype=self.dtype)
+    return shared.rms_norm(x, self.scale[...], self.norm, dtype=self.dtype)
 
 
 def make_norm(norm: Norm, num_features: int, *, partition=lambda init: init, **kwargs):
   """The NNX layer of `norm`: `nnx.LayerNorm` for kind "layer", else `RMSNorm`; `partition`
   annotates the scale's initialiser (e.g. with logical axes)."""
-  one_plus = norm.kind == "rms_one_plus"
-  scale_init = partition(nnx.initializers.zeros_init() if one_plus else
-                         nnx.initializers.ones_init())
+  scale_init = partition(norm.scale_init)
   if norm.kind == "layer":
     return nnx.LayerNorm(num_features, epsilon=norm.epsilon, use_bias=norm.use_bias,
                          scale_init=scale_init, **kwargs)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from flax_mha import call_options
 from flax_mha import checks
 from flax_mha.rotary import Rope
@@ -139,6 +141,12 @@ class Norm:
       raise TypeError(f"Norm.use_bias must be a bool, got {type(self.use_bias).__name__}")
     if self.use_bias and self.kind != "layer":
       raise ValueError(f"Norm.use_bias is a LayerNorm's: kind {self.kind!r} has no bias")
+
+  @property
+  def scale_init(self):
+    """The scale's initialiser: zeros for Gemma's one-plus kind (a scale of 1), else ones."""
+    init = jax.nn.initializers
+    return init.zeros if self.kind == "rms_one_plus" else init.ones
 
 
 # flax's normalize_qk=True: LayerNorm over K with a scale only, epsilon 1e-6.

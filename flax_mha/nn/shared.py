@@ -20,7 +20,7 @@ import numpy as np
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.attention import dot_product_attention, dot_product_attention_weights
-from flax_mha.nn.options import AttentionOptions
+from flax_mha.nn.options import AttentionOptions, Norm
 from flax_mha.rotary import apply_rotary
 
 
@@ -37,14 +37,16 @@ PARAM_AXES = (
 )
 
 
-def rms_norm(x, scale, *, epsilon: float, one_plus: bool, dtype=None):
-  """x / sqrt(mean(x², last axis) + epsilon) · scale (or · (1 + scale), Gemma's), computed in
-  float32 (float64 for float64 x) and cast to `dtype` (default x's), as Hugging Face's RMSNorms."""
+def rms_norm(x, scale, norm: Norm, *, dtype=None):
+  """x / sqrt(mean(x², last axis) + epsilon) · scale (or · (1 + scale) for Gemma's kind) of an
+  RMS `Norm`, computed in float32 (float64 for float64 x) and cast to `dtype` (default x's), as
+  Hugging Face's RMSNorms."""
   compute = jnp.promote_types(x.dtype, jnp.float32)
   xc = x.astype(compute)
-  normed = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + epsilon)
+  normed = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + norm.epsilon)
   scale = scale.astype(compute)
-  return (normed * (1 + scale if one_plus else scale)).astype(dtype or x.dtype)
+  return (normed * (1 + scale if norm.kind == "rms_one_plus" else scale)).astype(
+      dtype or x.dtype)
 
 
 def resolve_inputs(inputs_q, inputs_k, inputs_v):
