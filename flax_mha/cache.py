@@ -139,6 +139,11 @@ class KVCache:
                                positions=put(self.positions, row_cache.positions),
                                length=put(self.length, row_cache.length))
 
+  def copy_pages(self, src_N, dst_N) -> "KVCache":
+    """A contiguous cache has no pages to copy: itself."""
+    del src_N, dst_N
+    return self
+
   def reset_rows(self, rows_B) -> "KVCache":
     """The rows `rows_B` (bool [B]) emptied: no position held, length 0."""
     return dataclasses.replace(self, positions=jnp.where(rows_B[:, None], -1, self.positions),
@@ -349,6 +354,12 @@ class PagedKVCache:
   def reset_rows(self, rows_B) -> "PagedKVCache":
     """The rows `rows_B` (bool [B]) emptied: length 0 (their pages are the host's to reuse)."""
     return dataclasses.replace(self, length=jnp.where(rows_B, 0, self.length))
+
+  def copy_pages(self, src_N, dst_N) -> "PagedKVCache":
+    """The pool with pages dst_N [N] holding copies of pages src_N [N] (copy-on-write of a
+    shared page); an index out of [0, P) in dst_N is dropped."""
+    copy = lambda pool: pool.at[dst_N].set(pool[src_N], mode="drop")
+    return dataclasses.replace(self, k_pages=copy(self.k_pages), v_pages=copy(self.v_pages))
 
 
 def update_pages(cache: PagedKVCache, key_BTGK, value_BTGV, positions_BT) -> PagedKVCache:
