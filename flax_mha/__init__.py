@@ -5,12 +5,15 @@ The package is layered: imports flow down this list, never up (tests/test_layeri
   flax_mha/            the public pure API (no flax): `attention` (dot_product_attention,
                        explain, checks of its arguments), `dispatch` (what None runs on each
                        platform, and why), `masks`, `mods` (mask and score terms), `rotary`,
-                       `cache` (the KV cache as data), `paged` (paged_attention), `steps` (a
+                       `cache` (the KV cache as data), `quant` (an int8 cache's per-token
+                       quantization), `paged` (paged_attention), `steps` (a
                        few queries over a cache or pages: the kernel dispatch chooses), `checks`
                        (the argument checks every layer shares), `interop` (torch weights),
                        `sharding` (meshes, placement, FSDP), `remat` (what a training step
                        recomputes), `platforms` (what this process has, what None stages,
-                       which platform an accelerator kernel is for)
+                       which platform an accelerator kernel is for), `selftest` (with
+                       `selftest_cases`: `python -m flax_mha.selftest`, every kernel on this
+                       device against the oracle)
   flax_mha/kernels/    the implementations behind `implementation=`: reference (the oracle),
                        xla, rows, chunked, decode, cudnn, seq_parallel (ring, all-gather,
                        Ulysses), and what they share (`common`, `tiling`, `layouts`, ...)
@@ -56,6 +59,7 @@ from flax_mha import masks
 from flax_mha import mods
 from flax_mha import paged
 from flax_mha import platforms
+from flax_mha import quant
 from flax_mha import remat
 from flax_mha import rotary
 from flax_mha import sharding

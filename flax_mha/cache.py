@@ -31,6 +31,17 @@ Two layouts, by what a layer attends to:
   sink_tokens + w whatever the generated length. A chunk attends over the cache and itself
   before it is written, so chunks of any length (a whole prompt) work.
 
+An int8 cache (`dtype=jnp.int8`) stores each token's key and value per head as int8 and a
+float32 scale (`flax_mha.quant`: symmetric, max|x| / 127 per row), quantized when written:
+a quarter of a float32 cache's bytes, plus 4 bytes per token and head for each scale. A step
+reads it with a kernel that dequantizes each block it loads (never a float copy of the
+cache: "decode", on 'cuda' "triton_decode"; the "xla" step refuses it and
+`flax_mha.steps.explain` says so); a prefill (more than FEW_QUERIES queries) or an
+`implementation` named other than the step kernels ("decode", "triton_decode") dequantizes the
+keys it hands to `dot_product_attention`. It is for
+inference: a gradient through the keys written into it raises (`flax_mha.quant`), one with
+respect to the query of a step is taken.
+
 Keys arrive already rotated (rotary is applied when a key is written, by the front ends).
 Shapes: B batch, C capacity, T new tokens, G key/value heads, K, V head dims, H query heads.
 """
@@ -49,6 +60,7 @@ from jax._src import config as jax_config
 
 from flax_mha import checks
 from flax_mha import paged
+from flax_mha import quant
 from flax_mha import steps
 from flax_mha.kernels import triton_decode
 from flax_mha.attention import dot_product_attention
@@ -64,16 +76,20 @@ class KVCache:
   length: Any  # [B] int32: tokens seen per row, the position of the next one
   window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
   sink_tokens: int = dataclasses.field(default=0, metadata=dict(static=True))
+  key_scale: Any = None  # [B, G, C] float32 of an int8 cache (flax_mha.quant), else None
+  value_scale: Any = None  # [B, G, C] likewise
 
   @classmethod
   def create(cls, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int,
              v_head_dim: int | None = None, dtype=jnp.float32, *, window: int | None = None,
              sink_tokens: int = 0) -> "KVCache":
     """An empty cache. With `window` (a local layer's keys back), a rolling cache of
-    sink_tokens + window slots whatever `capacity` says, when that is smaller."""
+    sink_tokens + window slots whatever `capacity` says, when that is smaller. `dtype`: a
+    floating dtype, or jnp.int8 (quantized on write, with float32 scales [B, G, C])."""
     for name, value in (("batch_size", batch_size), ("capacity", capacity),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
       checks.check_int(name, value)
+    dtype = quant.check_cache_dtype(dtype)
     v_head_dim = head_dim if v_head_dim is None else checks.check_int("v_head_dim", v_head_dim)
     checks.check_int("sink_tokens", sink_tokens, lowest=0)
     if window is not None:
@@ -85,10 +101,12 @@ class KVCache:
     elif sink_tokens:
       raise ValueError(f"sink_tokens={sink_tokens} keeps tokens beyond a window: it needs "
                        "window")
+    scales = ((jnp.zeros((batch_size, num_kv_heads, capacity), jnp.float32),) * 2
+              if quant.is_quantized(dtype) else (None, None))
     return cls(jnp.zeros((batch_size, num_kv_heads, capacity, head_dim), dtype),
                jnp.zeros((batch_size, num_kv_heads, capacity, v_head_dim), dtype),
                jnp.full((batch_size, capacity), -1, jnp.int32),
-               jnp.zeros((batch_size,), jnp.int32), window, sink_tokens)
+               jnp.zeros((batch_size,), jnp.int32), window, sink_tokens, *scales)
 
   @property
   def capacity(self) -> int:
@@ -101,16 +119,27 @@ class KVCache:
     if self.window is None:
       cache = update(self, key_BTGK, value_BTGV, positions_BT)
       out = _read(query_BTHK, cache.key, cache.value, cache.positions, positions_BT,
-                  prefixes=True, kernel=kernel, options=options)
+                  prefixes=True, kernel=kernel, options=options, kv_scales=cache.scales)
       return out, cache
     options = dict(options, local_window_size=(self.window, 0), sink_tokens=self.sink_tokens)
     chunk_pos = jnp.where(positions_BT >= 0, positions_BT, -1)
-    join = lambda slots, chunk: jnp.concatenate([slots, _head_major(chunk).astype(slots.dtype)],
-                                                axis=2)
-    out = _read(query_BTHK, join(self.key, key_BTGK), join(self.value, value_BTGV),
+    # The chunk as it will be stored (an int8 cache's: quantized), after the slots.
+    (key, k_scale), (value, v_scale) = (_stored(self.key, x) for x in (key_BTGK, value_BTGV))
+    join = lambda slots, chunk, axis: None if slots is None else jnp.concatenate(
+        [slots, chunk], axis=axis)
+    scales = None if self.key_scale is None else (
+        join(self.key_scale, k_scale.transpose(0, 2, 1), 2),
+        join(self.value_scale, v_scale.transpose(0, 2, 1), 2))
+    out = _read(query_BTHK, join(self.key, _head_major(key), 2),
+                join(self.value, _head_major(value), 2),
                 jnp.concatenate([self.positions, chunk_pos], axis=1), positions_BT,
-                prefixes=False, kernel=kernel, options=options)
+                prefixes=False, kernel=kernel, options=options, kv_scales=scales)
     return out, update(self, key_BTGK, value_BTGV, positions_BT)
+
+  @property
+  def scales(self):
+    """(key_scale, value_scale) of an int8 cache, None for a floating one."""
+    return None if self.key_scale is None else (self.key_scale, self.value_scale)
 
   # The rows and the page table, as a serving loop handles them (one protocol for both kinds).
 
@@ -127,17 +156,20 @@ class KVCache:
 
   def take_row(self, row) -> "KVCache":
     """The batch-1 view of row `row` (traced `row` fine)."""
-    one = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1)
+    one = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(x, row, 1)
     return dataclasses.replace(self, key=one(self.key), value=one(self.value),
-                               positions=one(self.positions), length=one(self.length))
+                               positions=one(self.positions), length=one(self.length),
+                               key_scale=one(self.key_scale), value_scale=one(self.value_scale))
 
   def put_row(self, row, row_cache: "KVCache") -> "KVCache":
     """The cache with row `row` replaced by the batch-1 `row_cache`."""
-    put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, row, 0)
+    put = lambda x, y: None if x is None else jax.lax.dynamic_update_slice_in_dim(x, y, row, 0)
     return dataclasses.replace(self, key=put(self.key, row_cache.key),
                                value=put(self.value, row_cache.value),
                                positions=put(self.positions, row_cache.positions),
-                               length=put(self.length, row_cache.length))
+                               length=put(self.length, row_cache.length),
+                               key_scale=put(self.key_scale, row_cache.key_scale),
+                               value_scale=put(self.value_scale, row_cache.value_scale))
 
   def copy_pages(self, src_N, dst_N) -> "KVCache":
     """A contiguous cache has no pages to copy: itself."""
@@ -226,19 +258,30 @@ def _overflow_is_nan(out_BTHV, cache):
 
 def update(cache: KVCache, key_BTGK, value_BTGV, positions_BT) -> KVCache:
   """`cache` with the new keys and values written at their positions (negative: padding, not
-  written); each row's length becomes one past its last position."""
+  written; an int8 cache's quantized); each row's length becomes one past its last position."""
   _check_room(cache, positions_BT)
   slots = _slots(cache, positions_BT)
   rows = jnp.arange(slots.shape[0])[:, None]
-  # [B, G, C, K] indexed [rows, :, slots]: the selection is [B, T, G, K], the new keys' layout.
-  write = lambda buf, new: jnp.asarray(buf).at[rows, :, slots].set(new.astype(buf.dtype),
-                                                                   mode="drop")
+  # [B, G, C, K] indexed [rows, :, slots]: the selection is [B, T, G, K], the new keys' layout
+  # (and [B, G, C] scales': [B, T, G]).
+  write = lambda buf, new: None if buf is None else jnp.asarray(buf).at[rows, :, slots].set(
+      new, mode="drop")
+  (key, k_scale), (value, v_scale) = (_stored(cache.key, x) for x in (key_BTGK, value_BTGV))
   positions = jnp.asarray(cache.positions).at[rows, slots].set(
       jnp.where(positions_BT >= 0, positions_BT, -1), mode="drop")
   length = jnp.maximum(cache.length, jnp.max(positions_BT, axis=1) + 1)
-  return dataclasses.replace(cache, key=write(cache.key, key_BTGK),
-                             value=write(cache.value, value_BTGV), positions=positions,
-                             length=length)
+  return dataclasses.replace(cache, key=write(cache.key, key), value=write(cache.value, value),
+                             positions=positions, length=length,
+                             key_scale=write(cache.key_scale, k_scale),
+                             value_scale=write(cache.value_scale, v_scale))
+
+
+def _stored(buffer, x_BTGK):
+  """(x as `buffer` stores it, its scales [B, T, G] or None): an int8 buffer's quantized
+  (`flax_mha.quant`), a floating one's cast to its dtype."""
+  if quant.is_quantized(buffer.dtype):
+    return quant.quantize(x_BTGK)
+  return x_BTGK.astype(buffer.dtype), None
 
 
 def _head_major(x_BTGK):
@@ -250,18 +293,27 @@ def _api_layout(x_BGCK):
 
 
 def _read(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, positions_BT, *, prefixes, kernel,
-          options):
+          options, kv_scales=None):
   """The T queries over head-major keys: a step with the kernel `dispatch` chooses
-  (`flax_mha.steps`), or, past a step's size, `dot_product_attention` over them."""
+  (`flax_mha.steps`), or, past a step's size, `dot_product_attention` over them. With
+  `kv_scales` (an int8 cache's) a step's kernel dequantizes the blocks it reads, and the keys
+  handed to `dot_product_attention` are dequantized first."""
   dtype = query_BTHK.dtype
-  keys, values = keys_BGSK.astype(dtype), values_BGSV.astype(dtype)
-  if kernel is not None or (options.get("implementation") is None
+  keys, values = keys_BGSK, values_BGSV
+  if kv_scales is None:
+    keys, values = keys.astype(dtype), values.astype(dtype)
+  implementation = options.get("implementation")
+  if kernel is not None or (implementation in (None, "decode")
                             and not options.get("return_residual", False)):
     step_options = {k: v for k, v in options.items() if k != "implementation"}
     out = steps.cache_step(query_BTHK, keys, values, kv_pos_BS, positions_BT,
-                           prefixes=prefixes, kernel=kernel, **step_options)
+                           prefixes=prefixes, kernel=kernel, kv_scales=kv_scales,
+                           forced="decode" if implementation == "decode" else None,
+                           **step_options)
     if out is not None:
       return out
+  if kv_scales is not None:
+    keys, values = (quant.dequantize(x, s, dtype) for x, s in zip((keys, values), kv_scales))
   return dot_product_attention(query_BTHK, _api_layout(keys), _api_layout(values),
                                is_causal=True, q_positions=positions_BT, kv_positions=kv_pos_BS,
                                **options)
@@ -279,7 +331,10 @@ def attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT=None, **options
   chooses for it (`flax_mha.steps`; `flax_mha.steps.explain` says which); `implementation` may
   also name the Triton decode kernel for the step: "triton_decode" (compiled: 'cuda' only) or
   `flax_mha.kernels.triton_decode.make_attention(interpret=True)` (Pallas interpret mode, any
-  platform); a step it cannot take is refused by name. A `PagedKVCache` writes into its rows'
+  platform); a step it cannot take is refused by name. "decode" runs the decode kernel over
+  the slots in place whatever T (where it takes the call: no dense mask, no dropout); any
+  other name, `dot_product_attention`'s kernel of that name over the keys (an int8 cache's
+  dequantized). A `PagedKVCache` writes into its rows'
   pages and reads them in place (`flax_mha.paged`). Both cache kinds answer the same
   `chunk_attention`, which this calls.
   """
@@ -301,19 +356,30 @@ class PagedKVCache:
   v_pages: Any  # [P, page, G, V]
   page_indices: Any  # [B, n] int32
   length: Any  # [B] int32
+  k_scales: Any = None  # [P, page, G] float32 of int8 pools (flax_mha.quant), else None
+  v_scales: Any = None  # [P, page, G] likewise
 
   @classmethod
   def create(cls, num_pages: int, page_size: int, page_indices, num_kv_heads: int,
              head_dim: int, v_head_dim: int | None = None, dtype=jnp.float32) -> "PagedKVCache":
-    """An empty pool of `num_pages` pages of `page_size` tokens, rows owning `page_indices`."""
+    """An empty pool of `num_pages` pages of `page_size` tokens, rows owning `page_indices`.
+    `dtype`: a floating dtype, or jnp.int8 (quantized on write, float32 scales [P, page, G])."""
     for name, value in (("num_pages", num_pages), ("page_size", page_size),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
       checks.check_int(name, value)
     v_head_dim = head_dim if v_head_dim is None else checks.check_int("v_head_dim", v_head_dim)
+    dtype = quant.check_cache_dtype(dtype)
     page_indices = jnp.asarray(page_indices, jnp.int32)
+    scales = ((jnp.zeros((num_pages, page_size, num_kv_heads), jnp.float32),) * 2
+              if quant.is_quantized(dtype) else (None, None))
     return cls(jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype),
                jnp.zeros((num_pages, page_size, num_kv_heads, v_head_dim), dtype),
-               page_indices, jnp.zeros((page_indices.shape[0],), jnp.int32))
+               page_indices, jnp.zeros((page_indices.shape[0],), jnp.int32), *scales)
+
+  @property
+  def scales(self):
+    """(k_scales, v_scales) of int8 pools, None for floating ones."""
+    return None if self.k_scales is None else (self.k_scales, self.v_scales)
 
   @property
   def capacity(self) -> int:
@@ -325,10 +391,12 @@ class PagedKVCache:
     if kernel is not None:
       options = dict(options, implementation=kernel)
     cache = update_pages(self, key_BTGK, value_BTGV, positions_BT)
-    dtype = query_BTHK.dtype
-    out = paged.positioned_paged_attention(query_BTHK, cache.k_pages.astype(dtype),
-                             cache.v_pages.astype(dtype), cache.page_indices, positions_BT,
-                             jnp.minimum(cache.length, cache.capacity), **options)
+    k_pages, v_pages = cache.k_pages, cache.v_pages
+    if cache.scales is None:
+      k_pages, v_pages = (x.astype(query_BTHK.dtype) for x in (k_pages, v_pages))
+    out = paged.positioned_paged_attention(query_BTHK, k_pages, v_pages, cache.page_indices,
+                                           positions_BT, jnp.minimum(cache.length, cache.capacity),
+                                           kv_scales=cache.scales, **options)
     return out, cache
 
   # The rows and the page table, as a serving loop handles them (one protocol for both kinds).
@@ -349,6 +417,7 @@ class PagedKVCache:
     """The cache with row `row`'s length from the batch-1 `row_cache`, and the pool it wrote."""
     put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, row, 0)
     return dataclasses.replace(self, k_pages=row_cache.k_pages, v_pages=row_cache.v_pages,
+                               k_scales=row_cache.k_scales, v_scales=row_cache.v_scales,
                                length=put(self.length, row_cache.length))
 
   def reset_rows(self, rows_B) -> "PagedKVCache":
@@ -358,24 +427,31 @@ class PagedKVCache:
   def copy_pages(self, src_N, dst_N) -> "PagedKVCache":
     """The pool with pages dst_N [N] holding copies of pages src_N [N] (copy-on-write of a
     shared page); an index out of [0, P) in dst_N is dropped."""
-    copy = lambda pool: pool.at[dst_N].set(pool[src_N], mode="drop")
-    return dataclasses.replace(self, k_pages=copy(self.k_pages), v_pages=copy(self.v_pages))
+    copy = lambda pool: None if pool is None else pool.at[dst_N].set(pool[src_N], mode="drop")
+    return dataclasses.replace(self, k_pages=copy(self.k_pages), v_pages=copy(self.v_pages),
+                               k_scales=copy(self.k_scales), v_scales=copy(self.v_scales))
 
 
 def update_pages(cache: PagedKVCache, key_BTGK, value_BTGV, positions_BT) -> PagedKVCache:
   """`cache` with the new keys and values written into their rows' pages (negative positions:
-  padding, not written); a position past a row's pages raises eagerly, and under `jit` is
-  dropped, the row's length passing the capacity (its outputs then NaN, see `attend`)."""
+  padding, not written; int8 pools' quantized); a position past a row's pages raises eagerly,
+  and under `jit` is dropped, the row's length passing the capacity (its outputs then NaN, see
+  `attend`)."""
   _check_room(cache, positions_BT)
   page = cache.k_pages.shape[1]
   valid = (positions_BT >= 0) & (positions_BT < cache.capacity)  # beyond: dropped
   safe = jnp.where(valid, positions_BT, 0)
   rows = jnp.arange(positions_BT.shape[0])[:, None]
   pages = jnp.where(valid, cache.page_indices[rows, safe // page], cache.k_pages.shape[0])
-  write = lambda pool, new: pool.at[pages, safe % page].set(new.astype(pool.dtype), mode="drop")
+  # [P, page, G, K] (and [P, page, G] scales) indexed [pages, slots]: [B, T, G, K] ([B, T, G]).
+  write = lambda pool, new: None if pool is None else pool.at[pages, safe % page].set(
+      new, mode="drop")
+  (key, k_scale), (value, v_scale) = (_stored(cache.k_pages, x) for x in (key_BTGK, value_BTGV))
   length = jnp.maximum(cache.length, jnp.max(positions_BT, axis=1) + 1)
-  return dataclasses.replace(cache, k_pages=write(cache.k_pages, key_BTGK),
-                             v_pages=write(cache.v_pages, value_BTGV), length=length)
+  return dataclasses.replace(cache, k_pages=write(cache.k_pages, key),
+                             v_pages=write(cache.v_pages, value), length=length,
+                             k_scales=write(cache.k_scales, k_scale),
+                             v_scales=write(cache.v_scales, v_scale))
 
 
 def _register_for_export(cls) -> None:

@@ -181,13 +181,15 @@ def check_platform(platform) -> str:
 # order of preference, the first that takes the call running it ("default": any other
 # platform). Data: a new step kernel is its registration and its place here.
 STEP_PREFERENCE = {
-    "cache": {"cuda": ("triton_decode", "xla"), "default": ("xla",)},
+    # "decode" after "xla": it runs what xla refuses, an int8 cache's step.
+    "cache": {"cuda": ("triton_decode", "xla", "decode"), "default": ("xla", "decode")},
     "paged": {"cuda": ("triton_decode", "decode"), "default": ("decode",)},
     "ring_block": {"cuda": ("triton", "chunked"), "default": ("chunked",)},
 }
 STEP_WHY = {
     "xla": "dense over the smallest power-of-two prefix of slots holding every filled one",
-    "decode": "the decode kernel walks each row's pages in place, keys split and merged by lse",
+    "decode": "the decode kernel walks each row's key blocks (slots or pages) in place, "
+              "dequantizing an int8 cache's block by block, keys split and merged by lse",
     "triton_decode": "the Triton decode kernel reads each row's filled blocks or pages in place",
     "triton": "the Triton flash kernel steps with its lse, hidden steps skipped",
     "chunked": "chunked's tiles, the tiles the step's masks hide skipped",

@@ -7,9 +7,15 @@ dispatch says "dense": the caller hands the keys to `dot_product_attention`.
 
 The kernels behind the names (ENTRIES): "xla", dense over the smallest power-of-two prefix of
 slots that holds every filled one (a `lax.switch` over static prefixes: the step costs what is
-filled, not the capacity); "decode", the decode kernel walking each row's pages in place;
-"triton_decode", the Triton decode kernel (on 'cuda'), which reads a row's filled blocks or
-pages in place. `explain` says which runs for a step, and why.
+filled, not the capacity); "decode", the decode kernel walking each row's key blocks (a
+contiguous cache's slots, or its pages) in place; "triton_decode", the Triton decode kernel
+(on 'cuda'), which reads a row's filled blocks or pages in place. `explain` says which runs
+for a step, and why.
+
+An int8 cache (`flax_mha.quant`) comes with its scales (`kv_scales`): "decode" and
+"triton_decode" dequantize each block they load, and "xla", which reads float keys, refuses
+it, so that its step runs "decode" (on 'cuda' "triton_decode" where staged). The step's
+`registry.Call` records it as keys and values of dtype int8.
 
 Shapes: B batch, T new tokens, H query heads, G key/value heads, K, V head dims, S slots (a
 cache's capacity, or a row's pages times the page size), P pages.
@@ -31,6 +37,7 @@ from flax_mha.attention import attention_head_major
 from flax_mha.kernels import decode
 from flax_mha.kernels import registry
 from flax_mha.kernels import triton_decode
+from flax_mha.kernels import xla
 
 MIN_PREFIX = 256  # the "xla" step attends over the smallest of MIN_PREFIX·2^i slots
 
@@ -44,10 +51,12 @@ def _prefixes(capacity: int) -> list[int]:
 
 
 def _xla_cache(query_BTHK, keys, values, kv_pos, *, q_positions, mask, options, prefixes,
-               **unused):
+               kv_scales, **unused):
   """The step dense over the smallest prefix of slots holding every filled one (a lax.switch
   over static prefixes); without `prefixes` (a rolling cache with its chunk), over all."""
   del unused  # the kernel, the mods and the scale of the other entries
+  if kv_scales is not None:  # refused by its registry entry: dispatch never picks it
+    raise ValueError(f"the xla step cannot run: {xla.QUANTIZED}")
   capacity = keys.shape[2]
 
   def over(size):
@@ -67,28 +76,39 @@ def _xla_cache(query_BTHK, keys, values, kv_pos, *, q_positions, mask, options, 
   return jax.lax.switch(index, [over(size) for size in sizes], *operands)
 
 
-def _triton_cache(query_BTHK, keys, values, kv_pos, *, mods, scale, kernel, **unused):
+def _triton_cache(query_BTHK, keys, values, kv_pos, *, mods, scale, kernel, kv_scales,
+                  **unused):
   del kv_pos, unused  # the positions are the mods' Positions term
-  return kernel.cache_attention(query_BTHK, keys, values, mods, scale)
+  return kernel.cache_attention(query_BTHK, keys, values, mods, scale, kv_scales)
+
+
+def _decode_cache(query_BTHK, keys, values, kv_pos, *, mods, scale, kv_scales, **unused):
+  del kv_pos, unused  # the positions are the mods' Positions term
+  t, s, k_dim = query_BTHK.shape[1], keys.shape[2], query_BTHK.shape[-1]
+  cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, decode.BLOCK_K)
+  out, _ = decode.cache(query_BTHK, keys, values, mods, cfg, cfg_bwd, decode.SPLITS,
+                        kv_scales=kv_scales)
+  return out
 
 
 def _decode_paged(query, k_pages, v_pages, page_indices, lengths, *, mods, cfg, cfg_bwd,
-                  **unused):
+                  kv_scales, **unused):
   del unused
   return decode.paged(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd,
-                      decode.SPLITS)
+                      decode.SPLITS, kv_scales=kv_scales)
 
 
 def _triton_paged(query, k_pages, v_pages, page_indices, lengths, *, mods, cfg, cfg_bwd,
-                  kernel, **unused):
+                  kernel, kv_scales, **unused):
   del unused
   return kernel.paged_attention(query, k_pages, v_pages, page_indices, lengths, mods, cfg,
-                                cfg_bwd)
+                                cfg_bwd, kv_scales)
 
 
 # (kernel name, layout) -> its entry: a new step kernel adds its line here.
-ENTRIES = {("xla", "cache"): _xla_cache, ("triton_decode", "cache"): _triton_cache,
-           ("decode", "paged"): _decode_paged, ("triton_decode", "paged"): _triton_paged}
+ENTRIES = {("xla", "cache"): _xla_cache, ("decode", "cache"): _decode_cache,
+           ("triton_decode", "cache"): _triton_cache, ("decode", "paged"): _decode_paged,
+           ("triton_decode", "paged"): _triton_paged}
 
 
 # While `explain` traces a step on shapes, the step's Calls are recorded here.
@@ -155,21 +175,28 @@ def _run(call, kernel, entry_args, operands, layout):
 
 
 def cache_step(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, *, prefixes,
-               kernel=None, **options):
+               kernel=None, forced: str | None = None, kv_scales=None, **options):
   """A few queries over a contiguous cache's slots (keys head-major, with a rolling cache's
   chunk after its slots and `prefixes` False), with the kernel `dispatch` chooses for the
-  step, or `kernel` (a `triton_decode.DecodeKernel`) when asked for by name: [B, T, H, V];
-  None when `dispatch` says "dense" (the caller hands the keys to dot_product_attention)."""
+  step, `kernel` (a `triton_decode.DecodeKernel`) when asked for by name, or the kernel named
+  `forced` ("decode", whatever the number of queries): [B, T, H, V]; None when the choice is
+  "dense" or `forced` refuses the call (the caller hands the keys to dot_product_attention).
+  `kv_scales`: (key scales, value scales) [B, G, S] of int8 keys and values, else None."""
   mask = options.pop("mask", None)
   k_dim = query_BTHK.shape[-1]
   mods, call = _step_call(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, mask,
                           options)
+  entry_args = dict(q_positions=q_positions_BT, mask=mask, options=options, prefixes=prefixes,
+                    mods=mods, scale=checks.checked_scale(options.get("scale"), k_dim),
+                    kv_scales=kv_scales)
+  operands = (query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS)
+  if forced is not None:
+    if registry.get(forced).refuses(call) is not None:
+      return None
+    return ENTRIES[forced, "cache"](*operands, kernel=None, **entry_args)
   if kernel is None and dispatch.choose(call).name == "dense":
     return None
-  entry_args = dict(q_positions=q_positions_BT, mask=mask, options=options, prefixes=prefixes,
-                    mods=mods, scale=checks.checked_scale(options.get("scale"), k_dim))
-  return _run(call, kernel, entry_args, (query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS),
-              "cache")
+  return _run(call, kernel, entry_args, operands, "cache")
 
 
 def _step_call(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, mask, options):
@@ -185,14 +212,16 @@ def _step_call(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, ma
 
 def paged_step(query, k_pages, v_pages, page_indices, q_positions, kv_lengths, *,
                is_causal: bool, scale, kernel=None, forced: str | None = None,
-               dropout_rate: float = 0.0, return_residual: bool = False, **options):
+               dropout_rate: float = 0.0, return_residual: bool = False, kv_scales=None,
+               **options):
   """A few queries over each row's pages read in place, with the kernel `dispatch` chooses,
   `kernel` (a `triton_decode.DecodeKernel`) or the kernel named `forced` ("decode", whatever
   the number of queries); None when the choice is "dense" or `forced` refuses the call (the
-  caller gathers the pages). [B, T, H, V] (and the lse [B, T, H] with `return_residual`)."""
+  caller gathers the pages). [B, T, H, V] (and the lse [B, T, H] with `return_residual`).
+  `kv_scales`: (k_scales, v_scales) [P, page, G] of int8 pools, else None."""
   mods, call, cfg, cfg_bwd = _paged_call(query, k_pages, v_pages, page_indices, q_positions,
                                          kv_lengths, is_causal, scale, dropout_rate, options)
-  entry_args = dict(mods=mods, cfg=cfg, cfg_bwd=cfg_bwd)
+  entry_args = dict(mods=mods, cfg=cfg, cfg_bwd=cfg_bwd, kv_scales=kv_scales)
   operands = (query, k_pages, v_pages, page_indices, kv_lengths)
   if forced is not None:
     if registry.get(forced).refuses(call) is not None:

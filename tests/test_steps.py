@@ -32,7 +32,7 @@ def _caches():
 
 
 def test_the_step_kernels_are_registered_by_layout():
-  assert registry.names("cache") == ("xla", "triton_decode")
+  assert registry.names("cache") == ("xla", "decode", "triton_decode")
   assert registry.names("paged") == ("decode", "triton_decode")
   assert "triton_decode" not in flax_mha.IMPLEMENTATIONS
   kernel = registry.get("triton_decode")

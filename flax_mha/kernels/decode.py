@@ -12,6 +12,14 @@ visible part of the cache, not to its capacity.
 Same signature, options and semantics as every implementation (`flax_mha.kernels.reference`);
 the backward (a custom VJP) is the chunked kernel's, which recomputes the tiles from the output
 and its log-sum-exp whatever blocking produced them.
+
+The keys lie in one of three layouts, each read block by block by its own fetch: the API's
+[B, S, G, K] (`attention`), a contiguous KV cache's head-major [B, G, S, K] (`cache`: each
+block sliced, then transposed alone) and page pools [P, page, G, K] (`paged`). A cache's or a
+pool's keys may be int8 with their scales (`flax_mha.quant`): each fetched block is
+dequantized, never the whole cache. Their backward dequantizes the keys it recomputes from
+(a rare path: an int8 cache is for inference); the int8 arrays get no gradient, their scales
+theirs.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from jax import lax
 
 from flax_mha import checks
 from flax_mha import mods as mods_lib
+from flax_mha import quant
 from flax_mha.kernels import common
 from flax_mha.kernels import tiling
 from flax_mha.kernels import chunked
@@ -54,43 +63,103 @@ def _visit_order(ctx):
 
 
 def forward(q, k, v, bias, mask, rng, mods, cfg: chunked.Config, splits: int,
-            page_indices=None, lengths=None):
+            page_indices=None, lengths=None, kv_scales=None):
   """out [B, T, H, V] and lse [B, H, T] in the softmax dtype, as chunked's forward.
 
   k, v: the cache [B, S, G, K] and [B, S, G, V]; or, with `page_indices` [B, n] (paged: row b's
   positions j·page .. (j+1)·page - 1 live in page page_indices[b, j]) and `lengths` [B], the
   page pools [pages, page, G, K] and [pages, page, G, V], cfg.block_k a multiple of the page
-  size (`paged_block`).
+  size (`paged_block`), int8 with `kv_scales` (k_scales, v_scales) [pages, page, G].
   """
   if page_indices is None:
     b, s, g, _ = k.shape
+    reader = functools.partial(_api_blocks, k, v)
   else:
     (b, n_pages), (page, g) = page_indices.shape, k.shape[1:3]
     s = n_pages * page
-  shape_BSGK = jax.ShapeDtypeStruct((b, s, g, k.shape[-1]), k.dtype)
+    reader = functools.partial(_paged_blocks, k, v, kv_scales, page_indices, lengths, q.dtype)
+  return _walk(q, (b, s, g, k.shape[-1], v.shape[-1]), reader, bias, mask, rng, mods, cfg,
+               splits)
+
+
+def cache_forward(q, key_BGSK, value_BGSV, mods, cfg: chunked.Config, splits: int,
+                  kv_scales=None):
+  """`forward` over a contiguous KV cache's head-major keys [B, G, S, K] and values
+  [B, G, S, V] (int8 with `kv_scales` (key scales, value scales) [B, G, S]): (out, lse)."""
+  b, g, s, k_dim = key_BGSK.shape
+  reader = functools.partial(_cache_blocks, key_BGSK, value_BGSV, kv_scales, q.dtype)
+  return _walk(q, (b, s, g, k_dim, value_BGSV.shape[-1]), reader, None, None, None, mods, cfg,
+               splits)
+
+
+def _api_blocks(k, v, tl):
+  """fetch(j) of keys [B, S, G, K]: blocks of the cache in its own layout, [B, n_k, P, G, K] (a
+  free reshape, unless S needs padding: a copy, avoided when it divides); each trip's product
+  transposes only its block, in cache, never the whole cache."""
+  b, s, g = k.shape[:3]
+
+  def blocked(x):
+    if tl.n_k * tl.bk != s:
+      x = jnp.pad(x, ((0, 0), (0, tl.n_k * tl.bk - s), (0, 0), (0, 0)))
+    return x.reshape(b, tl.n_k, tl.bk, g, x.shape[-1])
+  k_blocks, v_blocks = blocked(k), blocked(v)
+  return lambda j: (k_blocks[:, j], v_blocks[:, j])
+
+
+def _cache_blocks(key_BGSK, value_BGSV, kv_scales, dtype, tl):
+  """fetch(j) of head-major keys [B, G, S, K]: slots j·bk .. (j+1)·bk - 1 of every head, sliced
+  (gathered, clamped, when S is no multiple of the block: the slots past S are hidden, their
+  values zeroed), dequantized when int8, then transposed to [B, P, G, K] alone."""
+  s = key_BGSK.shape[2]
+  scales = (None, None) if kv_scales is None else kv_scales
+
+  def block(x, j, scale):
+    if s % tl.bk == 0:
+      x = lax.dynamic_slice_in_dim(x, j * tl.bk, tl.bk, axis=2)
+      scale = None if scale is None else lax.dynamic_slice_in_dim(scale, j * tl.bk, tl.bk, 2)
+    else:
+      slots = jnp.minimum(j * tl.bk + jnp.arange(tl.bk), s - 1)
+      x, scale = x[:, :, slots], None if scale is None else scale[:, :, slots]
+    x = x if scale is None else quant.dequantize(x, scale, dtype)
+    return x.transpose(0, 2, 1, 3)  # [B, P, G, K]
+
+  def fetch(j):
+    k_j, v_j = block(key_BGSK, j, scales[0]), block(value_BGSV, j, scales[1])
+    if s % tl.bk:
+      v_j = jnp.where((j * tl.bk + jnp.arange(tl.bk) < s)[:, None, None], v_j, 0)
+    return k_j, v_j
+  return fetch
+
+
+def _paged_blocks(k, v, kv_scales, page_indices, lengths, dtype, tl):
+  """fetch(j) of page pools: a block is cfg.block_k / page pages, each row's j-th run of
+  pages, gathered from the pools (and dequantized when int8); values past a row's length
+  zeroed (hidden already: whatever a reused page holds cannot leak as 0 · NaN)."""
+  b, n_pages = page_indices.shape
+  page = k.shape[1]
+  per_block = tl.bk // page
+  table = jnp.pad(page_indices, ((0, 0), (0, tl.n_k * per_block - n_pages)))
+  scales = (None, None) if kv_scales is None else kv_scales
+
+  def fetch(j):
+    pages = lax.dynamic_slice_in_dim(table, j * per_block, per_block, axis=1)  # [B, m]
+    gather = lambda pool: pool[pages].reshape(b, tl.bk, *pool.shape[2:])
+    read = lambda pool, scale: (gather(pool) if scale is None
+                                else quant.dequantize(gather(pool), gather(scale), dtype))
+    held = (j * tl.bk + jnp.arange(tl.bk) < lengths[:, None])[:, :, None, None]
+    return read(k, scales[0]), jnp.where(held, read(v, scales[1]), 0)
+  return fetch
+
+
+def _walk(q, dims, reader, bias, mask, rng, mods, cfg: chunked.Config, splits: int):
+  """The split-key loop over keys of dims (B, S, G, K, V), each block fetched by
+  `reader(tiling)(j)` -> (keys [B, P, G, K], values [B, P, G, V]): (out, lse)."""
+  b, s, g, k_dim, v_dim = dims
+  shape_BSGK = jax.ShapeDtypeStruct((b, s, g, k_dim), q.dtype)
   ctx = chunked.tile_context(q, shape_BSGK, bias, mask, rng, mods, cfg, 0, 0)
   tl, acc = ctx.tl, common.softmax_dtype(q.dtype)
   q_0 = tiling.blocks(q, 1, tl.bq, g)[0]  # [B, G, R, Q, K]: all T queries are one tile
-  if page_indices is None:
-    # Blocks of the cache in its own layout, [B, n_k, P, G, K] (a free reshape): each trip's
-    # product transposes only its block, in cache, never the whole cache.
-    def blocked(x):  # a free reshape, unless S needs padding (a copy: avoided when it divides)
-      if tl.n_k * tl.bk != s:
-        x = jnp.pad(x, ((0, 0), (0, tl.n_k * tl.bk - s), (0, 0), (0, 0)))
-      return x.reshape(b, tl.n_k, tl.bk, g, x.shape[-1])
-    k_blocks, v_blocks = blocked(k), blocked(v)
-    fetch = lambda j: (k_blocks[:, j], v_blocks[:, j])
-  else:  # a block is cfg.block_k / page pages: each row's j-th run of pages, gathered from the
-    # pools; values past a row's length zeroed (hidden already: whatever a reused page holds
-    # cannot leak as 0 · NaN)
-    per_block = tl.bk // page
-    table = jnp.pad(page_indices, ((0, 0), (0, tl.n_k * per_block - n_pages)))
-
-    def fetch(j):
-      pages = lax.dynamic_slice_in_dim(table, j * per_block, per_block, axis=1)  # [B, m]
-      gather = lambda pool: pool[pages].reshape(b, tl.bk, *pool.shape[2:])
-      held = (j * tl.bk + jnp.arange(tl.bk) < lengths[:, None])[:, :, None, None]
-      return gather(k), jnp.where(held, gather(v), 0)
+  fetch = reader(tl)
   order, count = _visit_order(ctx)
 
   def one(carry, j, live):
@@ -111,7 +180,7 @@ def forward(q, k, v, bias, mask, rng, mods, cfg: chunked.Config, splits: int,
   m0, l0 = chunked.initial_stats(stats_shape, g, None, acc)
   init = (jnp.broadcast_to(m0, (splits, *stats_shape)),
           jnp.broadcast_to(l0, (splits, *stats_shape)),
-          jnp.zeros((splits, *stats_shape, v.shape[-1]), acc))
+          jnp.zeros((splits, *stats_shape, v_dim), acc))
   m, l, o = lax.fori_loop(0, (count + splits - 1) // splits, trip, init)
   # Merge the partitions (and the sink, a partition of its own that saw one entry).
   lse_p = common.row_lse(m, l)  # [splits, B, G, R, Q]
@@ -196,61 +265,129 @@ def make_attention(block_k: int | None = None, splits: int | None = None):
 attention = make_attention()
 
 
+def keys_bwd(cfg_bwd, query, keys_BSGK, values_BSGV, kv_scales_BSG, mods, out, lse,
+             cotangents):
+  """The chunked backward over keys and values in the API layout, dequantized first when int8
+  (`kv_scales_BSG`: their scales [B, S, G]): (dq, dk, dv, dscales, dmods); int8 keys and values
+  get None, their scales the gradient Σ d(dequantized) · int8 over the head dim."""
+  keys, values = keys_BSGK, values_BSGV
+  if kv_scales_BSG is not None:
+    keys, values = (quant.dequantize(x, scale, query.dtype)
+                    for x, scale in zip((keys, values), kv_scales_BSG))
+  dq, dk, dv, _, _, _, dmods = chunked.attention_bwd(
+      cfg_bwd, (query, keys, values, None, None, None, mods, out, lse), cotangents)
+  if kv_scales_BSG is None:
+    return dq, dk, dv, None, dmods
+  dscale = lambda d, x, scale: jnp.sum(d.astype(jnp.float32) * x.astype(jnp.float32),
+                                       axis=-1).astype(scale.dtype)
+  dscales = tuple(dscale(d, x, scale) for d, x, scale in zip(
+      (dk, dv), (keys_BSGK, values_BSGV), kv_scales_BSG))
+  return dq, None, None, dscales, dmods
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def cache(query, key_BGSK, value_BGSV, mods, cfg, cfg_bwd, splits, forward_fn=None,
+          kv_scales=None):
+  """(out [B, T, H, V], lse [B, H, T]) over a contiguous cache's head-major keys [B, G, S, K]
+  and values [B, G, S, V] (int8 with `kv_scales`, their scales [B, G, S] each), whose
+  positions are `mods`' (see `cache_forward`); the lse carries no gradient. Gradients reach
+  the query, floating keys and values or int8 ones' scales, and the float leaves of `mods`.
+  `forward_fn`: another forward with `cache_forward`'s contract (a platform's kernel), None
+  for this module's."""
+  del cfg_bwd
+  return _cache_forward(query, key_BGSK, value_BGSV, mods, cfg, splits, forward_fn, kv_scales)
+
+
+def _cache_forward(query, key_BGSK, value_BGSV, mods, cfg, splits, forward_fn, kv_scales):
+  out, lse = (forward_fn or cache_forward)(query, key_BGSK, value_BGSV, mods, cfg, splits,
+                                           kv_scales)
+  return out.astype(query.dtype), lse
+
+
+def _cache_fwd(query, key_BGSK, value_BGSV, mods, cfg, cfg_bwd, splits, forward_fn,
+               kv_scales):
+  del cfg_bwd
+  out, lse = _cache_forward(query, key_BGSK, value_BGSV, mods, cfg, splits, forward_fn,
+                            kv_scales)
+  return (out, lse), (query, key_BGSK, value_BGSV, kv_scales, mods, out, lse)
+
+
+def _cache_bwd(cfg, cfg_bwd, splits, forward_fn, residuals, cotangents):
+  """`keys_bwd` over the cache in the API layout, given back head-major."""
+  del cfg, splits, forward_fn
+  query, key_BGSK, value_BGSV, kv_scales, mods, out, lse = residuals
+  api = lambda x: None if x is None else jnp.swapaxes(x, 1, 2)  # [B, G, S, ...] <-> [B, S, G, ...]
+  scales = None if kv_scales is None else tuple(map(api, kv_scales))
+  dq, dk, dv, dscales, dmods = keys_bwd(cfg_bwd, query, api(key_BGSK), api(value_BGSV), scales,
+                                        mods, out, lse, cotangents)
+  return (dq, api(dk), api(dv), dmods,
+          None if dscales is None else tuple(map(api, dscales)))
+
+
+cache.defvjp(_cache_fwd, _cache_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def paged(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, splits,
-          paged_forward=None):
+          paged_forward=None, kv_scales=None):
   """(out [B, T, H, V], lse [B, H, T]) over paged keys and values (see `forward`; cfg.block_k
-  whole pages, `paged_block`); the lse carries no gradient. Gradients reach the query, the pages and the
-  float leaves of `mods` (sinks, score tables). `paged_forward`: another forward with
+  whole pages, `paged_block`; int8 pools with `kv_scales`, their scales [P, page, G] each);
+  the lse carries no gradient. Gradients reach the query, floating pages or int8 ones' scales,
+  and the float leaves of `mods` (sinks, score tables). `paged_forward`: another forward with
   `forward`'s paged contract (a platform's kernel), None for this one."""
   del cfg_bwd
   return _paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits,
-                        paged_forward)
+                        paged_forward, kv_scales)
 
 
 def _paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits,
-                   paged_forward):
+                   paged_forward, kv_scales):
   if paged_forward is None:
-    paged_forward = lambda q, k, v, table, lengths, mods, cfg, splits: forward(
-        q, k, v, None, None, None, mods, cfg, splits, table, lengths)
-  out, lse = paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits)
+    paged_forward = lambda q, k, v, table, lengths, mods, cfg, splits, kv_scales: forward(
+        q, k, v, None, None, None, mods, cfg, splits, table, lengths, kv_scales)
+  out, lse = paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits,
+                           kv_scales)
   return out.astype(query.dtype), lse
 
 
 def _paged_fwd(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, splits,
-               paged_forward):
+               paged_forward, kv_scales):
   del cfg_bwd
   out, lse = _paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits,
-                            paged_forward)
-  return (out, lse), (query, k_pages, v_pages, page_indices, lengths, mods, out, lse)
+                            paged_forward, kv_scales)
+  return (out, lse), (query, k_pages, v_pages, page_indices, lengths, kv_scales, mods, out, lse)
 
 
 def _paged_bwd(cfg, cfg_bwd, splits, paged_forward, residuals, cotangents):
-  """The chunked backward over the rows' pages gathered in order, scattered back to the pools."""
+  """`keys_bwd` over the rows' pages gathered in order, scattered back to the pools."""
   del cfg, splits, paged_forward
-  query, k_pages, v_pages, page_indices, lengths, mods, out, lse = residuals
+  query, k_pages, v_pages, page_indices, lengths, kv_scales, mods, out, lse = residuals
   b, n = page_indices.shape
-  held = (jnp.arange(n * k_pages.shape[1]) < lengths[:, None])[:, :, None, None]
-  gather = lambda pages: jnp.where(held, pages[page_indices].reshape(
-      b, n * pages.shape[1], *pages.shape[2:]), 0)
-  dq, dk, dv, _, _, _, dmods = chunked.attention_bwd(
-      cfg_bwd, (query, gather(k_pages), gather(v_pages), None, None, None, mods, out, lse),
-      cotangents)
-  scatter = lambda pages, d: jnp.zeros_like(pages).at[page_indices].add(
-      d.reshape(b, n, *pages.shape[1:]).astype(pages.dtype))
-  return dq, scatter(k_pages, dk), scatter(v_pages, dv), None, None, dmods
+  rows = lambda pool: pool[page_indices].reshape(b, n * pool.shape[1], *pool.shape[2:])
+  held = jnp.arange(n * k_pages.shape[1]) < lengths[:, None]  # [B, S]
+  hide = lambda x: jnp.where(held.reshape(*held.shape, *(1,) * (x.ndim - 2)), x, 0)
+  scales = None if kv_scales is None else tuple(hide(rows(x)) for x in kv_scales)
+  dq, dk, dv, dscales, dmods = keys_bwd(cfg_bwd, query, hide(rows(k_pages)),
+                                        hide(rows(v_pages)), scales, mods, out, lse, cotangents)
+  scatter = lambda pool, d: None if d is None else jnp.zeros_like(pool).at[page_indices].add(
+      d.reshape(b, n, *pool.shape[1:]).astype(pool.dtype))
+  return (dq, scatter(k_pages, dk), scatter(v_pages, dv), None, None, dmods,
+          None if dscales is None else tuple(map(scatter, kv_scales, dscales)))
 
 
 paged.defvjp(_paged_fwd, _paged_bwd)
 
 
 def refuses(call: registry.Call) -> str | None:
-  """Why the decode kernel cannot run `call`: over pages in place it takes no dropout."""
+  """Why the decode kernel cannot run `call`: over pages in place it takes no dropout; over a
+  contiguous cache's slots no dropout and no dense mask."""
   if call.layout == "paged" and call.dropout_rate:
     return "the decode kernel over pages takes no dropout"
+  if call.layout == "cache" and (call.dropout_rate or call.mask is not None):
+    return "the decode kernel over a cache's slots takes no dropout and no dense mask"
   return None
 
 
 KERNEL = registry.register(registry.Kernel(
     "decode", attention, refuses, summary="a few queries over a long cache: keys split into "
-    "partitions merged by log-sum-exp", layouts=("dense", "paged")))
+    "partitions merged by log-sum-exp", layouts=("dense", "cache", "paged")))

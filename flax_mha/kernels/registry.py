@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 
 
 def _spec(x):
@@ -50,7 +51,8 @@ class Call:
   values), built once per call. `mods` is the call's `flax_mha.mods.Mods` (None: no mask or
   score terms); `platform` the one the program is lowered for ('cpu', 'cuda', 'rocm', 'tpu');
   `layout` where the keys lie (LAYOUTS; key and value are described as [B, S, G, K] whatever
-  the layout, S the slots a row can hold), `page` the page size of a paged call."""
+  the layout, S the slots a row can hold; of dtype int8 for an int8 cache's step, see
+  `quantized`), `page` the page size of a paged call."""
   query: jax.ShapeDtypeStruct  # [B, T, H, K]
   key: jax.ShapeDtypeStruct  # [B, S, G, K]
   value: jax.ShapeDtypeStruct  # [B, S, G, V]
@@ -72,6 +74,12 @@ class Call:
       raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return cls(_spec(query), _spec(key), _spec(value), _spec(bias), _spec(mask),
                bool(is_causal), float(dropout_rate), mods, platform, layout, page)
+
+  @property
+  def quantized(self) -> bool:
+    """Whether the keys are an int8 cache's (`flax_mha.quant`: a step's kernel dequantizes the
+    blocks it reads; the int8 dtype of `key` and `value` is the record)."""
+    return self.key.dtype == jnp.int8
 
   @property
   def dims(self) -> dict[str, int]:

@@ -10,13 +10,15 @@ split into SPLITS contiguous partitions, each walked with an online softmax; the
 keys are read in place in either layout:
   - a contiguous cache, head-major [B, G, S, K]: blocks of BLOCK slots of the row's head;
   - pages [P, page, G, K] with a page table [B, n]: one page per block, found in the table.
-Visibility compares positions (one `mods.Positions` term: causality, a window, sink tokens;
-an empty slot holds -1 and is hidden, its value read as 0); the logit soft cap and the sinks
-are applied too. Anything else (a dense mask, `mask_mod`/`score_mod`, segment ids, dropout)
+An int8 cache (`flax_mha.quant`) is read as int8 blocks and their scales, dequantized in the
+kernel. Visibility compares positions (one `mods.Positions` term: causality, a window, sink
+tokens; an empty slot holds -1 and is hidden, its value read as 0); the logit soft cap and the
+sinks are applied too. Anything else (a dense mask, `mask_mod`/`score_mod`, segment ids, dropout)
 is refused by `reason`, and the caller keeps its XLA step.
 
-The backward (a custom VJP) is the chunked kernel's from the output and its lse, over the
-keys in the API layout; decoding rarely needs it, so it is simple rather than fast. The
+The backward (a custom VJP, `decode.cache`'s and `decode.paged`'s) is the chunked kernel's
+from the output and its lse, over the keys in the API layout (dequantized when int8); decoding
+rarely needs it, so it is simple rather than fast. The
 settings (BLOCK, SPLITS) are not tuned: no GPU has run this code. `make_attention(interpret=True)`
 is the kernel in Pallas interpret mode on any platform, for `implementation=` of a cache step
 or `paged_attention` (the tests' CPU check); "triton_decode" names it compiled.
@@ -36,7 +38,6 @@ from jax.experimental.pallas import triton as plgpu
 from flax_mha import mods as mods_lib
 from flax_mha import platforms
 from flax_mha.kernels import triton_tiles as tiles
-from flax_mha.kernels import chunked
 from flax_mha.kernels import common
 from flax_mha.kernels import decode
 from flax_mha.kernels import registry
@@ -56,6 +57,7 @@ class Spec:
   positions: tuple  # (causal, window, sink_tokens) of the Positions term
   scores: tuple  # mods.SoftCap terms
   paged: bool
+  quantized: bool  # int8 keys and values, with their scales
   splits: int
   interpret: bool
 
@@ -86,11 +88,12 @@ def reason(query_BTHK, g: int, k_dim: int, v_dim: int, mods, *, mask=None, dropo
 
 
 def _kernel(*refs, spec: Spec):
-  """One (b, g, partition): an online softmax over the partition's share of the row's blocks."""
-  if spec.paged:
-    q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, count_ref, table_ref, o_ref, lse_ref = refs
-  else:
-    q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, count_ref, o_ref, lse_ref = refs
+  """One (b, g, partition): an online softmax over the partition's share of the row's blocks.
+  refs: q, k, v, q_pos, kv_pos, count, [table when paged], [k and v scales when quantized],
+  then the outputs out and lse."""
+  q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, count_ref, *rest, o_ref, lse_ref = refs
+  table_ref = rest.pop(0) if spec.paged else None
+  scale_refs = rest if spec.quantized else None
   bk, part = spec.bk, pl.program_id(2)
   count = count_ref[0]
   per = tiles.ceil_div(count, spec.splits)
@@ -100,13 +103,17 @@ def _kernel(*refs, spec: Spec):
   term = mods_lib.Positions(None, None, *spec.positions)
   terms = mods_lib.Mods(scores=spec.scores)
 
-  def load(j):
+  def block(ref, j):  # [bk, ...] of a [slots, ...] ref (contiguous) or a [P, page, ...] pool
     if spec.paged:
-      page = table_ref[pl.ds(j, 1)]
-      return (k_ref[page].reshape(bk, k_ref.shape[-1]),
-              v_ref[page].reshape(bk, v_ref.shape[-1]))
-    keys = pl.ds(j * bk, bk)
-    return k_ref[keys, :], v_ref[keys, :]
+      return ref[table_ref[pl.ds(j, 1)]].reshape(bk, *ref.shape[2:])
+    return ref[pl.ds(j * bk, bk)]
+
+  def load(j):
+    k, v = block(k_ref, j), block(v_ref, j)
+    if scale_refs is None:
+      return k, v
+    dequantize = lambda x, ref: (x.astype(jnp.float32) * block(ref, j)[:, None]).astype(q.dtype)
+    return dequantize(k, scale_refs[0]), dequantize(v, scale_refs[1])
 
   def step(j, carry):
     acc, m, l = carry
@@ -130,23 +137,29 @@ def _kernel(*refs, spec: Spec):
   lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), tiles.LOWEST)
 
 
-def _partitions(spec: Spec, q_BGRK, k, v, q_pos_BR, kv_pos_BS, count_B, table=None):
+def _partitions(spec: Spec, q_BGRK, k, v, q_pos_BR, kv_pos_BS, count_B, table=None,
+                kv_scales=None):
   """(out [B, G, splits, R, V] float32, lse [B, G, splits, R]) of every partition."""
   b, g, r, kp = q_BGRK.shape
   vp, s = v.shape[-1], kv_pos_BS.shape[1]
   row = lambda n: pl.BlockSpec((None, n), lambda b, g, p: (b, 0))
   if spec.paged:  # the whole pool of head g: the kernel picks its pages from the table
-    pool = lambda dim: pl.BlockSpec((k.shape[0], spec.bk, None, dim), lambda b, g, p: (0, 0, g, 0))
-    kv_specs = [pool(kp), pool(vp)]
+    pool = lambda *dim: pl.BlockSpec((k.shape[0], spec.bk, None, *dim),
+                                     lambda b, g, p: (0, 0, g) + (0,) * len(dim))
+    kv_specs, scale_spec = [pool(kp), pool(vp)], pool()
   else:  # the row's head g, every slot: the kernel reads only the blocks it visits
-    cache = lambda dim: pl.BlockSpec((None, None, s, dim), lambda b, g, p: (b, g, 0, 0))
-    kv_specs = [cache(kp), cache(vp)]
+    cache = lambda *dim: pl.BlockSpec((None, None, s, *dim),
+                                      lambda b, g, p: (b, g, 0) + (0,) * len(dim))
+    kv_specs, scale_spec = [cache(kp), cache(vp)], cache()
   in_specs = [pl.BlockSpec((None, None, r, kp), lambda b, g, p: (b, g, 0, 0)), *kv_specs,
               row(r), row(s), row(1)]
   operands = [q_BGRK, k, v, q_pos_BR, kv_pos_BS, count_B[:, None]]
   if spec.paged:
     in_specs.append(row(table.shape[1]))
     operands.append(table)
+  if spec.quantized:
+    in_specs += [scale_spec, scale_spec]
+    operands += list(kv_scales)
   return pl.pallas_call(
       functools.partial(_kernel, spec=spec), grid=(b, g, spec.splits), in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, None, None, r, vp), lambda b, g, p: (b, g, p, 0, 0)),
@@ -188,10 +201,11 @@ def _rows(query_BTHK, q_pos_BT, g: int):
   return q, triton.pad_axis(q_pos, 1, r, -1)
 
 
-def _spec(mods, scale, rows: int, bk: int, paged: bool, interpret: bool) -> Spec:
+def _spec(mods, scale, rows: int, bk: int, paged: bool, quantized: bool,
+          interpret: bool) -> Spec:
   (term,) = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
   return Spec(rows, bk, float(scale), (term.causal, term.window, term.sink_tokens),
-              tuple(mods.scores), paged, SPLITS, interpret)
+              tuple(mods.scores), paged, quantized, SPLITS, interpret)
 
 
 def _visited_blocks(kv_pos_BS, bk: int):
@@ -201,8 +215,11 @@ def _visited_blocks(kv_pos_BS, bk: int):
   return ((filled + bk - 1) // bk).astype(jnp.int32)
 
 
-def _cache_forward(query, key_BGSK, value_BGSV, mods, scale, interpret):
-  b, t, h, k_dim = query.shape
+def _cache_forward(query, key_BGSK, value_BGSV, mods, cfg, splits, kv_scales=None,
+                   interpret=False):
+  """`decode.cache_forward`'s contract by the kernel: (out [B, T, H, V], lse [B, H, T])."""
+  del splits
+  b, t, h, _ = query.shape
   (term,) = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
   g, s = key_BGSK.shape[1], key_BGSK.shape[2]
   bk = min(BLOCK, triton.pow2(s))
@@ -210,52 +227,30 @@ def _cache_forward(query, key_BGSK, value_BGSV, mods, scale, interpret):
   dims = lambda x: triton.pad_axis(triton.pad_axis(x, 2, sp), 3, triton.pow2(x.shape[-1]))
   kv_pos = triton.pad_axis(jnp.broadcast_to(term.kv_pos, (b, s)).astype(jnp.int32), 1, sp, -1)
   q, q_pos = _rows(query, term.q_pos, g)
-  spec = _spec(mods, scale, q.shape[2], bk, False, interpret)
+  spec = _spec(mods, cfg.scale, q.shape[2], bk, False, kv_scales is not None, interpret)
+  scales = None if kv_scales is None else [triton.pad_axis(x, 2, sp) for x in kv_scales]
   out_p, lse_p = _partitions(spec, q, dims(key_BGSK), dims(value_BGSV), q_pos, kv_pos,
-                             _visited_blocks(kv_pos, bk))
+                             _visited_blocks(kv_pos, bk), kv_scales=scales)
   out, lse = _merge(out_p, lse_p, mods.sinks, t, h)
-  return out[..., :value_BGSV.shape[-1]].astype(query.dtype), lse
+  return out[..., :value_BGSV.shape[-1]], lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _cache_attention(query, key_BGSK, value_BGSV, mods, scale, cfg_bwd, interpret):
-  return _cache_forward(query, key_BGSK, value_BGSV, mods, scale, interpret)
-
-
-def _cache_fwd(query, key_BGSK, value_BGSV, mods, scale, cfg_bwd, interpret):
-  out, lse = _cache_forward(query, key_BGSK, value_BGSV, mods, scale, interpret)
-  return (out, lse), (query, key_BGSK, value_BGSV, mods, out, lse)
-
-
-def _cache_bwd(scale, cfg_bwd, interpret, residuals, cotangents):
-  """The chunked backward over the keys in the API layout, given back head-major."""
-  del scale, interpret
-  query, key_BGSK, value_BGSV, mods, out, lse = residuals
-  api = lambda x: x.transpose(0, 2, 1, 3)
-  dq, dk, dv, _, _, _, dmods = chunked.attention_bwd(
-      cfg_bwd, (query, api(key_BGSK), api(value_BGSV), None, None, None, mods, out, lse),
-      cotangents)
-  return dq, api(dk), api(dv), dmods
-
-
-_cache_attention.defvjp(_cache_fwd, _cache_bwd)
-
-
-def cache_attention(query_BTHK, key_BGSK, value_BGSV, mods, scale: float, *,
+def cache_attention(query_BTHK, key_BGSK, value_BGSV, mods, scale: float, kv_scales=None, *,
                     interpret: bool = False):
-  """A few queries [B, T, H, K] over a contiguous head-major cache ([B, G, S, K], [B, G, S, V])
-  whose positions are `mods`' Positions term (see the module docstring): [B, T, H, V]. The
-  cache is read in place when S is a multiple of the block and K, V are powers of two >= 16,
-  otherwise padded (a copy)."""
+  """A few queries [B, T, H, K] over a contiguous head-major cache ([B, G, S, K], [B, G, S, V];
+  int8 with `kv_scales`, their scales [B, G, S] each) whose positions are `mods`' Positions
+  term (see the module docstring): [B, T, H, V]. The cache is read in place when S is a
+  multiple of the block and K, V are powers of two >= 16, otherwise padded (a copy)."""
   t, s, k_dim = query_BTHK.shape[1], key_BGSK.shape[2], query_BTHK.shape[-1]
-  _, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, BLOCK)
-  out, _ = _cache_attention(query_BTHK, key_BGSK, value_BGSV, mods, float(scale), cfg_bwd,
-                            interpret)
+  cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, BLOCK)
+  forward = functools.partial(_cache_forward, interpret=interpret)
+  out, _ = decode.cache(query_BTHK, key_BGSK, value_BGSV, mods, cfg, cfg_bwd, SPLITS, forward,
+                        kv_scales)
   return out
 
 
 def _paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, splits,
-                   interpret=False):
+                   kv_scales=None, interpret=False):
   """`decode.forward`'s paged contract by the kernel: (out [B, T, H, V], lse [B, H, T])."""
   del splits
   b, t, h, _ = query.shape
@@ -264,21 +259,22 @@ def _paged_forward(query, k_pages, v_pages, page_indices, lengths, mods, cfg, sp
   kv_pos = jnp.where(jnp.arange(s) < lengths[:, None], jnp.arange(s), -1).astype(jnp.int32)
   (term,) = [m for m in mods.masks if isinstance(m, mods_lib.Positions)]
   q, q_pos = _rows(query, term.q_pos, g)
-  spec = _spec(mods, cfg.scale, q.shape[2], page, True, interpret)
+  spec = _spec(mods, cfg.scale, q.shape[2], page, True, kv_scales is not None, interpret)
   dims = lambda x: triton.pad_axis(x, 3, triton.pow2(x.shape[-1]))
   out_p, lse_p = _partitions(spec, q, dims(k_pages), dims(v_pages), q_pos, kv_pos,
-                             _visited_blocks(kv_pos, page), page_indices.astype(jnp.int32))
+                             _visited_blocks(kv_pos, page), page_indices.astype(jnp.int32),
+                             kv_scales)
   out, lse = _merge(out_p, lse_p, mods.sinks, t, h)
   return out[..., :v_pages.shape[-1]], lse
 
 
-def paged_attention(query_BTHK, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd, *,
-                    interpret: bool = False):
+def paged_attention(query_BTHK, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd,
+                    kv_scales=None, *, interpret: bool = False):
   """`decode.paged` (same arguments, results and backward) with the kernel's forward: each
-  row's pages read in place through its page table."""
+  row's pages read in place through its page table (int8 pools with `kv_scales`)."""
   forward = functools.partial(_paged_forward, interpret=interpret)
   return decode.paged(query_BTHK, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd,
-                      SPLITS, forward)
+                      SPLITS, forward, kv_scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,18 +285,19 @@ class DecodeKernel:
   interpret: bool = False
   name: str = "triton_decode"
 
-  def cache_attention(self, query_BTHK, key_BGSK, value_BGSV, mods, scale: float):
+  def cache_attention(self, query_BTHK, key_BGSK, value_BGSV, mods, scale: float,
+                      kv_scales=None):
     """`cache_attention` in this kernel's mode."""
     run = functools.partial(cache_attention, interpret=self.interpret)
     return platforms.kernel_for("cuda", self.name, self.interpret, run)(
-        query_BTHK, key_BGSK, value_BGSV, mods, scale)
+        query_BTHK, key_BGSK, value_BGSV, mods, scale, kv_scales)
 
   def paged_attention(self, query_BTHK, k_pages, v_pages, page_indices, lengths, mods, cfg,
-                      cfg_bwd):
+                      cfg_bwd, kv_scales=None):
     """`paged_attention` in this kernel's mode."""
     run = functools.partial(paged_attention, cfg=cfg, cfg_bwd=cfg_bwd, interpret=self.interpret)
     return platforms.kernel_for("cuda", self.name, self.interpret, run)(
-        query_BTHK, k_pages, v_pages, page_indices, lengths, mods)
+        query_BTHK, k_pages, v_pages, page_indices, lengths, mods, kv_scales=kv_scales)
 
 
 def make_attention(*, interpret: bool = False) -> DecodeKernel:

@@ -3,7 +3,8 @@
 A model is decodable when it has two methods:
 
   init_cache(*context, max_length) -> cache      the decoding state (a pytree whose leaves all
-                                                 lead with the batch dim B)
+                                                 lead with the batch dim B); with `dtype=` too
+                                                 when a loop is given a `cache_dtype`
   logits(tokens [B, T], cache, positions) -> (logits [B, T, C], cache)
 
 A linen module comes with its variables as `params` (the methods run through `model.apply`); an
@@ -21,6 +22,9 @@ row C + id). Generation prefills the prompts in one call, each row at its own po
 of different lengths, right-padded, waste nothing: padding has position -1), then feeds one
 token a step. Everything is jitted with the model, sizes and sampler static;
 the loop stops once every row has emitted a stop token (later tokens are `pad_id`).
+`cache_dtype` (None: the model's own) is the dtype of the KV caches, `jnp.int8` for an int8
+cache quantized per token and head (`flax_mha.quant`, `flax_mha.cache`): a quarter of a float32
+cache's memory, at the cost of small changes in the logits that can change a greedy token.
 
 Shapes: B batch, L prompt length, N new tokens (max_new_tokens), W beam width, C vocabulary.
 """
@@ -39,6 +43,7 @@ from flax import nnx
 
 from flax_mha import cache as cache_lib
 from flax_mha import checks
+from flax_mha import quant
 from flax_mha.models.transformer import Transformer, TransformerConfig
 
 
@@ -148,7 +153,7 @@ class Sampling:
 
 
 def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_tokens: int,
-             sampler=Greedy(), stop_tokens=(), pad_id: int = 0, rng=None):
+             sampler=Greedy(), stop_tokens=(), pad_id: int = 0, rng=None, cache_dtype=None):
   """Continue each prompt: tokens [B, max_new_tokens] int32 (pad_id after a stop token).
 
   Args:
@@ -162,6 +167,8 @@ def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_to
     max_new_tokens: static; sampler: `Greedy()` or `Sampling(temperature, top_k, top_p)`.
     stop_tokens: ids that end a row (emitted, then pad_id); rng: a key, for sampling (the
       same key gives the same tokens).
+    cache_dtype: the KV caches' dtype, passed to `init_cache(..., dtype=)`: None (the model's
+      dtype), a floating dtype, or jnp.int8 (an int8 cache: see the module docstring).
   """
   model, params = decodable(model, params)
   prompts, prompt_lengths = _check(prompts, prompt_lengths, max_new_tokens)
@@ -170,7 +177,8 @@ def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_to
     raise ValueError("sampling needs rng (a jax.random.key): the same key gives the same tokens")
   rng = jax.random.key(0) if rng is None else rng
   return _generate(model, params, tuple(context), prompts, prompt_lengths, rng,
-                   max_new_tokens, sampler, tuple(stop_tokens), pad_id)
+                   max_new_tokens, sampler, tuple(stop_tokens), pad_id,
+                   _check_cache_dtype(cache_dtype))
 
 
 def _check(prompts, prompt_lengths, max_new_tokens):
@@ -190,13 +198,24 @@ def _check(prompts, prompt_lengths, max_new_tokens):
   return jnp.asarray(prompts, jnp.int32), lengths.astype(jnp.int32)
 
 
+def _check_cache_dtype(cache_dtype):
+  """None, or the dtype of a KV cache (floating or int8: `flax_mha.quant`), hashable."""
+  if cache_dtype is None:
+    return None
+  try:
+    return quant.check_cache_dtype(cache_dtype)
+  except TypeError as e:
+    raise TypeError(f"cache_dtype: {e}") from None
+
+
 @cache_lib.caller_makes_room  # sized below for every token written
-def _prefill(model, params, context, prompts, lengths, max_new_tokens):
+def _prefill(model, params, context, prompts, lengths, max_new_tokens, cache_dtype=None):
   """(cache, last logits [B, C]): the prompts run in one call, each row at its own positions."""
   length = prompts.shape[1]
   # The last new token is never fed back: the cache needs room for L + N - 1 tokens.
+  dtype = {} if cache_dtype is None else {"dtype": cache_dtype}
   cache = model.apply(params, *context, max_length=length + max_new_tokens - 1,
-                      method="init_cache")
+                      method="init_cache", **dtype)
   ar = jnp.arange(length, dtype=jnp.int32)
   real = ar < lengths[:, None]
   positions = jnp.where(real, ar, -1)
@@ -218,10 +237,11 @@ def _step(model, params, tokens_B, cache, logits, more):
   return jax.lax.cond(more, run, lambda: (logits, cache))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9, 10))
 def _generate(model, params, context, prompts, lengths, rng, max_new_tokens, sampler,
-              stop_tokens, pad_id):
-  cache, logits = _prefill(model, params, context, prompts, lengths, max_new_tokens)
+              stop_tokens, pad_id, cache_dtype):
+  cache, logits = _prefill(model, params, context, prompts, lengths, max_new_tokens,
+                           cache_dtype)
   batch = prompts.shape[0]
   tokens_BN = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
   done_B = jnp.zeros((batch,), bool)
@@ -240,7 +260,7 @@ def _generate(model, params, context, prompts, lengths, rng, max_new_tokens, sam
 
 
 def stream(model, params, context, prompt, *, max_new_tokens: int, sampler=Greedy(),
-           stop_tokens=(), rng=None):
+           stop_tokens=(), rng=None, cache_dtype=None):
   """`generate` for one prompt (prompt [1, L]), yielding each new token id as it is produced
   (a jitted prefill, then one jitted step per token: for a terminal, not for throughput).
   Arguments as `generate`'s; the ids are checked before the first token."""
@@ -248,7 +268,8 @@ def stream(model, params, context, prompt, *, max_new_tokens: int, sampler=Greed
   prompt, lengths = _check(prompt, None, max_new_tokens)
   _check_ids(model, params, context, prompt, lengths)
   rng = jax.random.key(0) if rng is None else rng
-  cache, logits = _jitted_prefill(model, params, tuple(context), prompt, lengths, max_new_tokens)
+  cache, logits = _jitted_prefill(model, params, tuple(context), prompt, lengths, max_new_tokens,
+                                  _check_cache_dtype(cache_dtype))
   for n in range(max_new_tokens):
     token = int(sampler(logits, jax.random.fold_in(rng, n))[0])
     yield token
@@ -257,7 +278,7 @@ def stream(model, params, context, prompt, *, max_new_tokens: int, sampler=Greed
     logits, cache = _jitted_step(model, params, jnp.array([token], jnp.int32), cache)
 
 
-_jitted_prefill = jax.jit(_prefill, static_argnums=(0, 5))
+_jitted_prefill = jax.jit(_prefill, static_argnums=(0, 5, 6))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -274,25 +295,28 @@ def length_penalty(length, alpha: float):
 
 def generate_beam(model, params, context, prompts, prompt_lengths=None, *,
                   max_new_tokens: int, beam_size: int = 4, alpha: float = 0.6, stop_tokens=(),
-                  pad_id: int = 0):
+                  pad_id: int = 0, cache_dtype=None):
   """Beam search with the GNMT length penalty; the best beam's tokens [B, max_new_tokens].
 
-  Same arguments as `generate`; a beam ends at a stop token (emitted) and then scores only pad.
+  Same arguments as `generate` (cache_dtype too); a beam ends at a stop token (emitted) and
+  then scores only pad.
   `beam_size=1` is greedy decoding."""
   model, params = decodable(model, params)
   prompts, prompt_lengths = _check(prompts, prompt_lengths, max_new_tokens)
   _check_ids(model, params, context, prompts, prompt_lengths)
   checks.check_int("beam_size", beam_size)
   return _beam(model, params, tuple(context), prompts, prompt_lengths, max_new_tokens,
-               beam_size, float(alpha), tuple(stop_tokens), pad_id)[0]
+               beam_size, float(alpha), tuple(stop_tokens), pad_id,
+               _check_cache_dtype(cache_dtype))[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10))
 def _beam(model, params, context, prompts, lengths, max_new_tokens, beam_size, alpha,
-          stop_tokens, pad_id):
+          stop_tokens, pad_id, cache_dtype):
   """(best tokens [B, N], their penalised scores [B])."""
   batch, w = prompts.shape[0], beam_size
-  cache, logits_BC = _prefill(model, params, context, prompts, lengths, max_new_tokens)
+  cache, logits_BC = _prefill(model, params, context, prompts, lengths, max_new_tokens,
+                              cache_dtype)
   cache = jax.tree.map(lambda x: jnp.repeat(x, w, axis=0), cache)  # each row's W beams
   step_lp = jnp.repeat(jax.nn.log_softmax(logits_BC), w, axis=0)  # [B·W, C]
   tokens_BWN = jnp.full((batch, w, max_new_tokens), pad_id, jnp.int32)
@@ -345,23 +369,28 @@ def _gather_beams(beam_BW, x):
 
 # The encoder-decoder's conveniences: decode from its bos token, stop at its eos.
 
-def greedy_decode(config: TransformerConfig | Transformer, params, src, *, max_len: int):
-  """Greedy decoding: src [B, S] int -> tokens [B, max_len] int32. `config` may be the model."""
+def greedy_decode(config: TransformerConfig | Transformer, params, src, *, max_len: int,
+                  cache_dtype=None):
+  """Greedy decoding: src [B, S] int -> tokens [B, max_len] int32. `config` may be the model;
+  `cache_dtype` as in `generate`."""
   model, src = _transformer(config, src, max_len)
   return generate(model, {"params": params}, (src,), _bos(model, src), max_new_tokens=max_len,
-                  stop_tokens=(model.config.eos_id,), pad_id=model.config.pad_id)
+                  stop_tokens=(model.config.eos_id,), pad_id=model.config.pad_id,
+                  cache_dtype=cache_dtype)
 
 
 def beam_search(config: TransformerConfig | Transformer, params, src, *, max_len: int,
-                beam_size: int = 4, alpha: float = 0.6):
+                beam_size: int = 4, alpha: float = 0.6, cache_dtype=None):
   """Beam search with the GNMT length penalty ((5 + len) / 6)^alpha; returns the best beam.
 
-  src [B, S] int -> tokens [B, max_len] int32. `beam_size=1` is greedy decoding.
+  src [B, S] int -> tokens [B, max_len] int32. `beam_size=1` is greedy decoding; `cache_dtype`
+  as in `generate`.
   """
   model, src = _transformer(config, src, max_len)
   return generate_beam(model, {"params": params}, (src,), _bos(model, src),
                        max_new_tokens=max_len, beam_size=beam_size, alpha=alpha,
-                       stop_tokens=(model.config.eos_id,), pad_id=model.config.pad_id)
+                       stop_tokens=(model.config.eos_id,), pad_id=model.config.pad_id,
+                       cache_dtype=cache_dtype)
 
 
 def _transformer(config, src, max_len):

@@ -215,11 +215,16 @@ class MultiHeadAttention(nnx.Module):
 
     The cache holds keys [..., S_max, G, K], values [..., S_max, G, V] and the index of the
     next position (the `nnx.Cache` variables cached_key, cached_value, cache_index, as in flax).
-    `dtype` must be the dtype the key/value projections compute in.
+    `dtype` must be the dtype the key/value projections compute in (floating: an int8 cache
+    is `new_cache(..., dtype=jnp.int8)`, passed as `cache=`).
     """
     shape = tuple(input_shape)
     if len(shape) < 2 or not all(isinstance(d, numbers.Integral) and d >= 0 for d in shape):
       raise ValueError(f"input_shape must be [..., S_max, D] of non-negative ints, got {shape}")
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+      raise TypeError(f"dtype must be floating (flax's decode cache holds the keys as the "
+                      f"projections compute them), got {jnp.dtype(dtype)}; an int8 KV cache is "
+                      "new_cache(batch_size, capacity, dtype=jnp.int8), passed as cache=")
     g = self.num_kv_heads
     self.cached_key = nnx.Cache(jnp.zeros((*shape[:-1], g, self.head_dim), dtype))
     self.cached_value = nnx.Cache(jnp.zeros((*shape[:-1], g, self.v_head_dim), dtype))
