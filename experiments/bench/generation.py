@@ -18,6 +18,12 @@ Parts:
              the pages in use at the peak against the tokens held then, and against 4 rows x
              the longest request. Then 12 prompts of 16 to 2048 tokens, shuffled, asking 16 to
              512 new tokens: lengths that differ within a static group.
+  prefix     12 requests sharing a 1024-token prefix, each with its own tail, 64 new tokens:
+             serve with prefix caching against without (configs/lm.py's model, all layers
+             global); tokens/s, and the same tokens required.
+  online     48 requests arriving as a Poisson process at 80% of the rows' capacity
+             (a `serving.Server` with its own thread) against the same requests given up front:
+             time to the first token and per output token, median and p99.
 Each path runs once untimed (compilation), then the timed runs alternate; medians.
 """
 
@@ -25,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,28 +38,20 @@ import numpy as np
 
 from configs import lm as lm_config
 from experiments import lm
+from experiments.bench import serving_parts
 from experiments.bench import timing
 from flax_mha.models import decoding, serving
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 
+def _fields(smoke: bool) -> dict:
+  return dict(lm_config.get_config("tiny" if smoke else None).model)
+
+
 def _model(vocab: int, smoke: bool):
-  fields = dict(lm_config.get_config("tiny" if smoke else None).model)
-  model = DecoderLM(LMConfig(vocab_size=vocab, **fields))
+  model = DecoderLM(LMConfig(vocab_size=vocab, **_fields(smoke)))
   x = jnp.zeros((1, 8), jnp.int32)
   return model, model.init(jax.random.key(0), x, x, x)
-
-
-def _timed(fns: dict, runs: int) -> dict:
-  """name -> (median seconds, last result) of fns[name](), once untimed, then in turn."""
-  results = {name: fn() for name, fn in fns.items()}
-  seconds = {name: [] for name in fns}
-  for _ in range(runs):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      results[name] = fn()
-      seconds[name].append(time.perf_counter() - start)
-  return {name: (statistics.median(s), results[name]) for name, s in seconds.items()}
 
 
 def cached(batch: int, prompt: int, new: int, runs: int, smoke: bool) -> list[str]:
@@ -69,7 +65,7 @@ def cached(batch: int, prompt: int, new: int, runs: int, smoke: bool) -> list[st
              model, params, (prompts,), prompts, lengths, max_new_tokens=new)),
          "prefix recomputed each step": lambda: np.asarray(lm.generate_by_recompute(
              model, params["params"], room, lengths, new))[:, prompt:]}
-  out = _timed(fns, runs)
+  out = timing.in_turns(fns, runs)
   (t_cache, tok_cache), (t_full, tok_full) = out.values()
   assert np.array_equal(tok_cache, tok_full), "cached and recomputed greedy tokens differ"
   rate = lambda t: batch * new / t
@@ -96,7 +92,7 @@ def evaluation(workdir: str, runs: int, smoke: bool) -> list[str]:
   by_recompute = _recompute_decoder(runner)
   fns = {"KV cache": lambda: runner.decode(params), "prefix recomputed": lambda: by_recompute(
       params)}
-  out = _timed(fns, runs)
+  out = timing.in_turns(fns, runs)
   refs = [t for _, t in runner.pairs]
   rows = []
   for name, (seconds, hyps) in out.items():
@@ -151,7 +147,7 @@ def _batched(model, params, prompts, limits, rows: int, page: int, runs: int):
              num_pages=rows * per_row),
          "static (padded groups)": lambda: serving.serve_static(
              model, params, prompts, limits, batch_size=rows)}
-  out = _timed(fns, runs)
+  out = timing.in_turns(fns, runs)
   (t_cont, (got_cont, stats)), (t_static, (got_static, _)) = out.values()
   assert got_cont == got_static, "continuous and static batching answered differently"
   new_tokens = sum(map(len, got_cont))
@@ -198,7 +194,7 @@ def serving_part(smoke: bool, runs: int) -> list[str]:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", action="append", choices=("cached", "eval", "serving"))
+  parser.add_argument("--part", action="append", choices=("cached", "eval", "serving", "prefix", "online"))
   parser.add_argument("--workdir", help="a trained configs/lm.py run, for the eval part")
   parser.add_argument("--smoke", action="store_true", help="tiny sizes, nothing written")
   parser.add_argument("--out", default="docs/generation_cpu.md")
@@ -208,7 +204,11 @@ def main():
   sizes = (2, 8, 8) if args.smoke else (8, 64, 448)
   sections = {"cached": lambda: cached(*sizes, runs, args.smoke),
               "eval": lambda: evaluation(args.workdir, runs, args.smoke),
-              "serving": lambda: serving_part(args.smoke, runs)}
+              "serving": lambda: serving_part(args.smoke, runs),
+              "prefix": lambda: serving_parts.prefix_part(64, _fields(args.smoke), args.smoke,
+                                                          runs),
+              "online": lambda: serving_parts.online_part(64, _fields(args.smoke), args.smoke,
+                                                          runs)}
   timing.write_report("Generation (CPU, float32)", "python -m experiments.bench.generation",
                       parts, sections, args.out, args.smoke)
 

@@ -50,6 +50,19 @@ def median_seconds(fns: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, 
   return {name: statistics.median(t) for name, t in round_robin(fns, rounds).items()}
 
 
+def in_turns(fns: dict[Any, Callable[[], Any]], runs: int) -> dict[Any, tuple[float, Any]]:
+  """name -> (median seconds, last result) of fns[name](): each called once untimed, then
+  `runs` times in turn (the systems of one process, e.g. two settings of one loop)."""
+  results = {name: fn() for name, fn in fns.items()}
+  seconds = {name: [] for name in fns}
+  for _ in range(runs):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      results[name] = fn()
+      seconds[name].append(time.perf_counter() - start)
+  return {name: (statistics.median(s), results[name]) for name, s in seconds.items()}
+
+
 def blocking(fn: Callable, *args) -> Callable[[], Any]:
   """`fn` jitted and applied to `args`, as a call of no arguments that waits for the result."""
   jitted = jax.jit(fn)

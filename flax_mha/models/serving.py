@@ -1,263 +1,365 @@
-"""Serving many prompts of different lengths: continuous batching over a paged KV cache.
+"""Serving many prompts of different lengths: continuous batching over a paged KV cache, with
+shared prefixes computed once, and requests that arrive while the loop runs.
 
-`serve` keeps `batch_size` rows busy, as one compiled program: a `lax.while_loop` whose every
-trip admits waiting prompts into free rows, feeds one row's prompt a piece (chunked prefill:
-at most `prefill_chunk` tokens, the last piece in the smallest of a few sizes that holds it),
-and runs one decode step for every row past its prompt. So a long prompt enters between decode
-steps and no running row waits for a whole prefill, and the host hands over the prompts and
-takes the tokens once, with no round trip per token. The global layers' keys and values live
-in a shared pool of pages (`flax_mha.cache.PagedKVCache`): a row takes pages off a free stack
-(on the device) as its length crosses page boundaries and puts them back when it finishes, so
-the pool holds what the live rows hold, rounded up to pages; the local layers keep rolling
-caches of their window.
+  server = Server(model, params, batch_size=8, page_size=16, num_pages=512, max_length=2048)
+  request = server.submit(prompt_ids, max_new_tokens=64)     # any time, from any thread
+  for token in server.stream(request): ...                   # tokens as they are made
+  server.cancel(request)                                     # its pages come back
 
-`serve_static`, the baseline: groups of `batch_size` prompts padded to the group's longest,
+`Server` keeps `batch_size` rows busy. The device runs the compiled loop of
+`flax_mha.models.serving_loop` (chunked prefill between decode steps, pages popped and pushed
+on the device) in runs of up to `segment_steps` trips; between runs the host takes out the
+tokens made, ends cancelled requests, and admits waiting ones into free rows. Either the caller
+drives it (`step()`, or `stream`, which steps while it waits), or a thread of its own does
+(`start()`/`stop()`, or `with server:`), so that `submit` and `stream` run beside it.
+
+Prefix caching (`prefix_caching=True`, the default): a prompt's whole pages are entered in the
+host's book (`flax_mha.models.page_pool`), named by a chain of digests of their tokens; a later
+request whose prompt begins with pages there takes them by reference and prefills only the
+rest; a prompt that matches to its last token recomputes that token into a copy of the last
+page (copy-on-write: a shared page is never written). Pages nobody holds stay until the pool
+needs them (least recently used first). The tokens are those of serving without sharing. A
+model with sliding-window (local) layers shares nothing: their rolling caches hold each row's
+last window of keys, which a shared page of the global layers does not give, so its prompts are
+prefilled whole.
+
+The pool: a request is admitted when the free pages cover its whole length (prompt and new
+tokens) beside what every live row may still take, after evicting unused prefix pages; until
+then it waits. A request longer than `max_length`, or than the pool, is refused by `submit`.
+
+`serve` is the batch API on top: every request submitted up front, run until all are done.
+`serve_static` is the baseline: groups of `batch_size` prompts padded to the group's longest,
 each group running until its longest request is done (`flax_mha.models.decoding.generate`).
 
 The model must provide `init_paged_cache` and `logits` (as `flax_mha.models.DecoderLM` and its
 NNX twin `flax_mha.models.lm_nnx.DecoderLM` do): a linen module with its variables as `params`,
-or an NNX module with `params` None (see `flax_mha.models.decoding.decodable`). Both functions
-refuse an empty prompt and ids outside the vocabulary [0, C), C the size of the logits.
+or an NNX module with `params` None (see `flax_mha.models.decoding.decodable`). Prompts must be
+non-empty, with ids in [0, C), C the size of the logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import threading
 import time
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.models import decoding
+from flax_mha.models import page_pool
+from flax_mha.models import serving_loop
+
+# The most prompt tokens one trip of the loop feeds: the faster of 256, 512 and 1024 on
+# `python -m experiments.bench.generation --part serving` (512 and 1024 level; 256 slower).
+PREFILL_CHUNK = 512
+# Trips of the loop between two looks of the host while requests stream: the longest a new
+# request waits for a free row's turn, and the granularity of the tokens handed out.
+SEGMENT_STEPS = 16
 
 
 @dataclasses.dataclass
 class ServeStats:
-  """What a serving run did: new tokens, wall seconds (compilation excluded when warmed up),
-  the most pages in use at once and the tokens the rows held then."""
+  """What a serving run did: new tokens, wall seconds (compilation included on a first call with
+  new shapes), the most pages in use at once (prefix pages kept for later included) and the
+  tokens the rows held then, and the prompt tokens taken from shared pages, not prefilled."""
   new_tokens: int
   seconds: float
   peak_pages: int
   page_size: int
   peak_tokens: int = 0
   peak_tokens_in_pages: int = 0  # the same, each row's rounded up to whole pages
+  shared_tokens: int = 0
 
   @property
   def tokens_per_second(self) -> float:
     return self.new_tokens / self.seconds
 
 
-def _with_table(cache, table):
-  return tuple(c.with_table(table) for c in cache)
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One request: its prompt and limit, the tokens made so far (`tokens`, growing), its `state`
+  ("waiting", "running", "done", "cancelled"), and when it was submitted and when each token
+  reached the host (time.perf_counter seconds)."""
+  id: int
+  prompt: np.ndarray
+  max_new_tokens: int
+  tokens: list = dataclasses.field(default_factory=list)
+  state: str = "waiting"
+  submitted_at: float = 0.0
+  token_times: list = dataclasses.field(default_factory=list)
+  shared_tokens: int = 0
+
+  @property
+  def finished(self) -> bool:
+    return self.state in ("done", "cancelled")
 
 
-def _take_row(cache, row):
-  """The batch-1 view of row `row` (the paged layers keep the whole pool)."""
-  return tuple(c.take_row(row) for c in cache)
+@dataclasses.dataclass
+class _Row:
+  """What the host knows of a busy row."""
+  request: Request
+  admission: page_pool.Admission
+  budget: int  # the pages the device may pop for it in all
 
 
-def _put_row(cache, row, row_cache):
-  """`cache` with row `row` replaced by the batch-1 `row_cache` (and the pools it updated)."""
-  return tuple(c.put_row(row, r) for c, r in zip(cache, row_cache))
+class Server:
+  """Continuous batching with prefix caching and online admission (see the module docstring).
 
+  batch_size rows; a pool of num_pages pages of page_size tokens; requests of up to max_length
+  tokens (prompt and new); prefill_chunk: the most prompt tokens one trip feeds;
+  segment_steps: trips between two looks of the host. Greedy tokens equal
+  `decoding.generate`'s; a sampler draws token t of request r with fold_in(fold_in(rng, r), t).
+  cache_dtype: the pool's dtype (None: the model's; jnp.int8 where the model's caches take it).
+  """
 
-def _reset_rows(cache, rows_B):
-  """The rows `rows_B` (bool [B]) emptied: no position held, length 0 (their old pages are
-  back on the free stack)."""
-  return tuple(c.reset_rows(rows_B) for c in cache)
+  def __init__(self, model, params, *, batch_size: int, page_size: int, num_pages: int,
+               max_length: int, prefill_chunk: int = PREFILL_CHUNK, stop_tokens=(),
+               sampler=decoding.Greedy(), rng=None, prefix_caching: bool = True,
+               segment_steps: int = SEGMENT_STEPS, cache_dtype=None):
+    for name, value in (("batch_size", batch_size), ("page_size", page_size),
+                        ("num_pages", num_pages), ("max_length", max_length),
+                        ("prefill_chunk", prefill_chunk), ("segment_steps", segment_steps)):
+      checks.check_int(name, value)
+    if not isinstance(prefix_caching, bool):
+      raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+    self.model, self.params = decoding.decodable(model, params)
+    self.vocab_size = decoding.vocabulary(self.model, self.params, "init_paged_cache",
+                                          static=(1, 1, 1, 1))
+    self.plan = serving_loop.Plan(self.model, sampler, tuple(int(t) for t in stop_tokens),
+                                  prefill_chunk, page_size, batch_size, num_pages,
+                                  math.ceil(max_length / page_size),
+                                  2 * segment_steps + 2, cache_dtype)
+    self.segment_steps, self.rng = segment_steps, jax.random.key(0) if rng is None else rng
+    self.cache = serving_loop.empty_cache(self.plan, self.params)
+    paged_only = all(isinstance(c, cache_lib.PagedKVCache) for c in self.cache)
+    self.pool = page_pool.PagePool(num_pages, page_size, prefix_caching and paged_only)
+    self._rows_state = serving_loop.rows_state(self.plan)
+    self._rows: list[_Row | None] = [None] * batch_size
+    self._waiting: list[Request] = []
+    self._next_id, self._new_tokens, self._shared = 0, 0, 0
+    self._cond = threading.Condition()
+    self._thread, self._stopping, self._error = None, False, None
+    self._inputs = self._no_inputs()
 
+  # The caller's side.
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  """The static facts of a serving program."""
-  model: Any
-  sampler: Any
-  stop_tokens: tuple
-  chunk: int  # prompt tokens a prefill step feeds
-  page_size: int
-  batch_size: int
-  num_pages: int
-  pages_per_row: int  # the table's width
-  max_new_tokens: int  # the output buffer's width
+  def submit(self, prompt, max_new_tokens: int) -> Request:
+    """Queue a request (any time, from any thread); returns its handle."""
+    prompt = _prompts([prompt], self.vocab_size)[0]
+    checks.check_int("max_new_tokens", max_new_tokens)
+    total = len(prompt) + max_new_tokens
+    if total > self.plan.pages_per_row * self.plan.page_size:
+      raise ValueError(f"a prompt of {len(prompt)} tokens and max_new_tokens={max_new_tokens} "
+                       f"need {total} tokens, more than max_length "
+                       f"({self.plan.pages_per_row * self.plan.page_size} in pages)")
+    if self.pool.pages_for(total) > self.pool.num_pages:
+      raise ValueError(f"a request of {total} tokens needs {self.pool.pages_for(total)} pages; "
+                       f"the pool has num_pages={self.pool.num_pages}")
+    with self._cond:
+      request = Request(self._next_id, prompt, max_new_tokens, submitted_at=time.perf_counter())
+      self._next_id += 1
+      self._waiting.append(request)
+      self._cond.notify_all()
+    return request
 
+  def cancel(self, request: Request) -> None:
+    """End `request` now: no more tokens; its pages come back at the host's next look."""
+    with self._cond:
+      if request.state == "waiting":
+        self._waiting.remove(request)
+      if not request.finished:
+        request.state = "cancelled"
+      self._cond.notify_all()
 
-def _pop_pages(s, want_BP):
-  """Each True of want_BP [B, pages per row] takes a page off the free stack into the table."""
-  flat = want_BP.reshape(-1)
-  rank = (jnp.cumsum(flat) - 1).reshape(want_BP.shape)
-  pages = s["free"][jnp.clip(s["n_free"] - 1 - rank, 0, s["free"].shape[0] - 1)]
-  return dict(s, table=jnp.where(want_BP, pages, s["table"]), n_free=s["n_free"] - flat.sum())
+  def stream(self, request: Request):
+    """The tokens of `request` as they are made (a generator; it runs the loop itself when no
+    thread of the server's does)."""
+    sent = 0
+    while True:
+      with self._cond:
+        if self._thread is not None:
+          self._cond.wait_for(lambda: len(request.tokens) > sent or request.finished
+                              or self._error is not None)
+        self._raise()
+        new, finished = request.tokens[sent:], request.finished
+      yield from new
+      sent += len(new)
+      if finished and sent == len(request.tokens):
+        return
+      if self._thread is None and not new:
+        self.step()
 
+  @property
+  def busy(self) -> bool:
+    """Whether any request waits or runs."""
+    return bool(self._waiting) or any(row is not None for row in self._rows)
 
-def _push_pages(s, give_BP):
-  """Each True of give_BP [B, pages per row] puts that table entry back on the free stack."""
-  flat = give_BP.reshape(-1)
-  slot = jnp.where(flat, s["n_free"] + jnp.cumsum(flat) - 1, s["free"].shape[0])
-  free = s["free"].at[slot].set(s["table"].reshape(-1), mode="drop")
-  return dict(s, free=free, n_free=s["n_free"] + flat.sum())
+  def run(self) -> None:
+    """Step until every request submitted is done."""
+    while self.busy:
+      self.step()
 
+  def stats(self, seconds: float) -> ServeStats:
+    peak = self._rows_state["peak"]
+    return ServeStats(self._new_tokens, seconds, int(peak[0]), self.plan.page_size,
+                      int(peak[1]), int(peak[2]), self._shared)
 
-def _owning(s, page: int, held_B):
-  """[B, pages per row]: the table entries that rows holding held_B tokens own."""
-  return jnp.arange(s["table"].shape[1]) < -(-held_B[:, None] // page)
+  # A thread of its own.
 
+  def start(self) -> "Server":
+    """Run the loop in a thread of the server's, so that submit and stream run beside it."""
+    if self._thread is None:
+      self._stopping = False
+      self._thread = threading.Thread(target=self._loop, name="flax_mha-server", daemon=True)
+      self._thread.start()
+    return self
 
-def _note_peak(s, page: int):
-  """The peak of pages in use, and the tokens held then."""
-  in_use = s["free"].shape[0] - s["n_free"]
-  held = jnp.where(s["req"] >= 0, s["length"], 0)
-  higher = in_use > s["peak"][0]
-  now = jnp.stack([in_use, held.sum(), (-(-held // page) * page).sum()])
-  return dict(s, peak=jnp.where(higher, now, s["peak"]))
+  def stop(self) -> None:
+    """Stop the thread (after its current run); requests stay where they are."""
+    thread = self._thread
+    if thread is not None:
+      with self._cond:
+        self._stopping = True
+        self._cond.notify_all()
+      thread.join()
+      self._thread = None
+    self._raise()
 
+  def __enter__(self) -> "Server":
+    return self.start()
 
-def _emit(s, rows_B, tokens_B, limits, stop, page: int):
-  """Rows rows_B emit tokens_B: written out, counted; a row at its limit or a stop token ends
-  and gives its pages back."""
-  req = jnp.where(rows_B, s["req"], s["out"].shape[0])
-  out = s["out"].at[req, s["gen"]].set(tokens_B, mode="drop")
-  gen = s["gen"] + rows_B
-  done = rows_B & ((gen >= limits[jnp.maximum(s["req"], 0)]) | jnp.isin(tokens_B, stop))
-  s = dict(s, out=out, gen=gen, token=jnp.where(rows_B, tokens_B, s["token"]))
-  s = _push_pages(s, _owning(s, page, s["length"]) & done[:, None])
-  return dict(s, req=jnp.where(done, -1, s["req"]))
+  def __exit__(self, *exc) -> None:
+    self.stop()
 
+  def _loop(self) -> None:
+    try:
+      while True:
+        with self._cond:
+          self._cond.wait_for(lambda: self._stopping or self.busy)
+          if self._stopping:
+            return
+        self.step()
+    except Exception as error:  # pylint: disable=broad-except  (handed to the caller)
+      with self._cond:
+        self._error = error
+        self._cond.notify_all()
 
-def _reading(s, lengths):
-  """[B]: the rows still reading their prompts."""
-  return (s["req"] >= 0) & (s["fed"] < lengths[jnp.maximum(s["req"], 0)])
+  def _raise(self) -> None:
+    if self._error is not None:
+      raise RuntimeError("the serving loop failed") from self._error
 
+  # The host's look between two runs.
 
-def _admit(s, n_requests):
-  """Every free row takes the next waiting request (in order)."""
-  idle = s["req"] < 0
-  new = s["next"] + jnp.cumsum(idle) - 1
-  take = idle & (new < n_requests)
-  zero = lambda x: jnp.where(take, 0, x)
-  return dict(s, req=jnp.where(take, new, s["req"]), next=s["next"] + take.sum(),
-              fed=zero(s["fed"]), length=zero(s["length"]), gen=zero(s["gen"]),
-              cache=_reset_rows(s["cache"], take))
+  def step(self) -> None:
+    """One look of the host and one run of the loop: cancelled rows freed, waiting requests
+    admitted, the loop run, its tokens handed out."""
+    with self._cond:
+      self._end_cancelled()
+      self._admit()
+      if not any(row is not None for row in self._rows):
+        return
+      rows = dict(self._rows_state, free=self.pool.free, n_free=np.int32(self.pool.n_free))
+      inputs, self._inputs = self._inputs, self._no_inputs()
+      waiting = bool(self._waiting)
+    self.cache, rows = serving_loop.segment(self.plan, self.params, self.cache, rows, self.rng,
+                                            *inputs, self.segment_steps, waiting)
+    rows = {k: np.array(v) for k, v in jax.device_get(rows).items()}
+    with self._cond:
+      self._take_out(rows, time.perf_counter())
+      self._cond.notify_all()
 
+  def _no_inputs(self):
+    b = self.plan.batch_size
+    return (np.zeros((b,), bool), np.zeros((b,), np.int32),
+            np.full((b,), self.plan.num_pages, np.int32))
 
-def _chunks(chunk: int) -> tuple:
-  """The prefill step's sizes: `chunk` and the powers of 4 from 16 below it (a prompt's last
-  piece takes the smallest that holds it, so short prompts are not padded to `chunk`)."""
-  sizes, size = [], 16
-  while size < chunk:
-    sizes.append(size)
-    size *= 4
-  return (*sizes, chunk)
+  def _reserved(self) -> int:
+    """Pages the live rows may still pop."""
+    s, total = self._rows_state, 0
+    for b, row in enumerate(self._rows):
+      if row is not None:
+        held = self.pool.pages_for(int(s["length"][b]))
+        total += row.budget - max(0, held - row.admission.keep)
+    return total
 
+  def _admit(self) -> None:
+    """Free rows take waiting requests, in order, skipping one whose pages are not there yet."""
+    for b in range(self.plan.batch_size):
+      if self._rows[b] is not None:
+        continue
+      for request in self._waiting:
+        total = len(request.prompt) + request.max_new_tokens
+        admission = self.pool.admit(request.prompt, total, self._reserved())
+        if isinstance(admission, page_pool.Admission):
+          self._waiting.remove(request)
+          self._start_row(b, request, admission, total)
+          break
+        if admission is None:  # the pool is full: the rest wait too, in order
+          return
 
-def _prefill(plan, params, s, prompts, lengths, limits, stop, rng):
-  """The oldest row still reading its prompt feeds its next piece (at most `chunk` tokens); a
-  row that reads its last one samples its first new token."""
-  reading = _reading(s, lengths)
-  row = jnp.argmin(jnp.where(reading, s["req"], jnp.iinfo(jnp.int32).max))
-  req, start = s["req"][row], s["fed"][row]
-  count = jnp.minimum(plan.chunk, lengths[req] - start)
-  is_row = jnp.arange(s["req"].shape[0]) == row
-  s = _pop_pages(s, is_row[:, None] & _owning(s, plan.page_size, start + count * is_row)
-                 & ~_owning(s, plan.page_size, s["length"]))
+  def _start_row(self, b: int, request: Request, admission, total: int) -> None:
+    s, (reset, src, dst), n = self._rows_state, self._inputs, len(request.prompt)
+    s["req"][b], s["plen"][b], s["limit"][b] = request.id, n, request.max_new_tokens
+    s["prompt"][b] = 0
+    s["prompt"][b, :n] = request.prompt
+    s["keep"][b], s["fed"][b], s["length"][b], s["gen"][b] = (admission.keep, admission.start,
+                                                             admission.start, 0)
+    s["table"][b, :admission.keep] = admission.pages
+    reset[b] = True
+    if admission.copy is not None:
+      src[b], dst[b] = admission.copy
+      s["table"][b, admission.keep] = admission.copy[1]
+    budget = self.pool.pages_for(total) - admission.keep
+    self._rows[b] = _Row(request, admission, budget)
+    request.state, request.shared_tokens = "running", admission.start
+    self._shared += admission.start
 
-  def feed(size):
-    def run(cache):
-      tokens = jax.lax.dynamic_slice_in_dim(prompts[req], start, size)[None]
-      ar = jnp.arange(size, dtype=jnp.int32)
-      positions = jnp.where(ar < count, start + ar, -1)[None]
-      logits, row_cache = plan.model.apply(params, tokens, _take_row(cache, row), positions,
-                                           method="logits")
-      return logits[:, count - 1], _put_row(cache, row, row_cache)
-    return run
+  def _end_cancelled(self) -> None:
+    """Rows whose request was cancelled: emptied, their own pages pushed, their entries let go."""
+    s = self._rows_state
+    for b, row in enumerate(self._rows):
+      if row is not None and row.request.state == "cancelled":
+        held = self.pool.pages_for(int(s["length"][b]))
+        self.pool.push(s["table"][b, row.admission.keep:held])
+        self.pool.release(row.admission)
+        s["req"][b], self._rows[b] = -1, None
 
-  sizes = _chunks(plan.chunk)
-  index = jnp.searchsorted(jnp.asarray(sizes), count)  # the smallest size >= count
-  last, cache = jax.lax.switch(index, [feed(size) for size in sizes],
-                               _with_table(s["cache"], s["table"]))
-  s = dict(s, cache=cache, fed=s["fed"] + count * is_row, length=s["length"] + count * is_row)
-  s = _note_peak(s, plan.page_size)
-  first = plan.sampler(last, jax.random.fold_in(rng, 2 * req))[0]
-  read = is_row & (s["fed"] >= lengths[req])
-  return _emit(s, read, jnp.full_like(s["token"], first), limits, stop, plan.page_size)
-
-
-def _decode(plan, params, s, lengths, limits, stop, rng):
-  """One token for every row past its prompt (the others: position -1, nothing written)."""
-  writing = ~_reading(s, lengths) & (s["req"] >= 0)
-  s = _pop_pages(s, writing[:, None] & _owning(s, plan.page_size, s["length"] + 1)
-                 & ~_owning(s, plan.page_size, s["length"]))
-  cache = _with_table(s["cache"], s["table"])
-  positions = jnp.where(writing, s["length"], -1)[:, None]
-  logits, cache = plan.model.apply(params, s["token"][:, None], cache, positions,
-                                   method="logits")
-  s = dict(s, cache=cache, length=s["length"] + writing, step=s["step"] + 1)
-  s = _note_peak(s, plan.page_size)
-  new = plan.sampler(logits[:, 0], jax.random.fold_in(rng, 2 * s["step"] + 1))
-  return _emit(s, writing, new, limits, stop, plan.page_size)
-
-
-def _start(plan, params, n_requests_padded: int):
-  """The loop's state before the first request: an empty pool, every page free, rows idle."""
-  rows = lambda value: jnp.full((plan.batch_size,), value, jnp.int32)
-  return dict(
-      cache=plan.model.apply(params, plan.batch_size, plan.num_pages, plan.page_size,
-                             plan.pages_per_row, method="init_paged_cache"),
-      table=jnp.zeros((plan.batch_size, plan.pages_per_row), jnp.int32),
-      free=jnp.arange(plan.num_pages, dtype=jnp.int32)[::-1], n_free=jnp.int32(plan.num_pages),
-      req=rows(-1), fed=rows(0), length=rows(0), gen=rows(0), token=rows(0),
-      next=jnp.int32(0), step=jnp.int32(0),
-      out=jnp.zeros((n_requests_padded, plan.max_new_tokens), jnp.int32),
-      peak=jnp.zeros((3,), jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-@cache_lib.caller_makes_room  # the pool holds every live row's pages (checked by serve)
-def _serve(plan, params, prompts, lengths, limits, n_requests, rng):
-  """The whole continuous-batching loop as one program: admit, one prefill chunk, one decode
-  step, until every request is done; (tokens [R, N], peak [3])."""
-  stop = jnp.asarray(plan.stop_tokens, jnp.int32)
-  s = _start(plan, params, prompts.shape[0])
-
-  def body(s):
-    s = _admit(s, n_requests)
-    reading = _reading(s, lengths)
-    s = jax.lax.cond(reading.any(), lambda s: _prefill(plan, params, s, prompts, lengths,
-                                                       limits, stop, rng), lambda s: s, s)
-    writing = ~_reading(s, lengths) & (s["req"] >= 0)
-    return jax.lax.cond(writing.any(), lambda s: _decode(plan, params, s, lengths, limits, stop,
-                                                         rng), lambda s: s, s)
-
-  s = jax.lax.while_loop(lambda s: (s["next"] < n_requests) | (s["req"] >= 0).any(), body, s)
-  return s["out"], s["peak"]
-
-
-# The most prompt tokens one trip of the loop feeds: the faster of 256, 512 and 1024 on
-# `python -m experiments.bench.generation --part serving` (512 and 1024 level; 256 slower).
-PREFILL_CHUNK = 512
-
-
-def _pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
+  def _take_out(self, rows: dict, now: float) -> None:
+    """The run's tokens to their requests; ended rows let go of their entries; prompts written
+    far enough made shareable."""
+    self.pool.free, self.pool.n_free = rows.pop("free"), int(rows.pop("n_free"))
+    self._rows_state = rows
+    for b, row in enumerate(self._rows):
+      if row is None:
+        continue
+      request = row.request
+      if request.state == "running":
+        new = rows["out"][b, :rows["count"][b]].tolist()
+        request.tokens += new
+        request.token_times += [now] * len(new)
+        self._new_tokens += len(new)
+      self.pool.mark_written(row.admission, int(rows["fed"][b]))
+      if rows["req"][b] < 0:  # ended on the device, its own pages pushed there
+        self.pool.release(row.admission)
+        self._rows[b] = None
+        if request.state == "running":
+          request.state = "done"
 
 
 def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size: int,
           num_pages: int, prefill_chunk: int = PREFILL_CHUNK, stop_tokens=(),
-          sampler=decoding.Greedy(), rng=None):
-  """Continuous batching (see the module docstring): (new tokens per prompt, ServeStats).
+          sampler=decoding.Greedy(), rng=None, prefix_caching: bool = True, cache_dtype=None):
+  """Every request up front through a `Server`, run until all are done: (new tokens per prompt,
+  ServeStats).
 
-  prompts: sequences of token ids; max_new_tokens: an int or one per prompt. The pool must
-  hold the live rows: num_pages >= batch_size · pages of the longest request. prefill_chunk:
-  the most prompt tokens one trip feeds between two decode steps (larger: faster prefill,
-  longer waits for the running rows). Greedy tokens equal `decoding.generate`'s; a sampler
-  draws with keys folded from `rng` by request (first token) and by step (the others).
-  The stats' seconds include compilation on a first call with new shapes. No prompts: no
-  outputs, ([], ServeStats) of 0 tokens and 0 pages, after the same checks and nothing run.
+  prompts: sequences of token ids; max_new_tokens: an int or one per prompt. A request waits
+  while the pool cannot hold it beside the running ones; one longer than the pool is refused.
+  The other arguments are `Server`'s. No prompts: ([], ServeStats of 0 tokens and 0 pages),
+  after the same checks and nothing run.
   """
   model, params = decoding.decodable(model, params)
   for name, value in (("batch_size", batch_size), ("page_size", page_size),
@@ -269,34 +371,13 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
   limits = _limits(max_new_tokens, len(prompts))
   if not prompts:
     return [], ServeStats(0, time.perf_counter() - started, 0, page_size)
-  pages_per_row = max(math.ceil((len(p) + n) / page_size) for p, n in zip(prompts, limits))
-  if num_pages < batch_size * pages_per_row:
-    raise ValueError(f"num_pages={num_pages} cannot hold {batch_size} rows of up to "
-                     f"{pages_per_row} pages: pass at least {batch_size * pages_per_row}")
-  rng = jax.random.key(0) if rng is None else rng
-  padded, lengths, limit_arr = _requests(prompts, limits, prefill_chunk)
-  plan = _Plan(model, sampler, tuple(int(t) for t in stop_tokens), prefill_chunk, page_size,
-               batch_size, num_pages, pages_per_row, _pow2(max(limits)))
-  start = time.perf_counter()
-  out, peak = (np.asarray(x) for x in _serve(plan, params, padded, lengths, limit_arr,
-                                              len(prompts), rng))
-  seconds = time.perf_counter() - start
-  outputs = [until_stop(out[i, :limit], stop_tokens) for i, limit in enumerate(limits)]
-  return outputs, ServeStats(sum(map(len, outputs)), seconds, int(peak[0]), page_size,
-                             int(peak[1]), int(peak[2]))
-
-
-def _requests(prompts, limits, chunk: int):
-  """(prompts [R', W], lengths [R'], limits [R']) as the loop reads them: R' the number of
-  requests and W the prompt chunks rounded up to powers of two (few compiled shapes), plus one
-  chunk of room (a row's last piece may run past its prompt); the padding requests are empty."""
-  n, longest = len(prompts), max(map(len, prompts))
-  padded = np.zeros((_pow2(n), (_pow2(-(-longest // chunk)) + 1) * chunk), np.int32)
-  for i, prompt in enumerate(prompts):
-    padded[i, :len(prompt)] = prompt
-  pad = [0] * (len(padded) - n)
-  return (padded, np.array([len(p) for p in prompts] + pad, np.int32),
-          np.array(list(limits) + pad, np.int32))
+  server = Server(model, params, batch_size=batch_size, page_size=page_size,
+                  num_pages=num_pages, max_length=max(len(p) + n for p, n in zip(prompts, limits)),
+                  prefill_chunk=prefill_chunk, stop_tokens=stop_tokens, sampler=sampler, rng=rng,
+                  prefix_caching=prefix_caching, segment_steps=64, cache_dtype=cache_dtype)
+  requests = [server.submit(p, n) for p, n in zip(prompts, limits)]
+  server.run()
+  return [r.tokens for r in requests], server.stats(time.perf_counter() - started)
 
 
 def serve_static(model, params, prompts, max_new_tokens, *, batch_size: int, stop_tokens=(),

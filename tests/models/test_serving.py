@@ -1,7 +1,9 @@
-"""Continuous batching as one compiled program (flax_mha.models.serving.serve): the loop on the
-device with no host callback, compiled once per shapes; the prefill pieces; bad arguments named.
-The tokens served, equal to `decoding.generate`'s and static batching's, are in
-tests/models/test_serving_integration.py."""
+"""Serving (flax_mha.models.serving): a run of the loop is one compiled program with no host
+callback, compiled once per shapes; shared prefixes give the tokens of serving without sharing
+and leave no page behind; the prefill pieces; bad arguments named. The tokens served against
+`decoding.generate`'s and static batching's, online admission, streaming, cancellation and a
+full pool are in tests/models/test_serving_integration.py; the host's book of pages alone in
+tests/models/test_page_pool.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import random_params
-from flax_mha.models import decoding, serving
+from flax_mha.models import serving, serving_loop
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 VOCAB = 17
@@ -31,27 +33,53 @@ def _requests(seed=0, lengths=(3, 37, 20, 50, 9), limits=(6, 4, 9, 3, 7)):
   return [rng.integers(1, VOCAB, n) for n in lengths], list(limits)
 
 
+def _global_lm():
+  """The same without local layers: every layer's cache in pages, so prefixes can be shared."""
+  model = DecoderLM(LMConfig(vocab_size=VOCAB, d_model=32, num_heads=4, num_kv_heads=2,
+                             num_layers=2, d_ff=48, local_window=None, logit_soft_cap=5.0))
+  x = jnp.zeros((1, 8), jnp.int32)
+  return model, random_params(model, x, x, x, seed=3)
+
+
+def _shared_prefix_requests(seed=0, tails=(5, 0, 9, 3, 0, 7), limits=(6, 5, 7, 4, 6, 5)):
+  """Prompts of a 12-token prefix (3 pages of 4) and tails of `tails` tokens; two are the prefix
+  alone (a whole-prompt match: copy-on-write of its last page)."""
+  rng = np.random.default_rng(seed)
+  prefix = rng.integers(1, VOCAB, 12)
+  return [np.concatenate([prefix, rng.integers(1, VOCAB, n)]) for n in tails], list(limits)
+
+
 def test_the_loop_is_one_program_without_host_callbacks():
-  """serve's loop is a lax.while_loop in one jitted program (no per-token callback), compiled
-  once for calls of the same shapes."""
-  model, params = _lm()
-  prompts, limits = _requests(2, (4, 9), (3, 2))
-  run = lambda: serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
-                              num_pages=8, prefill_chunk=16)
-  first, _ = run()
-  compiled = serving._serve._cache_size()  # pylint: disable=protected-access
-  assert run()[0] == first and serving._serve._cache_size() == compiled
-  padded, lengths, limit_arr = serving._requests(prompts, limits, 16)
-  plan = serving._Plan(model, decoding.Greedy(), (), 16, 4, 2, 8, 4, 4)
-  jaxpr = str(jax.make_jaxpr(serving._serve.__wrapped__, static_argnums=0)(
-      plan, params, padded, lengths, limit_arr, 2, jax.random.key(0)))
+  """A run of the loop is a lax.while_loop in one jitted program (no per-token callback),
+  compiled once for servers of the same shapes; shared prefixes give the tokens of serving
+  without sharing, and every page is back (free or a prefix entry nobody holds)."""
+  model, params = _global_lm()
+  prompts, limits = _shared_prefix_requests()
+  run = lambda sharing: serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
+                                      num_pages=24, prefill_chunk=16, prefix_caching=sharing)
+  (shared, stats), (alone, _) = run(True), run(False)
+  compiled = serving_loop.segment._cache_size()  # pylint: disable=protected-access
+  assert shared == alone and stats.shared_tokens == 3 * 12 + 2 * 11  # two copied on write
+  assert run(True)[0] == shared and serving_loop.segment._cache_size() == compiled
+  server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=24, max_length=28,
+                          prefill_chunk=16)
+  for prompt, limit in zip(prompts, limits):
+    server.submit(prompt, limit)
+  server.run()
+  pool = server.pool
+  assert all(e.refs == 0 and e.written for e in pool.entries.values())
+  assert pool.n_free + pool.cached_pages == 24
+  rows = serving_loop.rows_state(server.plan)
+  none = np.zeros((2,), bool), np.zeros((2,), np.int32), np.full((2,), 24, np.int32)
+  jaxpr = str(jax.make_jaxpr(serving_loop.segment.__wrapped__, static_argnums=0)(
+      server.plan, params, server.cache, rows, jax.random.key(0), *none, 4, False))
   assert "while" in jaxpr and "callback" not in jaxpr
 
 
 def test_prefill_pieces_are_the_chunk_and_smaller_powers_of_4():
-  assert serving._chunks(512) == (16, 64, 256, 512)
-  assert serving._chunks(16) == (16,) and serving._chunks(8) == (8,)
-  assert serving._chunks(100) == (16, 64, 100)
+  assert serving_loop.chunks(512) == (16, 64, 256, 512)
+  assert serving_loop.chunks(16) == (16,) and serving_loop.chunks(8) == (8,)
+  assert serving_loop.chunks(100) == (16, 64, 100)
 
 
 def test_bad_prefill_chunk_is_named():
@@ -59,3 +87,18 @@ def test_bad_prefill_chunk_is_named():
   with pytest.raises(ValueError, match="prefill_chunk must be a positive int, got 0"):
     serving.serve(model, params, [[1, 2]], 2, batch_size=1, page_size=4, num_pages=4,
                   prefill_chunk=0)
+
+
+def test_a_request_that_cannot_fit_is_refused_by_submit():
+  model, params = _global_lm()
+  server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=3, max_length=16)
+  with pytest.raises(ValueError, match="need 17 tokens, more than max_length"):
+    server.submit([1] * 9, 8)
+  with pytest.raises(ValueError, match="needs 4 pages; the pool has num_pages=3"):
+    server.submit([1] * 9, 7)
+  with pytest.raises(ValueError, match=r"prompts\[0\] holds token id 17"):
+    server.submit([1, 17], 2)
+  with pytest.raises(TypeError, match="prefix_caching must be a bool, got int"):
+    serving.Server(model, params, batch_size=2, page_size=4, num_pages=3, max_length=16,
+                   prefix_caching=1)
+  assert not server.busy

@@ -9,18 +9,22 @@ import numpy as np
 import pytest
 
 from flax_mha.models import decoding, serving
-from test_serving import _lm, _requests
+from test_serving import _global_lm, _lm, _requests, _shared_prefix_requests
 
 pytestmark = pytest.mark.integration  # a model compiled several times: ~20 s a case
 
 
-def _generated(model, params, prompt, limit, **kwargs):
-  """`decoding.generate`'s tokens for one prompt alone, cut after a stop token."""
-  tokens = np.asarray(decoding.generate(model, params, (prompt[None],), prompt[None],
-                                        max_new_tokens=limit, **kwargs))[0]
-  stop = kwargs.get("stop_tokens", ())
-  hits = [i for i, t in enumerate(tokens) if t in stop]
-  return tokens[:hits[0] + 1 if hits else limit].tolist()
+def _generated(model, params, prompts, limits, **kwargs):
+  """`decoding.generate`'s tokens for each prompt (one right-padded batch: one compilation),
+  cut at its limit and after a stop token."""
+  padded = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+  for row, prompt in enumerate(prompts):
+    padded[row, :len(prompt)] = prompt
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  tokens = np.asarray(decoding.generate(model, params, (padded,), padded, lengths,
+                                        max_new_tokens=max(limits), **kwargs))
+  return [serving.until_stop(row[:n], kwargs.get("stop_tokens", ()))
+          for row, n in zip(tokens, limits)]
 
 
 def test_chunked_prefill_serves_what_generate_gives():
@@ -30,7 +34,7 @@ def test_chunked_prefill_serves_what_generate_gives():
   prompts, limits = _requests()
   served, stats = serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
                                 num_pages=2 * 15, prefill_chunk=16)
-  want = [_generated(model, params, p, n) for p, n in zip(prompts, limits)]
+  want = _generated(model, params, prompts, limits)
   assert served == want
   assert len({t for row in want for t in row}) > 3  # the tokens vary: the check means something
   assert stats.new_tokens == sum(limits) and 0 < stats.peak_pages <= 30
@@ -42,12 +46,71 @@ def test_stop_tokens_and_pages_given_back_for_the_next_requests():
   pages can only all finish right if every finished row puts its pages back."""
   model, params = _lm()
   prompts, limits = _requests(1, (5, 30, 12, 30, 7, 26, 3), (8, 8, 8, 8, 8, 8, 8))
-  first = _generated(model, params, prompts[0], 8)
+  first = _generated(model, params, prompts[:1], [8])[0]
   stop = (first[2],)
   served, _ = serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
                             num_pages=2 * 10, prefill_chunk=16, stop_tokens=stop)
-  want = [_generated(model, params, p, n, stop_tokens=stop) for p, n in zip(prompts, limits)]
+  want = _generated(model, params, prompts, limits, stop_tokens=stop)
   assert served == want and served[0][-1] == stop[0] and len(served[0]) <= 3
   static, _ = serving.serve_static(model, params, prompts, limits, batch_size=2,
                                    stop_tokens=stop)
   assert served == static
+
+
+def test_shared_prefixes_and_copy_on_write_keep_every_request_s_tokens():
+  """A prompt that is the shared prefix alone (its last page copied on write) is admitted while
+  the request that wrote the prefix still decodes: both, and the rest, get the tokens of
+  generating alone; every page comes back."""
+  model, params = _global_lm()
+  prompts, limits = _shared_prefix_requests(1, tails=(6, 0, 0, 9), limits=(12, 5, 3, 6))
+  server = serving.Server(model, params, batch_size=3, page_size=4, num_pages=30,
+                          max_length=32, prefill_chunk=16, segment_steps=2)
+  requests = [server.submit(p, n) for p, n in zip(prompts, limits)]
+  server.run()
+  want = _generated(model, params, prompts, limits)
+  assert [r.tokens for r in requests] == want
+  assert [r.shared_tokens for r in requests] == [0, 11, 11, 12]
+  pool = server.pool
+  assert all(e.refs == 0 for e in pool.entries.values())
+  assert pool.n_free + pool.cached_pages == 30
+
+
+def test_online_admission_streaming_and_cancellation():
+  """With the server's own thread running: requests submitted while others stream get their
+  tokens; a cancelled one stops and gives its pages back; nothing leaks."""
+  model, params = _global_lm()
+  prompts, limits = _requests(3, (5, 30, 12, 21, 7), (9, 8, 30, 6, 8))
+  want = _generated(model, params, prompts, limits)
+  with serving.Server(model, params, batch_size=2, page_size=4, num_pages=24, max_length=48,
+                      prefill_chunk=16, segment_steps=2) as server:
+    first = server.submit(prompts[0], limits[0])
+    streamed, late = [], []
+    for token in server.stream(first):
+      streamed.append(token)
+      if len(streamed) == 2:  # arrive while the loop runs
+        late = [server.submit(p, n) for p, n in zip(prompts[1:], limits[1:])]
+    doomed = late[1]
+    for i, token in enumerate(server.stream(doomed)):
+      if i == 2:
+        server.cancel(doomed)
+        break
+    outputs = [list(server.stream(r)) for r in late]
+  assert streamed == want[0] and first.state == "done"
+  assert doomed.state == "cancelled" and doomed.tokens == want[2][:len(doomed.tokens)]
+  assert len(doomed.tokens) < limits[2] and outputs[1] == doomed.tokens
+  assert [outputs[i] for i in (0, 2, 3)] == [want[i] for i in (1, 3, 4)]
+  pool = server.pool
+  assert not server.busy and all(e.refs == 0 for e in pool.entries.values())
+  assert pool.n_free + pool.cached_pages == 24
+
+
+def test_a_full_pool_makes_requests_wait_and_loses_nothing():
+  """A pool that holds one long request at a time, 3 rows and 6 requests: the rows wait for
+  pages, every request finishes with the tokens of generating alone, and the pages in use never
+  pass the pool."""
+  model, params = _lm()
+  prompts, limits = _requests(4, (30, 6, 28, 9, 25, 3), (8, 5, 9, 4, 7, 6))
+  served, stats = serving.serve(model, params, prompts, limits, batch_size=3, page_size=4,
+                                num_pages=10, prefill_chunk=16)
+  assert served == _generated(model, params, prompts, limits)
+  assert stats.peak_pages <= 10

@@ -1,0 +1,234 @@
+"""The device side of serving (`flax_mha.models.serving`): a compiled loop over `batch_size` rows
+that runs until the host has something to do.
+
+Each trip of the loop feeds one row's prompt a piece (chunked prefill: at most `chunk` tokens,
+the last piece in the smallest of a few sizes that holds it, the oldest request first) and runs
+one decode step for every row past its prompt, so a long prompt enters between decode steps and
+no running row waits for a whole prefill. The global layers' keys and values live in a pool of
+pages (`flax_mha.cache.PagedKVCache`): a row pops pages off a free stack as its length crosses
+page boundaries and pushes them back when it ends, except its first `keep` table entries, which
+are the host's (shared prefix pages, `flax_mha.models.page_pool`); the local layers keep rolling
+caches of their window.
+
+A run (`segment`) ends after `max_trips` trips, when a row's output buffer is nearly full, when
+no row is live, or, while requests wait, as soon as a row ends or finishes its prompt (a row to
+give out, or a prefix to share). Between runs the host reads the small state back (the rows, the
+table, the free stack, the tokens of the run) and writes the next requests in; the pool stays on
+the device (donated from run to run).
+
+Token t of request r is drawn with the key fold_in(fold_in(rng, r), t): what a request gets
+does not depend on which row it ran in or when. Shapes: B rows, n table entries per row, P
+pages, W prompt room per row, O output buffer per row, C vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax_mha import cache as cache_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The static facts of a serving program."""
+  model: Any
+  sampler: Any
+  stop_tokens: tuple
+  chunk: int  # prompt tokens a prefill step feeds
+  page_size: int
+  batch_size: int
+  num_pages: int
+  pages_per_row: int  # the table's width n
+  out_width: int  # O: tokens a row may emit in one run, plus slack
+  cache_dtype: Any = None
+
+  @property
+  def prompt_width(self) -> int:
+    """W: a row's prompt room, plus one chunk (its last piece may read past the prompt)."""
+    return self.pages_per_row * self.page_size + self.chunk
+
+
+def chunks(chunk: int) -> tuple:
+  """The prefill step's sizes: `chunk` and the powers of 4 from 16 below it (a prompt's last
+  piece takes the smallest that holds it, so short prompts are not padded to `chunk`)."""
+  sizes, size = [], 16
+  while size < chunk:
+    sizes.append(size)
+    size *= 4
+  return (*sizes, chunk)
+
+
+def rows_state(plan: Plan) -> dict:
+  """The host's side of the state, as NumPy arrays: every row idle, every page free."""
+  b, p = plan.batch_size, plan.num_pages
+  rows = lambda: np.zeros((b,), np.int32)
+  return dict(table=np.zeros((b, plan.pages_per_row), np.int32),
+              free=np.arange(p, dtype=np.int32)[::-1].copy(), n_free=np.int32(p),
+              req=np.full((b,), -1, np.int32), prompt=np.zeros((b, plan.prompt_width), np.int32),
+              plen=rows(), limit=rows(), keep=rows(), fed=rows(), length=rows(), gen=rows(),
+              token=rows(), out=np.zeros((b, plan.out_width), np.int32), count=rows(),
+              step=np.int32(0), peak=np.zeros((3,), np.int32), trips=np.int32(0),
+              finished=np.bool_(False), prefilled=np.bool_(False))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def empty_cache(plan: Plan, params):
+  return plan.model.apply(params, plan.batch_size, plan.num_pages, plan.page_size,
+                          plan.pages_per_row, plan.cache_dtype, method="init_paged_cache")
+
+
+def _with_table(cache, table):
+  return tuple(c.with_table(table) for c in cache)
+
+
+def _take_row(cache, row):
+  """The batch-1 view of row `row` (the paged layers keep the whole pool)."""
+  return tuple(c.take_row(row) for c in cache)
+
+
+def _put_row(cache, row, row_cache):
+  """`cache` with row `row` replaced by the batch-1 `row_cache` (and the pools it updated)."""
+  return tuple(c.put_row(row, r) for c, r in zip(cache, row_cache))
+
+
+def _pop_pages(s, want_BN):
+  """Each True of want_BN [B, n] takes a page off the free stack into the table."""
+  flat = want_BN.reshape(-1)
+  rank = (jnp.cumsum(flat) - 1).reshape(want_BN.shape)
+  pages = s["free"][jnp.clip(s["n_free"] - 1 - rank, 0, s["free"].shape[0] - 1)]
+  return dict(s, table=jnp.where(want_BN, pages, s["table"]), n_free=s["n_free"] - flat.sum())
+
+
+def _push_pages(s, give_BN):
+  """Each True of give_BN [B, n] puts that table entry back on the free stack."""
+  flat = give_BN.reshape(-1)
+  slot = jnp.where(flat, s["n_free"] + jnp.cumsum(flat) - 1, s["free"].shape[0])
+  free = s["free"].at[slot].set(s["table"].reshape(-1), mode="drop")
+  return dict(s, free=free, n_free=s["n_free"] + flat.sum())
+
+
+def owning(table_width: int, page: int, held_B):
+  """[B, n]: the table entries that rows holding held_B tokens occupy."""
+  return jnp.arange(table_width) < -(-held_B[:, None] // page)
+
+
+def _own(s, page: int, held_B):
+  """[B, n]: the entries rows holding held_B tokens occupy that are theirs (past `keep`)."""
+  n = s["table"].shape[1]
+  return owning(n, page, held_B) & (jnp.arange(n) >= s["keep"][:, None])
+
+
+def _note_peak(s, page: int):
+  """The peak of pages in use (prefix entries nobody holds included), and the tokens held."""
+  in_use = s["free"].shape[0] - s["n_free"]
+  held = jnp.where(s["req"] >= 0, s["length"], 0)
+  higher = in_use > s["peak"][0]
+  now = jnp.stack([in_use, held.sum(), (-(-held // page) * page).sum()])
+  return dict(s, peak=jnp.where(higher, now, s["peak"]))
+
+
+def _emit(s, rows_B, tokens_B, stop, page: int):
+  """Rows rows_B emit tokens_B into their output buffers; a row at its limit or a stop token
+  ends and pushes its own pages."""
+  b = s["req"].shape[0]
+  out = s["out"].at[jnp.where(rows_B, jnp.arange(b), b), s["count"]].set(tokens_B, mode="drop")
+  gen = s["gen"] + rows_B
+  done = rows_B & ((gen >= s["limit"]) | jnp.isin(tokens_B, stop))
+  s = dict(s, out=out, gen=gen, count=s["count"] + rows_B,
+           token=jnp.where(rows_B, tokens_B, s["token"]))
+  s = _push_pages(s, _own(s, page, s["length"]) & done[:, None])
+  return dict(s, req=jnp.where(done, -1, s["req"]), finished=s["finished"] | done.any())
+
+
+def _reading(s):
+  """[B]: the rows still reading their prompts."""
+  return (s["req"] >= 0) & (s["fed"] < s["plen"])
+
+
+def _key(rng, req, gen):
+  return jax.random.fold_in(jax.random.fold_in(rng, req), gen)
+
+
+def _prefill(plan, params, s, stop, rng):
+  """The oldest row still reading its prompt feeds its next piece (at most `chunk` tokens); a
+  row that reads its last one samples its first new token."""
+  reading = _reading(s)
+  row = jnp.argmin(jnp.where(reading, s["req"], jnp.iinfo(jnp.int32).max))
+  start = s["fed"][row]
+  count = jnp.minimum(plan.chunk, s["plen"][row] - start)
+  is_row = jnp.arange(s["req"].shape[0]) == row
+  s = _pop_pages(s, is_row[:, None] & _own(s, plan.page_size, start + count * is_row)
+                 & ~owning(plan.pages_per_row, plan.page_size, s["length"]))
+
+  def feed(size):
+    def run(cache):
+      tokens = jax.lax.dynamic_slice_in_dim(s["prompt"][row], start, size)[None]
+      ar = jnp.arange(size, dtype=jnp.int32)
+      positions = jnp.where(ar < count, start + ar, -1)[None]
+      logits, row_cache = plan.model.apply(params, tokens, _take_row(cache, row), positions,
+                                           method="logits")
+      return logits[:, count - 1], _put_row(cache, row, row_cache)
+    return run
+
+  sizes = chunks(plan.chunk)
+  index = jnp.searchsorted(jnp.asarray(sizes), count)  # the smallest size >= count
+  last, cache = jax.lax.switch(index, [feed(size) for size in sizes],
+                               _with_table(s["cache"], s["table"]))
+  s = dict(s, cache=cache, fed=s["fed"] + count * is_row, length=s["length"] + count * is_row)
+  s = _note_peak(s, plan.page_size)
+  first = plan.sampler(last, _key(rng, s["req"][row], 0))[0]
+  read = is_row & (s["fed"] >= s["plen"])
+  s = dict(s, prefilled=s["prefilled"] | read.any())
+  return _emit(s, read, jnp.full_like(s["token"], first), stop, plan.page_size)
+
+
+def _decode(plan, params, s, stop, rng):
+  """One token for every row past its prompt (the others: position -1, nothing written)."""
+  writing = ~_reading(s) & (s["req"] >= 0)
+  s = _pop_pages(s, writing[:, None] & _own(s, plan.page_size, s["length"] + 1)
+                 & ~owning(plan.pages_per_row, plan.page_size, s["length"]))
+  cache = _with_table(s["cache"], s["table"])
+  positions = jnp.where(writing, s["length"], -1)[:, None]
+  logits, cache = plan.model.apply(params, s["token"][:, None], cache, positions,
+                                   method="logits")
+  s = dict(s, cache=cache, length=s["length"] + writing, step=s["step"] + 1)
+  s = _note_peak(s, plan.page_size)
+  keys = jax.vmap(functools.partial(_key, rng))(s["req"], s["gen"])
+  new = jax.vmap(lambda logits_C, key: plan.sampler(logits_C[None], key)[0])(logits[:, 0], keys)
+  return _emit(s, writing, new, stop, plan.page_size)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+@cache_lib.caller_makes_room  # the host admits a request only when its pages are covered
+def segment(plan: Plan, params, cache, rows: dict, rng, reset_B, copy_src_B, copy_dst_B,
+            max_trips, waiting):
+  """One run of the loop (see the module docstring): (cache, rows). `reset_B` marks the rows
+  the host just gave a request (their caches emptied); pages copy_src_B are copied into
+  copy_dst_B first (copy-on-write; a destination P is none)."""
+  stop = jnp.asarray(plan.stop_tokens, jnp.int32)
+  cache = tuple(c.reset_rows(reset_B).copy_pages(copy_src_B, copy_dst_B) for c in cache)
+  s = dict(rows, cache=cache, count=jnp.zeros_like(rows["count"]), trips=jnp.int32(0),
+           finished=jnp.bool_(False), prefilled=jnp.bool_(False))
+
+  def more(s):
+    host_wanted = waiting & (s["finished"] | s["prefilled"])
+    return ((s["req"] >= 0).any() & ~host_wanted & (s["trips"] < max_trips)
+            & (s["count"].max() + 2 <= plan.out_width))
+
+  def body(s):
+    s = jax.lax.cond(_reading(s).any(), lambda s: _prefill(plan, params, s, stop, rng),
+                     lambda s: s, s)
+    writing = ~_reading(s) & (s["req"] >= 0)
+    s = jax.lax.cond(writing.any(), lambda s: _decode(plan, params, s, stop, rng),
+                     lambda s: s, s)
+    return dict(s, trips=s["trips"] + 1)
+
+  s = jax.lax.while_loop(more, body, s)
+  cache = s.pop("cache")
+  return cache, s
