@@ -24,6 +24,8 @@ Parts:
   online     48 requests arriving as a Poisson process at 80% of the rows' capacity
              (a `serving.Server` with its own thread) against the same requests given up front:
              time to the first token and per output token, median and p99.
+  int8       the first serving mix (all layers global) with the page pool in int8 against
+             float32: the pool's bytes, tokens/s, and how many greedy tokens agree.
 Each path runs once untimed (compilation), then the timed runs alternate; medians.
 """
 
@@ -194,7 +196,8 @@ def serving_part(smoke: bool, runs: int) -> list[str]:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", action="append", choices=("cached", "eval", "serving", "prefix", "online"))
+  parser.add_argument("--part", action="append",
+                      choices=("cached", "eval", "serving", "prefix", "online", "int8"))
   parser.add_argument("--workdir", help="a trained configs/lm.py run, for the eval part")
   parser.add_argument("--smoke", action="store_true", help="tiny sizes, nothing written")
   parser.add_argument("--out", default="docs/generation_cpu.md")
@@ -208,7 +211,12 @@ def main():
               "prefix": lambda: serving_parts.prefix_part(64, _fields(args.smoke), args.smoke,
                                                           runs),
               "online": lambda: serving_parts.online_part(64, _fields(args.smoke), args.smoke,
-                                                          runs)}
+                                                          runs),
+              "int8": lambda: serving_parts.int8_part(
+                  64, _fields(args.smoke), *_mix(64, 6 if args.smoke else 16,
+                                                 64 if args.smoke else 2048,
+                                                 16 if args.smoke else 256, False, 0),
+                  args.smoke, runs)}
   timing.write_report("Generation (CPU, float32)", "python -m experiments.bench.generation",
                       parts, sections, args.out, args.smoke)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench import timing
+from flax_mha import cache as cache_lib
 from flax_mha.models import serving
 from flax_mha.models.lm import DecoderLM, LMConfig
 
@@ -116,3 +117,43 @@ def online_part(vocab: int, fields: dict, smoke: bool, runs: int) -> list[str]:
           "Up front, a request's first token waits for those before it (its wait counts from "
           "the start); arriving, from its own arrival. Same tokens."]
 
+
+
+def _pool_bytes(cache) -> int:
+  """Bytes of the page pools (keys, values and their scales) of a model's paged caches."""
+  pools = [c for c in cache if isinstance(c, cache_lib.PagedKVCache)]
+  return sum(leaf.nbytes for c in pools for leaf in jax.tree.leaves(c)
+             if leaf.shape[:1] == c.k_pages.shape[:1])
+
+
+def int8_part(vocab: int, fields: dict, prompts, limits, smoke: bool, runs: int) -> list[str]:
+  """The serving mix with the pool in int8 (scales per token and head) against float32."""
+  del smoke
+  model, params = global_model(vocab, fields)
+  rows, page = 4, 16
+  per_row = -(-max(len(p) + n for p, n in zip(prompts, limits)) // page)
+  kwargs = dict(batch_size=rows, page_size=page, num_pages=rows * per_row)
+  run = lambda dtype: lambda: serving.serve(model, params, prompts, limits, **kwargs,
+                                            cache_dtype=dtype)
+  out = timing.in_turns({"float32": run(jnp.float32), "int8": run(jnp.int8)}, runs)
+  (t_float, (got_float, _)), (t_int8, (got_int8, _)) = out.values()
+  tokens = sum(map(len, got_float))
+  same = sum(a == b for a, b in zip(got_float, got_int8))
+  agree = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in zip(got_float, got_int8))
+  size = lambda dtype: _pool_bytes(serving.Server(
+      model, params, **kwargs, max_length=per_row * page, cache_dtype=dtype).cache)
+  f32, bf16, i8 = size(jnp.float32), size(jnp.bfloat16), size(jnp.int8)
+  return [f"{len(prompts)} prompts of {min(map(len, prompts))} to {max(map(len, prompts))} "
+          f"tokens, {min(limits)} to {max(limits)} new tokens each, {rows} rows, pages of {page}, "
+          "every layer global (configs/lm.py's model with local_window=None, random weights):",
+          "", "| pool | bytes | vs float32 | vs bfloat16 | seconds (median) | tokens/s |",
+          "|---|---|---|---|---|---|",
+          f"| float32 | {f32:,} | 1.000x | {f32 / bf16:.3f}x | {t_float:.2f} | "
+          f"{tokens / t_float:.1f} |",
+          f"| int8 + float32 scales | {i8:,} | {i8 / f32:.3f}x | {i8 / bf16:.3f}x | {t_int8:.2f} | "
+          f"{sum(map(len, got_int8)) / t_int8:.1f} |", "",
+          f"int8 / float32 tokens/s: {t_float / t_int8:.2f}x. Greedy tokens: {same} of "
+          f"{len(prompts)} requests identical; {agree} of {tokens} tokens before a request's "
+          "first difference (random weights make near ties common: see the docs for the trained "
+          "LM's and the ported models' agreement)."]
