@@ -55,6 +55,7 @@ def test_quick_passes_on_cpu_with_every_kernel_in_the_table(tmp_path):
       assert row["values"] <= cases.tolerance(row["dtype"], "cpu") and row["ms"] > 0
 
 
+@pytest.mark.slow  # ~2-4 min of interpreted kernels; the kernels' own interpret tests run in CI
 def test_quick_interpret_runs_the_pallas_kernels_on_cpu(tmp_path):
   pallas = ("triton", "splash", "triton_decode")
   _, table = _selftest(tmp_path, "--quick", "--interpret", "--implementations",

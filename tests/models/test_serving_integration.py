@@ -5,6 +5,7 @@ tests/models/test_serving.py."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -114,3 +115,14 @@ def test_a_full_pool_makes_requests_wait_and_loses_nothing():
                                 num_pages=10, prefill_chunk=16)
   assert served == _generated(model, params, prompts, limits)
   assert stats.peak_pages <= 10
+
+
+def test_an_int8_pool_serves_what_generate_gives_over_an_int8_cache():
+  """Pages in int8 (a scale per token and head) and shared prefixes: the tokens of generating
+  alone over a contiguous int8 cache, which quantizes the same keys alike."""
+  model, params = _global_lm()
+  prompts, limits = _shared_prefix_requests(2, tails=(6, 0, 9), limits=(8, 5, 6))
+  served, stats = serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
+                                num_pages=24, prefill_chunk=16, cache_dtype=jnp.int8)
+  assert served == _generated(model, params, prompts, limits, cache_dtype=jnp.int8)
+  assert stats.shared_tokens > 0
