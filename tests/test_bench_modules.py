@@ -80,3 +80,22 @@ def test_agree_refuses_a_different_function():
   bench.agree({"torch": probe, "linen": dict(probe)})
   with pytest.raises(RuntimeError, match="different functions"):
     bench.agree({"torch": probe, "linen": dict(probe, grad=[0.5, 0.6])})
+
+
+def test_hlo_counts_reads_transposes_and_loops():
+  """A transpose writes its result; a loop's dynamic-update-slice writes its update in place,
+  once per trip (4 trips of a [16, 32] float32 slice: 8 KiB, not 4 x the whole array)."""
+  kib = 2**-10  # in MiB
+  x = jnp.zeros((64, 32), jnp.float32)
+  counts = bench.hlo_counts(jax.jit(lambda x: x.T * 2).lower(x).compile().as_text())
+  assert counts["transpose"] == [1, 8 * kib]
+  assert counts["products"][0] == counts["slice"][0] == counts["while"][0] == 0
+
+  def rows(y):
+    step = lambda i, y: jax.lax.dynamic_update_slice(
+        y, jnp.sin(jax.lax.dynamic_slice(y, (i * 16, 0), (16, 32))), (i * 16, 0))
+    return jax.lax.fori_loop(0, 4, step, y)
+
+  counts = bench.hlo_counts(jax.jit(rows).lower(x).compile().as_text())
+  assert counts["while"][0] == 1
+  assert counts["slice"] == [1, 4 * 2 * kib]
