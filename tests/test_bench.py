@@ -29,7 +29,8 @@ TESTED_ELSEWHERE = {
         "several processes training: tests/test_multiprocess_integration.py runs it",
 }
 # Options (each with a value) that a module's --smoke run ignores, as its --help says.
-SMOKE_IGNORES = {"experiments.bench.attention": ("--ds", "--ns", "--json")}
+SMOKE_IGNORES = {"experiments.bench.attention": ("--ds", "--ns", "--json"),
+                 "experiments.bench.modules": ("--ns", "--turns", "--rounds")}
 
 
 def _code_spans(name: str, text: str) -> list[str]:

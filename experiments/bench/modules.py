@@ -1,0 +1,667 @@
+"""Module speed (CPU): flax_mha's attention modules against torch.nn.MultiheadAttention.
+
+  python -m experiments.bench.modules            # N 128, 512, 2048 -> docs/benchmark_modules_cpu.md
+  python -m experiments.bench.modules --quick    # N 128, 512; 2 turns of 3 rounds
+  python -m experiments.bench.modules --ns 512 --turns 1 --entries self --masks causal
+  python -m experiments.bench.modules --part pieces   # projections vs attention, JAX and torch
+  python -m experiments.bench.modules --part hlo      # transposes and copies XLA compiles in
+
+D = 512, H = 8 heads (K = V = 64), float32, B·N = 4096 (B = 4096 // N), plain and causal; the
+forward, and the forward+backward: the output's sum (the loss) and its gradient with respect to
+the inputs and every parameter (JAX: `jax.value_and_grad`, so that XLA computes the output as
+torch does; torch: `.sum().backward()`). Two entries, each against torch.nn.MultiheadAttention(D, H,
+batch_first=True):
+  self   flax_mha.SelfAttention (linen) and flax_mha.nn.nnx.SelfAttention on x [B, N, D];
+         torch called as (x, x, x), the one tensor thrice, as its fast path asks
+  cross  flax_mha.MultiHeadAttention (linen) and flax_mha.nn.nnx.MultiHeadAttention on queries
+         x [B, N, D] and keys/values y [B, N, D] (S = T = N); torch called as (x, y, y)
+All systems hold the same weights (NumPy-seeded, in flax's layout; `to_torch_state` packs them
+into torch's), so they compute the same function: each worker reports a probe of its output
+and input gradient and the script refuses to print figures where they differ.
+
+JAX: the module's apply (linen) or split/merge around it (NNX) under `jax.jit`, the
+implementation `None` picks (named in the table, from `flax_mha.explain`). torch: eager (no
+torch.compile), `need_weights=False`; a causal call passes `attn_mask` (torch's docs require it
+beside `is_causal=True`) and `is_causal=True`. torch 2.13 has two forward paths, both timed and
+the faster one reported (the table names it):
+  native  eval mode under `torch.no_grad()`, self-attention only: the fast path,
+          `torch._native_multi_head_attention`, which on CPU multiplies out the [B, H, T, S]
+          scores (bmm, softmax or masked softmax, bmm) and takes the boolean causal mask, not the
+          `is_causal` hint
+  SDPA    the fast path off (`torch.backends.mha.set_fastpath_enabled(False)`) under
+          `torch.no_grad()`: `F.multi_head_attention_forward`, which with need_weights=False
+          drops the mask for `is_causal=True` and calls scaled_dot_product_attention (its CPU
+          flash kernel); a float mask is passed, so the module converts none per call
+The forward+backward can only take the second path (grad enabled), as in training.
+
+Protocol (experiments.bench.timing): for each (entry, N, mask) the three systems run in a process
+each, the processes taking turns --turns times (the order reversed every other turn); in its
+process a system is called twice untimed, then its calls (forward, forward+backward, and for
+torch both forward paths) are timed in turn for --rounds rounds. Cells are medians over all
+rounds of all turns; the ratio is torch's median over ours (above 1: ours is faster). JAX and
+torch never share a process (torch is imported only in torch's workers).
+
+`--part pieces` times the linen SelfAttention's pieces beside the whole module, in JAX and in
+torch, each system's pieces round-robin in its own processes (`jax_pieces`, `torch_pieces`):
+where a module's time goes. `--part hlo` compiles the linen SelfAttention's forward and
+forward+backward for this CPU (never running them) and counts the products, transposes,
+copies and slices in the program, with the bytes they write (`hlo_counts`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads its OpenMP runtime
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flax_mha
+from experiments.bench import timing
+
+ENTRIES = ("self", "cross")
+SYSTEMS = ("torch", "linen", "nnx")
+MASKS = {"plain": False, "causal": True}
+# (entry, system) -> the module's name in the report.
+NAMES = {("self", "linen"): "flax_mha.SelfAttention (linen)",
+         ("self", "nnx"): "flax_mha.nn.nnx.SelfAttention",
+         ("cross", "linen"): "flax_mha.MultiHeadAttention (linen, cross-attention)",
+         ("cross", "nnx"): "flax_mha.nn.nnx.MultiHeadAttention (cross-attention)"}
+PROBE = (2, 4)  # the output's and input gradient's [0, :2, :4] are compared across systems
+
+
+def weights(d: int, h: int, seed: int = 0) -> dict:
+  """{'params': ...} of `flax_mha.MultiHeadAttention(h)` at width d, NumPy float32: kernels
+  [D, H, K] (out [H, V, D]) of scale D^-1/2, biases [H, K] (out [D]) of scale 0.1, so every
+  bias matters."""
+  rng = np.random.default_rng(seed)
+  k = d // h
+  normal = lambda scale, *shape: (scale * rng.standard_normal(shape)).astype(np.float32)
+  params = {name: {"kernel": normal(d**-0.5, d, h, k), "bias": normal(0.1, h, k)}
+            for name in ("query", "key", "value")}
+  params["out"] = {"kernel": normal(d**-0.5, h, k, d), "bias": normal(0.1, d)}
+  return {"params": params}
+
+
+def to_torch_state(variables: dict) -> dict[str, np.ndarray]:
+  """The `state_dict` of torch.nn.MultiheadAttention(D, H) (NumPy arrays) holding the weights
+  of linen params {'params': {'query'|'key'|'value'|'out': {'kernel', 'bias'}}}.
+
+  torch projects with x @ W.T + b, W [H·K, D] stacked as in_proj_weight [3·H·K, D] in query,
+  key, value order, heads the contiguous K-wide slices of H·K: so W is the kernel [D, H, K]
+  flattened to [D, H·K] and transposed, and out_proj.weight [D, H·V] the out kernel [H, V, D]
+  flattened to [H·V, D] and transposed. `flax_mha.interop.from_torch_multihead_attention` is
+  the inverse.
+  """
+  p = {name: {key: np.asarray(x) for key, x in layer.items()}
+       for name, layer in variables["params"].items()}
+  d = p["query"]["kernel"].shape[0]
+  flat_DHK = lambda name: p[name]["kernel"].reshape(d, -1)
+  return {
+      "in_proj_weight": np.concatenate([flat_DHK(n).T for n in ("query", "key", "value")]),
+      "in_proj_bias": np.concatenate([p[n]["bias"].reshape(-1) for n in ("query", "key", "value")]),
+      "out_proj.weight": p["out"]["kernel"].reshape(-1, p["out"]["kernel"].shape[-1]).T,
+      "out_proj.bias": p["out"]["bias"],
+  }
+
+
+def inputs(entry: str, b: int, n: int, d: int) -> list[np.ndarray]:
+  """[x] (self) or [x, y] (cross), each [B, N, D] float32, NumPy-seeded."""
+  rng = np.random.default_rng(1)
+  return [rng.standard_normal((b, n, d)).astype(np.float32)
+          for _ in range(1 if entry == "self" else 2)]
+
+
+def jax_module(entry: str, system: str, d: int, h: int, variables: dict):
+  """apply(params, *inputs, is_causal) -> [B, N, D] and its params: the linen module's apply on
+  `variables`, or the NNX module (loaded with them) merged from its Param state inside."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from flax_mha.nn import nnx as flax_mha_nnx  # pylint: disable=import-outside-toplevel
+  variables = jax.tree.map(jnp.asarray, variables)
+  if system == "linen":
+    module = (flax_mha.SelfAttention if entry == "self" else flax_mha.MultiHeadAttention)(h)
+    return (lambda params, *xs, is_causal: module.apply(params, *xs, is_causal=is_causal),
+            variables)
+  cls = flax_mha_nnx.SelfAttention if entry == "self" else flax_mha_nnx.MultiHeadAttention
+  module = flax_mha_nnx.linen_params_to_nnx(variables, cls(h, d, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  return (lambda params, *xs, is_causal: nnx.merge(graphdef, params, rest)(
+      *xs, is_causal=is_causal), params)
+
+
+def jax_callables(entry, system, d, h, causal, xs):
+  """(forward, forward+backward) of a JAX system as calls of no arguments that wait for their
+  results, and the probe {'out', 'grad'} of its output and first input's gradient."""
+  apply, params = jax_module(entry, system, d, h, weights(d, h))
+  xs = [jnp.asarray(x) for x in xs]
+  forward = lambda params, *xs: apply(params, *xs, is_causal=causal)
+  loss = lambda params, *xs: jnp.sum(forward(params, *xs))
+  # The loss and its gradients (params and every input), as torch computes both: with the
+  # gradients alone XLA would skip the out projection's forward product.
+  grads = jax.value_and_grad(loss, argnums=tuple(range(1 + len(xs))))
+  fwd, fwd_bwd = timing.blocking(forward, params, *xs), timing.blocking(grads, params, *xs)
+  probe = dict(out=_probe(fwd()), grad=_probe(fwd_bwd()[1][1]))
+  return dict(fwd=fwd, fwd_bwd=fwd_bwd), probe
+
+
+def _probe(x) -> list[float]:
+  """x[0, :2, :4] flattened, as floats."""
+  return np.asarray(x)[0, :PROBE[0], :PROBE[1]].ravel().tolist()
+
+
+def torch_callables(entry, d, h, causal, xs):
+  """torch.nn.MultiheadAttention's calls of no arguments: 'fwd native' (self-attention only)
+  and 'fwd SDPA' (see the docstring) and 'fwd_bwd'; and its probe, the SDPA path's, after
+  checking that the native path's output agrees."""
+  import torch  # pylint: disable=import-outside-toplevel
+  torch.set_num_threads(os.cpu_count() or 1)
+  module = torch.nn.MultiheadAttention(d, h, batch_first=True).eval()
+  module.load_state_dict({k: torch.from_numpy(v.copy())
+                          for k, v in to_torch_state(weights(d, h)).items()})
+  x, *rest = (torch.from_numpy(a).requires_grad_() for a in xs)
+  y = rest[0] if rest else x  # self-attention: the one tensor as query, key and value
+  n = x.shape[1]
+  hide = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)  # torch's True = hidden
+  hide_float = torch.zeros(n, n).masked_fill(hide, float("-inf"))
+  masks = lambda mask: dict(attn_mask=mask, is_causal=True) if causal else {}
+
+  def call(mask):
+    return module(x, y, y, need_weights=False, **masks(mask))[0]
+
+  def fwd_native():
+    with torch.no_grad():
+      return call(hide)
+
+  def fwd_sdpa():
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+      with torch.no_grad():
+        return call(hide_float)
+    finally:
+      torch.backends.mha.set_fastpath_enabled(True)
+
+  def fwd_bwd():
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    if y is not x:
+      y.grad = None
+    call(hide_float).sum().backward()
+
+  fwd_bwd()
+  probe = dict(out=_probe(fwd_sdpa()), grad=_probe(x.grad))
+  calls = {"fwd SDPA": fwd_sdpa, "fwd_bwd": fwd_bwd}
+  if entry == "self":
+    native = fwd_native().numpy()
+    np.testing.assert_allclose(native, fwd_sdpa().numpy(), rtol=1e-4, atol=1e-4)
+    calls["fwd native"] = fwd_native
+  return calls, probe
+
+
+def time_case(case: str, *, d: int, h: int, tokens: int, rounds: int) -> dict:
+  """Worker: {'seconds': {call: [seconds...]}, 'probe': ...} of one system at one shape;
+  case = 'entry,system,N,causal' (entry 'pieces': `jax_pieces` or `torch_pieces`, no probe)."""
+  entry, system, n, causal = case.split(",")
+  n, causal = int(n), bool(int(causal))
+  xs = inputs(entry, max(1, tokens // n), n, d)
+  if entry == "pieces":  # system 'jax' or 'torch'
+    calls = (torch_pieces if system == "torch" else jax_pieces)(d, h, causal, xs[0])
+    return dict(seconds=timing.round_robin(calls, rounds, rotate=True))
+  if system == "torch":
+    calls, probe = torch_callables(entry, d, h, causal, xs)
+  else:
+    calls, probe = jax_callables(entry, system, d, h, causal, xs)
+  return dict(seconds=timing.round_robin(calls, rounds, rotate=True), probe=probe)
+
+
+def agree(probes: dict[str, dict], tol: float = 1e-3) -> None:
+  """Raises where a system's probe (output, input gradient) differs from torch's by more than
+  tol relative to torch's largest value."""
+  want = probes["torch"]
+  for system, probe in probes.items():
+    for key in ("out", "grad"):
+      a, b = np.asarray(probe[key]), np.asarray(want[key])
+      if np.max(np.abs(a - b)) > tol * max(1.0, np.max(np.abs(b))):
+        raise RuntimeError(f"{system} and torch compute different functions ({key}): "
+                           f"{a.tolist()} vs {b.tolist()}")
+
+
+def measure(entry: str, n: int, causal: bool, args) -> dict:
+  """call -> ms medians per system at one shape (each system in its own processes, see the
+  docstring), after checking that the systems agree; 'torch fwd' is its faster forward path,
+  named under 'torch path'."""
+  cases = {system: f"{entry},{system},{n},{int(causal)}" for system in SYSTEMS}
+  extra = ["--d", str(args.d), "--heads", str(args.heads), "--tokens", str(args.tokens),
+           "--rounds", str(args.rounds)]
+  reports = timing.isolated("experiments.bench.modules", list(cases.values()),
+                            turns=args.turns, extra_args=extra)
+  agree({system: reports[case][0]["probe"] for system, case in cases.items()})
+  ms = {}
+  for system, case in cases.items():
+    pooled = {}
+    for report in reports[case]:
+      for call, seconds in report["seconds"].items():
+        pooled.setdefault(call, []).extend(seconds)
+    ms[system] = {call: 1e3 * statistics.median(s) for call, s in pooled.items()}
+  paths = {call.split()[1]: t for call, t in ms["torch"].items() if call.startswith("fwd ")}
+  fastest = min(paths, key=paths.get)
+  ms["torch"].update({"fwd": paths[fastest], "path": fastest, "paths": paths})
+  return ms
+
+
+def picks(n: int, b: int, h: int, k: int, causal: bool) -> str:
+  """The implementation `None` runs inside the modules at this shape."""
+  shape = jax.ShapeDtypeStruct((b, n, h, k), jnp.float32)
+  return flax_mha.explain(shape, shape, shape, is_causal=causal).implementation
+
+
+def speed(args) -> dict:
+  """(entry, N, mask) -> measure's ms, printing each shape's line as it is measured."""
+  results = {}
+  for entry in args.entries:
+    for n in args.ns:
+      for mask in args.masks:
+        ms = measure(entry, n, MASKS[mask], args)
+        results[entry, n, mask] = ms
+        print(f"{entry} N={n} {mask}: " + ", ".join(
+            f"{system} {ms[system]['fwd']:.1f}/{ms[system]['fwd_bwd']:.1f} ms"
+            for system in SYSTEMS) + f" (torch forward: {ms['torch']['path']})", flush=True)
+  return results
+
+
+def table(results: dict, entry: str, system: str, args) -> list[str]:
+  """Markdown: one row per (N, mask) of one module against torch."""
+  lines = ["| N | B | mask | kernel | torch fwd path | torch fwd ms | ours fwd ms | torch / ours "
+           "fwd | torch fwd+bwd ms | ours fwd+bwd ms | torch / ours fwd+bwd |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for (e, n, mask), ms in results.items():
+    if e != entry:
+      continue
+    b = max(1, args.tokens // n)
+    torch_ms, ours = ms["torch"], ms[system]
+    lines.append(
+        f"| {n} | {b} | {mask} | `{picks(n, b, args.heads, args.d // args.heads, MASKS[mask])}` "
+        f"| {torch_ms['path']} | {torch_ms['fwd']:.1f} | {ours['fwd']:.1f} | "
+        f"{torch_ms['fwd'] / ours['fwd']:.2f} | {torch_ms['fwd_bwd']:.1f} | "
+        f"{ours['fwd_bwd']:.1f} | {torch_ms['fwd_bwd'] / ours['fwd_bwd']:.2f} |")
+  return lines
+
+
+def setup(results: dict, args) -> list[str]:
+  """Markdown: what ran, the load on the machine, and both torch forward paths where there
+  were two."""
+  load = lambda when: "{:.1f}, {:.1f}, {:.1f}".format(*args.load[when])
+  lines = [f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores (load average over 1, 5, 15 "
+           f"minutes: {load('start')} at the start, {load('end')} at the end); D={args.d}, "
+           f"H={args.heads}, float32, B·N={args.tokens}; turns: {args.turns}, rounds per turn: "
+           f"{args.rounds}; each system in its own process, medians. Ratios above 1: ours is "
+           "faster. `kernel`: what `implementation=None` runs inside the module "
+           "(`flax_mha.explain`).",
+           "", "torch's two forward paths (ms; the faster one is in the tables):", "",
+           "| entry | N | mask | native | SDPA |", "|---|---|---|---|---|"]
+  for (entry, n, mask), ms in results.items():
+    paths = ms["torch"]["paths"]
+    cell = lambda path: f"{paths[path]:.1f}" if path in paths else "—"
+    lines.append(f"| {entry} | {n} | {mask} | {cell('native')} | {cell('SDPA')} |")
+  return lines
+
+
+QKV = ("query", "key", "value")
+PIECES = ("module", "q, k, v projections", "q, k, v packed", "attention", "out projection")
+
+
+def _heads(shape, h: int) -> list[np.ndarray]:
+  """Query, key and value [B, T, H, K] for the attention piece, x's shape [B, T, D] split into
+  H heads, float32, NumPy-seeded."""
+  b, n, d = shape
+  return list(np.random.default_rng(2).standard_normal((3, b, n, h, d // h)).astype(np.float32))
+
+
+def _cotangent(shape) -> np.ndarray:
+  """A fixed random gradient of a piece's output, float32. The pieces' backward takes one in
+  place of the gradient of a sum: with the sum, XLA drops a linear piece's products (the
+  gradient of sum(x·W) w.r.t. W needs only x's column sums), which torch computes. (In the
+  whole module it changes nothing: the same products compile either way.) Both the value
+  and the gradient are computed, as torch does: a linear piece's gradient alone needs none of
+  its forward."""
+  return np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+
+
+def jax_pieces(d, h, causal, x) -> dict:
+  """Calls of no arguments: each piece of the linen SelfAttention's forward ('<piece>|fwd') and
+  its value and gradient w.r.t. all its arguments given a fixed random output gradient
+  (`_cotangent`; '<piece>|fwd_bwd'), jitted: the module; the three DenseGeneral projections
+  x [B, T, D] -> [B, T, H, K] with their biases; the same as one product with the kernels
+  packed [D, 3·H, K] (as torch's in_proj_weight), split after (not what the module does: an
+  idea, timed); the attention `None` runs, on [B, T, H, K] inputs as the module hands it; the
+  out projection [B, T, H, V] -> [B, T, D] with its bias."""
+  apply, variables = jax_module("self", "linen", d, h, weights(d, h))
+  p = variables["params"]
+  q, k, v = map(jnp.asarray, _heads(x.shape, h))
+  x = jnp.asarray(x)
+  packed = [jnp.concatenate([p[name][w] for name in QKV], axis=-2) for w in ("kernel", "bias")]
+  pieces = {
+      "module": (lambda variables, x: apply(variables, x, is_causal=causal), (variables, x)),
+      "q, k, v projections": (lambda p, x: [jnp.einsum("BTD,DHK->BTHK", x, p[name]["kernel"])
+                                            + p[name]["bias"] for name in QKV], (p, x)),
+      "q, k, v packed": (lambda w, b, x: jnp.split(jnp.einsum("BTD,DHK->BTHK", x, w) + b, 3,
+                                                   axis=2), (*packed, x)),
+      "attention": (lambda q, k, v: flax_mha.dot_product_attention(q, k, v, is_causal=causal),
+                    (q, k, v)),
+      "out projection": (lambda out, o: jnp.einsum("BTHV,HVD->BTD", o, out["kernel"])
+                         + out["bias"], (p["out"], v)),
+  }
+  calls = {}
+  for piece, (fn, args) in pieces.items():
+    cotangents = [jnp.asarray(_cotangent(y.shape)) for y in jax.tree.leaves(jax.eval_shape(fn,
+                                                                                      *args))]
+    total = lambda *a, fn=fn, cotangents=cotangents: sum(
+        jnp.vdot(y, c) for y, c in zip(jax.tree.leaves(fn(*a)), cotangents))
+    calls[f"{piece}|fwd"] = timing.blocking(fn, *args)
+    calls[f"{piece}|fwd_bwd"] = timing.blocking(
+        jax.value_and_grad(total, argnums=tuple(range(len(args)))), *args)
+  return calls
+
+
+def torch_pieces(d, h, causal, x) -> dict:
+  """torch's counterparts of `jax_pieces`: the module (SDPA path); the packed in-projection
+  x [B, T, D] -> [B, T, 3·D]; scaled_dot_product_attention on [B, H, T, K] inputs and the
+  merge of its output back to [B, T, H·V] (a copy, as the module makes); the out projection."""
+  import torch  # pylint: disable=import-outside-toplevel
+  torch.set_num_threads(os.cpu_count() or 1)
+  functional = torch.nn.functional
+  module = torch.nn.MultiheadAttention(d, h, batch_first=True).eval()
+  state = {k: torch.from_numpy(v.copy()) for k, v in to_torch_state(weights(d, h)).items()}
+  module.load_state_dict(state)
+  b, n, _ = x.shape
+  hide = torch.zeros(n, n).masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1),
+                                       float("-inf"))
+  masks = dict(attn_mask=hide, is_causal=True) if causal else {}
+  leaf = lambda a: torch.from_numpy(np.ascontiguousarray(a)).requires_grad_()
+  tx = leaf(x)
+  qkv = [leaf(a.transpose(0, 2, 1, 3)) for a in _heads(x.shape, h)]  # torch's [B, H, T, K]
+  w_in, b_in, w_out, b_out = (state[k].requires_grad_() for k in (
+      "in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"))
+  o = leaf(x)
+  pieces = {
+      "module": lambda: module(tx, tx, tx, need_weights=False, **masks)[0],
+      "q, k, v projections": lambda: functional.linear(tx, w_in, b_in),
+      "attention": lambda: functional.scaled_dot_product_attention(
+          *qkv, is_causal=causal).transpose(1, 2).reshape(b, n, d),
+      "out projection": lambda: functional.linear(o, w_out, b_out),
+  }
+  leaves = [tx, *qkv, w_in, b_in, w_out, b_out, o, *module.parameters()]
+
+  def forward(fn):
+    def call():
+      torch.backends.mha.set_fastpath_enabled(False)  # the module's SDPA path, as fwd_bwd's
+      try:
+        with torch.no_grad():
+          return fn()
+      finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    return call
+
+  def forward_backward(fn):
+    cotangent = torch.from_numpy(_cotangent(tuple(forward(fn)().shape)))
+    def call():
+      for a in leaves:
+        a.grad = None
+      fn().backward(cotangent)
+    return call
+
+  calls = {}
+  for piece, fn in pieces.items():
+    calls[f"{piece}|fwd"], calls[f"{piece}|fwd_bwd"] = forward(fn), forward_backward(fn)
+  return calls
+
+
+def pieces_table(args) -> list[str]:
+  """Markdown: each piece's ms in JAX and torch at each N and mask (each system's pieces timed
+  round-robin in its own processes, the two systems' processes in turn; torch has no packed
+  row: its projection is the packed one)."""
+  extra = ["--d", str(args.d), "--heads", str(args.heads), "--tokens", str(args.tokens),
+           "--rounds", str(args.rounds)]
+  lines = [f"The linen SelfAttention's forward and forward+backward in pieces, D={args.d}, "
+           f"H={args.heads}, B·N={args.tokens}; turns: {args.turns}, rounds per turn: "
+           f"{args.rounds}; medians, ms. Share: of the module's time in the same system.", "",
+           "| N | mask | piece | ours fwd | torch fwd | ours share | torch share | ours fwd+bwd "
+           "| torch fwd+bwd | ours share | torch share |", "|---|---|---|---|---|---|---|---|---|"
+           "---|---|"]
+  for n in args.ns:
+    for mask in args.masks:
+      cases = {system: f"pieces,{system},{n},{int(MASKS[mask])}" for system in ("jax", "torch")}
+      reports = timing.isolated("experiments.bench.modules", list(cases.values()),
+                                turns=args.turns, extra_args=extra)
+      ms = {}
+      for system, case in cases.items():
+        pooled = {}
+        for report in reports[case]:
+          for call, seconds in report["seconds"].items():
+            pooled.setdefault(call, []).extend(seconds)
+        ms[system] = {call: 1e3 * statistics.median(t) for call, t in pooled.items()}
+      for piece in PIECES:
+        cells = []
+        for kind in ("fwd", "fwd_bwd"):
+          mine = [ms[system].get(f"{piece}|{kind}") for system in ("jax", "torch")]
+          shares = [m and m / ms[system][f"module|{kind}"] for m, system in zip(mine,
+                                                                                ("jax", "torch"))]
+          cells += [f"{x:.1f}" if x else "—" for x in mine]
+          cells += [f"{x:.2f}" if x else "—" for x in shares]
+        lines.append(f"| {n} | {mask} | {piece} | " + " | ".join(cells) + " |")
+      print("\n".join(lines[-len(PIECES):]), flush=True)
+  return lines
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+  """name -> instruction lines of each computation in compiled HLO text ('ENTRY' the entry)."""
+  comps, name = {}, None
+  for line in text.splitlines():
+    header = re.match(r"(ENTRY )?%(\S+) \(.*\{$", line)
+    if header:
+      name = "ENTRY" if header.group(1) else header.group(2)
+      comps[name] = []
+    elif name and " = " in line:
+      comps[name].append(line)
+  return comps
+
+
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+BOOKKEEPING = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}  # no data moved
+BYTES = {"f32": 4, "s32": 4, "u32": 4, "pred": 1, "bf16": 2, "f16": 2}
+
+
+def _bytes(shape: str) -> int:
+  """Bytes of an array shape 'f32[8,512]{1,0}' (0 for tuples and tokens)."""
+  m = re.fullmatch(r"(\w+)\[([\d,]*)\](\{.*\})?", shape)
+  if not m or m.group(1) not in BYTES:
+    return 0
+  return BYTES[m.group(1)] * int(np.prod([int(x) for x in m.group(2).split(",") if x]))
+
+
+def hlo_counts(text: str) -> dict[str, list[float]]:
+  """kind -> [instructions in the program, MiB they write per call] in XLA:CPU's compiled HLO,
+  loop bodies counted once for the instructions and times their known trip count for the
+  bytes (a dynamic-update-slice writes its update in place: its update's bytes). Kinds:
+  'products' (YNNPACK's custom fusions, and dots: the projections, and the attention tiles
+  with their softmax), 'transpose' (a fusion holding a transpose, whatever else it fuses: a
+  bias add, the query's scale), 'copy' (one holding a copy and no transpose), 'slice' (dynamic
+  slices and updates: a loop's reads and writes of its operands), 'other' (the rest: bias adds,
+  fills, reductions), 'while' (loops). A transpose may be one of layout only, its bytes in the
+  order they came in (XLA picks the layouts): read the program to tell."""
+  comps = {name: [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
+           for name, lines in _computations(text).items()}
+  shapes = {name: {inst[0]: inst[1] for inst in insts} for name, insts in comps.items()}
+  counts = {kind: [0, 0.0] for kind in ("products", "transpose", "copy", "slice", "other", "while")}
+
+  def written(comp, inst) -> int:
+    """Bytes `inst` of computation `comp` writes: its update's where it (or its fusion) is a
+    dynamic-update-slice, else its result's."""
+    name, shape, opcode, rest = inst
+    if opcode == "fusion":
+      called = re.search(r"calls=%([\w.\-]+)", rest).group(1)
+      root = next((i for i in comps[called] if i[2] == "dynamic-update-slice"), None)
+      return written(called, root) if root else _bytes(shape)
+    if opcode == "dynamic-update-slice":
+      return _bytes(shapes[comp][re.findall(r"%([\w.\-]+)", rest)[1]])
+    return _bytes(shape)
+
+  def kind_of(opcode, line):
+    if opcode == "fusion":
+      if "__ynn_fusion" in line:
+        return "products"
+      called = re.search(r"calls=%([\w.\-]+)", line).group(1)
+      opcodes = {inst[2] for inst in comps[called]}
+    else:
+      opcodes = {opcode}
+    for kind, marks in (("transpose", {"transpose"}), ("copy", {"copy"}),
+                        ("slice", {"dynamic-slice", "dynamic-update-slice"})):
+      if opcodes & marks:
+        return kind
+    return "other"
+
+  def walk(name, trips):
+    for inst in comps[name]:
+      _, shape, opcode, line = inst
+      if opcode == "while":
+        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        counts["while"][0] += 1
+        walk(re.search(r"body=%([\w.\-]+)", line).group(1), trips * int(trip.group(1) if trip
+                                                                         else 1))
+      elif opcode == "call":
+        walk(re.search(r"to_apply=%([\w.\-]+)", line).group(1), trips)
+      elif opcode == "conditional":  # every branch: an upper bound
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line).group(1)
+        for called in re.findall(r"%([\w.\-]+)", branches):
+          walk(called, trips)
+      elif opcode not in BOOKKEEPING and not (opcode == "copy" and _bytes(shape) <= 8):
+        kind = "products" if opcode == "dot" else kind_of(opcode, line)  # (a copy <= 8 B: a
+        # loop counter)
+        counts[kind][0] += 1
+        counts[kind][1] += trips * written(name, inst) / 2**20
+  walk("ENTRY", 1)
+  return counts
+
+
+def hlo_table(args) -> list[str]:
+  """Markdown: `hlo_counts` of the jitted linen SelfAttention, forward and forward+backward (as
+  timed: the loss and its gradients), at each N and mask (compiled, never run), beside the
+  kernel `None` picks."""
+  lines = [f"The jitted linen SelfAttention at D={args.d}, H={args.heads}, B·N={args.tokens}, "
+           "compiled for this CPU (never run): instructions of each kind in the program / MiB "
+           "they write per call (loop bodies times their trip count). See `hlo_counts`.", "",
+           "| N | mask | kernel | pass | products | transpose | copy | slice | other | while |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for n in args.ns:
+    b = max(1, args.tokens // n)
+    for mask in args.masks:
+      apply, variables = jax_module("self", "linen", args.d, args.heads,
+                                    weights(args.d, args.heads))
+      x = jax.ShapeDtypeStruct((b, n, args.d), jnp.float32)
+      forward = lambda variables, x: apply(variables, x, is_causal=MASKS[mask])
+      loss = lambda variables, x: jnp.sum(forward(variables, x))
+      kernel = picks(n, b, args.heads, args.d // args.heads, MASKS[mask])
+      for name, fn in (("fwd", forward), ("fwd+bwd", jax.value_and_grad(loss, argnums=(0, 1)))):
+        counts = hlo_counts(jax.jit(fn).lower(variables, x).compile().as_text())
+        cell = lambda kind: f"{counts[kind][0]} / {counts[kind][1]:.1f}"
+        lines.append(f"| {n} | {mask} | `{kernel}` | {name} | " + " | ".join(
+            cell(kind) for kind in ("products", "transpose", "copy", "slice", "other")) +
+                     f" | {counts['while'][0]} |")
+        print(lines[-1], flush=True)
+  return lines
+
+
+# Run size -> (D, H, tokens B·N, N, entries, masks, turns, rounds). The smoke run starts three
+# workers (one entry, one mask) so that it stays well under a minute on 2 cores;
+# tests/test_bench_modules.py runs every entry's workers in-process.
+SIZES = {
+    "full": (512, 8, 4096, (128, 512, 2048), ENTRIES, tuple(MASKS), 3, 4),
+    "quick": (512, 8, 4096, (128, 512), ENTRIES, tuple(MASKS), 2, 3),
+    "smoke": (32, 4, 64, (16,), ("self",), ("causal",), 1, 1),
+}
+
+
+def _choose(parser, flag: str, given: str | None, known, default) -> list[str]:
+  """The comma-separated names of `given` (each one of `known`), or `default`."""
+  if given is None:
+    return list(default)
+  names = given.split(",")
+  unknown = [name for name in names if name not in known]
+  if unknown:
+    parser.error(f"{flag}: unknown {unknown}, choose from {list(known)}")
+  return names
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  size = parser.add_mutually_exclusive_group()
+  size.add_argument("--quick", action="store_true", help="N 128 and 512, 2 turns of 3 rounds")
+  size.add_argument("--smoke", action="store_true",
+                    help="tiny shapes, one round: that the command runs, no figures written")
+  parser.add_argument("--ns", default=None, help="these N, e.g. 512 (ignored by --smoke)")
+  parser.add_argument("--turns", type=int, default=None,
+                      help="processes per system, in turn (ignored by --smoke)")
+  parser.add_argument("--rounds", type=int, default=None,
+                      help="timed rounds per process (ignored by --smoke)")
+  parser.add_argument("--entries", default=None,
+                      help="self, cross or both (default both; --smoke: self)")
+  parser.add_argument("--masks", default=None,
+                      help="plain, causal or both (default both; --smoke: causal)")
+  parser.add_argument("--part", choices=("speed", "pieces", "hlo"), default="speed",
+                      help="the modules against torch; the self-attention's pieces (module, "
+                      "projections, attention, out projection) timed in JAX and torch; or what "
+                      "XLA compiles the linen module to (compiled, never run)")
+  parser.add_argument("--out", default=None, help="markdown path (default: speed "
+                      "docs/benchmark_modules_cpu.md; pieces and hlo print only)")
+  parser.add_argument("--d", type=int, default=None, help=argparse.SUPPRESS)  # a worker's D
+  parser.add_argument("--heads", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--time-case", default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  d, heads, tokens, ns, entries, masks, turns, rounds = SIZES[
+      "smoke" if args.smoke else "quick" if args.quick else "full"]
+  if args.smoke and not args.time_case:  # a smoke run keeps its tiny sizes
+    args.ns = args.turns = args.rounds = None
+  args.d, args.heads, args.tokens = args.d or d, args.heads or heads, args.tokens or tokens
+  args.turns, args.rounds = args.turns or turns, args.rounds or rounds
+  if args.time_case:
+    print(json.dumps(time_case(args.time_case, d=args.d, h=args.heads, tokens=args.tokens,
+                               rounds=args.rounds)))
+    return
+  args.ns = [int(n) for n in args.ns.split(",")] if args.ns else list(ns)
+  args.entries = _choose(parser, "--entries", args.entries, ENTRIES, entries)
+  args.masks = _choose(parser, "--masks", args.masks, MASKS, masks)
+  if args.part != "speed":
+    title = ("The self-attention in pieces" if args.part == "pieces" else
+             "What XLA compiles the linen SelfAttention to")
+    timing.write_report(f"{title} (CPU, float32)", _command(), [title],
+                        {title: lambda: (pieces_table if args.part == "pieces" else hlo_table)(
+                            args)}, args.out, args.smoke or args.out is None)
+    return
+  args.load = {"start": os.getloadavg()}
+  results = speed(args)
+  args.load["end"] = os.getloadavg()
+  parts = ["Setup"] + [NAMES[entry, system] for entry in args.entries
+                       for system in SYSTEMS[1:]]
+  sections = {"Setup": lambda: setup(results, args)}
+  for entry in args.entries:
+    for system in SYSTEMS[1:]:
+      sections[NAMES[entry, system]] = lambda e=entry, s=system: table(results, e, s, args)
+  timing.write_report("Attention modules against torch.nn.MultiheadAttention (CPU, float32)",
+                      _command(), parts, sections, args.out or "docs/benchmark_modules_cpu.md",
+                      args.smoke)
+
+
+def _command() -> str:
+  """This run's command line, as the report cites it."""
+  return " ".join(["python -m experiments.bench.modules", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+  main()
