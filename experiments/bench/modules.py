@@ -232,6 +232,15 @@ def agree(probes: dict[str, dict], tol: float = 1e-3) -> None:
                            f"{a.tolist()} vs {b.tolist()}")
 
 
+def _median_ms(reports: list) -> dict:
+  """call -> the median ms over every worker's report of one case ({"seconds": {call: [s]}})."""
+  pooled = {}
+  for report in reports:
+    for call, seconds in report["seconds"].items():
+      pooled.setdefault(call, []).extend(seconds)
+  return {call: 1e3 * statistics.median(s) for call, s in pooled.items()}
+
+
 def measure(entry: str, n: int, causal: bool, args) -> dict:
   """call -> ms medians per system at one shape (each system in its own processes, see the
   docstring), after checking that the systems agree; 'torch fwd' is its faster forward path,
@@ -242,13 +251,7 @@ def measure(entry: str, n: int, causal: bool, args) -> dict:
   reports = timing.isolated("experiments.bench.modules", list(cases.values()),
                             turns=args.turns, extra_args=extra)
   agree({system: reports[case][0]["probe"] for system, case in cases.items()})
-  ms = {}
-  for system, case in cases.items():
-    pooled = {}
-    for report in reports[case]:
-      for call, seconds in report["seconds"].items():
-        pooled.setdefault(call, []).extend(seconds)
-    ms[system] = {call: 1e3 * statistics.median(s) for call, s in pooled.items()}
+  ms = {system: _median_ms(reports[case]) for system, case in cases.items()}
   paths = {call.split()[1]: t for call, t in ms["torch"].items() if call.startswith("fwd ")}
   fastest = min(paths, key=paths.get)
   ms["torch"].update({"fwd": paths[fastest], "path": fastest, "paths": paths})
@@ -439,13 +442,7 @@ def pieces_table(args) -> list[str]:
       cases = {system: f"pieces,{system},{n},{int(MASKS[mask])}" for system in ("jax", "torch")}
       reports = timing.isolated("experiments.bench.modules", list(cases.values()),
                                 turns=args.turns, extra_args=extra)
-      ms = {}
-      for system, case in cases.items():
-        pooled = {}
-        for report in reports[case]:
-          for call, seconds in report["seconds"].items():
-            pooled.setdefault(call, []).extend(seconds)
-        ms[system] = {call: 1e3 * statistics.median(t) for call, t in pooled.items()}
+      ms = {system: _median_ms(reports[case]) for system, case in cases.items()}
       for piece in PIECES:
         cells = []
         for kind in ("fwd", "fwd_bwd"):
