@@ -161,8 +161,9 @@ class PagePool:
     free; False, evicting nothing, when even all of them would not do."""
     if self.n_free >= needed:
       return True
+    keep = set(keep)
     spare = sorted(((e.last_used, -e.depth, d) for d, e in self.entries.items()
-                    if e.refs == 0 and d not in set(keep)))
+                    if e.refs == 0 and d not in keep))
     if self.n_free + len(spare) < needed:
       return False
     for _, _, digest in spare[:needed - self.n_free]:
