@@ -34,9 +34,9 @@ Two layouts, by what a layer attends to:
 An int8 cache (`dtype=jnp.int8`) stores each token's key and value per head as int8 and a
 float32 scale (`flax_mha.quant`: symmetric, max|x| / 127 per row), quantized when written:
 a quarter of a float32 cache's bytes, plus 4 bytes per token and head for each scale. A step
-reads it with a kernel that dequantizes each block it loads (never a float copy of the
-cache: "decode", on 'cuda' "triton_decode"; the "xla" step refuses it and
-`flax_mha.steps.explain` says so); a prefill (more than FEW_QUERIES queries) or an
+reads it where it lies: "decode" and, on 'cuda', "triton_decode" dequantize each block they
+load, never a float copy of the cache; the "xla" step (a CPU's choice for a contiguous cache of up to
+`dispatch.XLA_INT8_MAX_SLOTS` slots) dequantizes the filled prefix its branch reads, inside the product's fusion; a prefill (more than FEW_QUERIES queries) or an
 `implementation` named other than the step kernels ("decode", "triton_decode") dequantizes the
 keys it hands to `dot_product_attention`. It is for
 inference: a gradient through the keys written into it raises (`flax_mha.quant`), one with

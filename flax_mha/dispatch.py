@@ -106,6 +106,12 @@ ROWS_MAX_KEYS = 8192
 # settings, not measured crossovers: `python -m experiments.bench.decode` times one shape,
 # T=1 over S=32768 (B=1, H=8, G=2, K=128), where decode took 1/3.09 of xla's time
 # (docs/decode_cpu.md); no command sweeps S or T for where decode starts to win.
+# An int8 cache's step over more slots than this skips "xla" (which dequantizes the prefix it
+# reads) for the kernels that dequantize block by block: at T=1, B=8, H=8, G=2, K=64 (CPU,
+# one process, medians of 30) xla took 5.7 ms to decode's 8.6 over 2048 slots holding 2000
+# tokens, but 16.3 to 9.2 over 4096 slots holding 2000, and 34.8 to 23.6 over 8192 holding
+# 4000 (the float cache's xla step stays the faster there).
+XLA_INT8_MAX_SLOTS = 2048
 FEW_QUERIES = 32  # up to this many queries a call is a step: a cache's, a paged one, or "decode"
 DECODE_MAX_QUERIES = FEW_QUERIES
 DECODE_MIN_KEYS = 1024
@@ -181,7 +187,6 @@ def check_platform(platform) -> str:
 # order of preference, the first that takes the call running it ("default": any other
 # platform). Data: a new step kernel is its registration and its place here.
 STEP_PREFERENCE = {
-    # "decode" after "xla": it runs what xla refuses, an int8 cache's step.
     "cache": {"cuda": ("triton_decode", "xla", "decode"), "default": ("xla", "decode")},
     "paged": {"cuda": ("triton_decode", "decode"), "default": ("decode",)},
     "ring_block": {"cuda": ("triton", "chunked"), "default": ("chunked",)},
@@ -316,23 +321,29 @@ def _decode_choice(t: int, s: int, mods) -> Choice | None:
 def _step_choice(call: registry.Call) -> Choice:
   """A cache's or a paged call: past FEW_QUERIES queries "dense" (the keys go to
   `dot_product_attention` and its own choice); otherwise the first kernel of
-  STEP_PREFERENCE that takes the call."""
+  STEP_PREFERENCE that takes the call ("xla" passed over for an int8 cache of more than
+  XLA_INT8_MAX_SLOTS slots)."""
   t = call.dims["T"]
   if call.layout == "ring_block":
     return _first_taker(call, "a ring step")
   if t > FEW_QUERIES:
     return Choice("dense", f"T = {t} queries > FEW_QUERIES = {FEW_QUERIES}: not a step; the "
                            "keys go to dot_product_attention, whose own choice runs")
-  return _first_taker(call, f"a step of T = {t} <= FEW_QUERIES = {FEW_QUERIES} queries")
+  passed_over = {}
+  if call.quantized and call.dims["S"] > XLA_INT8_MAX_SLOTS:
+    passed_over["xla"] = (f"an int8 cache of S = {call.dims['S']} > XLA_INT8_MAX_SLOTS = "
+                          f"{XLA_INT8_MAX_SLOTS} slots reads faster block by block")
+  return _first_taker(call, f"a step of T = {t} <= FEW_QUERIES = {FEW_QUERIES} queries",
+                      passed_over)
 
 
-def _first_taker(call: registry.Call, what: str) -> Choice:
+def _first_taker(call: registry.Call, what: str, passed_over: dict | None = None) -> Choice:
   """The first kernel of STEP_PREFERENCE[call.layout] for the call's platform that takes it
-  ("dense" when none does)."""
+  and is not in `passed_over` (name -> why; "dense" when none does)."""
   preference = STEP_PREFERENCE[call.layout]
   refused = []
   for name in preference.get(call.platform, preference["default"]):
-    why = registry.get(name).refuses(call)
+    why = (passed_over or {}).get(name) or registry.get(name).refuses(call)
     if why is None:
       passed = "".join(f"{other} refuses ({reason}); " for other, reason in refused)
       return Choice(name, f"{passed}{what}: {STEP_WHY.get(name, name)}")

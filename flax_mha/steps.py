@@ -13,9 +13,9 @@ contiguous cache's slots, or its pages) in place; "triton_decode", the Triton de
 for a step, and why.
 
 An int8 cache (`flax_mha.quant`) comes with its scales (`kv_scales`): "decode" and
-"triton_decode" dequantize each block they load, and "xla", which reads float keys, refuses
-it, so that its step runs "decode" (on 'cuda' "triton_decode" where staged). The step's
-`registry.Call` records it as keys and values of dtype int8.
+"triton_decode" dequantize each block they load, "xla" the filled prefix its branch reads,
+inside the product's fusion. The step's `registry.Call` records it as keys and values of
+dtype int8.
 
 Shapes: B batch, T new tokens, H query heads, G key/value heads, K, V head dims, S slots (a
 cache's capacity, or a row's pages times the page size), P pages.
@@ -33,11 +33,11 @@ import jax.numpy as jnp
 from flax_mha import call_options
 from flax_mha import checks
 from flax_mha import dispatch
+from flax_mha import quant
 from flax_mha.attention import attention_head_major
 from flax_mha.kernels import decode
 from flax_mha.kernels import registry
 from flax_mha.kernels import triton_decode
-from flax_mha.kernels import xla
 
 MIN_PREFIX = 256  # the "xla" step attends over the smallest of MIN_PREFIX·2^i slots
 
@@ -53,22 +53,25 @@ def _prefixes(capacity: int) -> list[int]:
 def _xla_cache(query_BTHK, keys, values, kv_pos, *, q_positions, mask, options, prefixes,
                kv_scales, **unused):
   """The step dense over the smallest prefix of slots holding every filled one (a lax.switch
-  over static prefixes); without `prefixes` (a rolling cache with its chunk), over all."""
+  over static prefixes); without `prefixes` (a rolling cache with its chunk), over all. An
+  int8 cache's prefix is dequantized inside its branch, in the product's fusion: the branch
+  reads the filled prefix's int8 slots, never the capacity's."""
   del unused  # the kernel, the mods and the scale of the other entries
-  if kv_scales is not None:  # refused by its registry entry: dispatch never picks it
-    raise ValueError(f"the xla step cannot run: {xla.QUANTIZED}")
   capacity = keys.shape[2]
 
   def over(size):
-    def prefix_attention(q, k, v, kv_pos):
-      return attention_head_major(q, k[:, :, :size], v[:, :, :size],
+    def prefix_attention(q, k, v, kv_pos, *scales):
+      k, v = k[:, :, :size], v[:, :, :size]
+      if scales:
+        k, v = (quant.dequantize(x, s[:, :, :size], q.dtype) for x, s in zip((k, v), scales))
+      return attention_head_major(q, k, v,
                                   None if mask is None else mask[..., :size], is_causal=True,
                                   q_positions=q_positions, kv_positions=kv_pos[:, :size],
                                   **options)
     return prefix_attention
 
   sizes = _prefixes(capacity) if prefixes else [capacity]
-  operands = (query_BTHK, keys, values, kv_pos)
+  operands = (query_BTHK, keys, values, kv_pos, *(kv_scales or ()))
   if len(sizes) == 1:
     return over(sizes[0])(*operands)
   filled = jnp.max(jnp.where(kv_pos >= 0, jnp.arange(capacity) + 1, 0))

@@ -1,8 +1,7 @@
 """The int8 KV cache (flax_mha.cache with dtype=jnp.int8, flax_mha.quant): a step over a full
 int8 cache equals the reference implementation over the cache's dequantized keys and values,
-and stays within the quantization's bound of the float cache's answer ("decode": "xla"
-refuses it by reason, and `steps.explain` says so, for every kind of cache); only the kernels
-that dequantize take int8 keys; the scales follow the rows and pages; what is refused. The
+and stays within the quantization's bound of the float cache's answer, by "xla" (the CPU's
+choice) and by "decode" (named); every step kernel takes int8 keys, the dense entrance none; the scales follow the rows and pages; what is refused. The
 rolling and paged caches' steps, the Triton decode kernel in Pallas interpret mode, prefills,
 jit, vmap and gradients, and generation are in tests/test_cache_int8_integration.py."""
 
@@ -123,8 +122,8 @@ def _bound(cache, q, k, v):
 
 
 def check_step(kind, near_float: bool):
-  """A step of 3 tokens with implementation=None (here "decode": "xla" refuses an int8 cache),
-  over GQA heads: equal to the oracle over the dequantized cache and, with `near_float`,
+  """A step of 3 tokens with implementation=None (on a CPU: "xla" for a contiguous cache,
+  "decode" for a paged one), over GQA heads: equal to the oracle over the dequantized cache and, with `near_float`,
   within `_bound` of the float cache's step."""
   options = KINDS[kind][1]
   q, k, v = _step_inputs()
@@ -149,28 +148,44 @@ def test_int8_step_equals_the_dequantized_oracle():
   check_step("full", near_float=False)  # every kind, and the float cache: the integration file
 
 
-def test_explain_names_the_kernel_that_dequantizes():
+def test_every_cpu_step_kernel_reads_int8_as_the_oracle():
+  """The "xla" step (implementation=None on a CPU) and "decode" (named) over one int8 cache:
+  both equal the reference over the dequantized keys and values."""
+  q, k, v = _step_inputs()
+  cache = _filled("full", jnp.int8)
+  oracle = _oracle(cache, q, k, v, {})
+  for options in ({}, dict(implementation="decode")):
+    out, _ = _jit_step(options)(cache, q, k, v)
+    chex.assert_trees_all_close(out, oracle, atol=2e-5)
+
+
+def test_explain_names_the_kernel_that_reads_int8():
   query = jax.ShapeDtypeStruct((B, 1, H, K), jnp.float32)
-  for kind in ("full", "paged"):  # a rolling cache's step is a contiguous one's
-    said = steps.explain(query, _empty(kind, jnp.int8), platform="cpu")
-    assert said.implementation == "decode", kind
-  assert said.reason.startswith("a step of T = 1")  # paged: "decode" is its first choice
   said = steps.explain(query, _empty("full", jnp.int8), platform="cpu")
-  assert said.alternatives["xla"] == f"refuses: {flax_mha.kernels.xla.QUANTIZED}"
-  assert said.reason.startswith("xla refuses (the xla step reads floating keys")
+  assert said.implementation == "xla" and said.alternatives["decode"] == "runs"
+  long = cache_lib.KVCache.create(B, dispatch.XLA_INT8_MAX_SLOTS + 1, G, K, V, jnp.int8)
+  said = steps.explain(query, long, platform="cpu")
+  assert said.implementation == "decode" and said.alternatives["xla"] == "runs"
+  assert said.reason.startswith("xla refuses (an int8 cache of S = 2049 > XLA_INT8_MAX_SLOTS")
+  assert steps.explain(query, cache_lib.KVCache.create(B, 4096, G, K, V), platform="cpu"
+                       ).implementation == "xla"  # a float cache's step keeps xla
+  assert steps.explain(query, _empty("paged", jnp.int8), platform="cpu").implementation == (
+      "decode")
   with flax_mha.stage_accelerator_kernels():
-    assert steps.explain(query, _empty("full", jnp.int8),
-                         platform="cuda").implementation == "triton_decode"
+    for kind in ("full", "paged"):
+      assert steps.explain(query, _empty(kind, jnp.int8),
+                           platform="cuda").implementation == "triton_decode"
 
 
-def test_only_the_kernels_that_dequantize_take_int8_keys():
-  """Of the kernels of a cache's or a paged step, on every platform, only decode and
-  triton_decode (where staged) take an int8 cache's; the dense entrance (dot_product_attention,
+def test_every_step_kernel_takes_int8_keys_and_the_dense_entrance_refuses_them():
+  """Every kernel of a cache's or a paged step, on every platform, takes an int8 cache's keys
+  (xla, decode, and triton_decode where staged); the dense entrance (dot_product_attention,
   whose kernels read floating keys) refuses int8 keys by name."""
   s = 64
   mods, _ = call_options.build((B,), 1, s, H, jnp.float32, True, q_positions=FILL,
                                kv_positions=jnp.broadcast_to(jnp.arange(s), (B, s)))
   int8 = lambda dim: jax.ShapeDtypeStruct((B, s, G, dim), jnp.int8)
+  steppers = {"cache": {"xla", "decode", "triton_decode"}, "paged": {"decode", "triton_decode"}}
   with flax_mha.stage_accelerator_kernels():
     for layout, page in (("cache", None), ("paged", 16)):  # where an int8 cache's keys arrive
       for platform in dispatch.PLATFORMS:
@@ -179,8 +194,8 @@ def test_only_the_kernels_that_dequantize_take_int8_keys():
         assert call.quantized
         judged = registry.refusals(call)
         takers = {name for name, why in judged.items() if why is None}
-        assert takers <= {"decode", "triton_decode"}, (layout, platform, judged)
-        assert "decode" in takers and ("triton_decode" in takers) == (platform == "cuda")
+        want = steppers[layout] - (set() if platform == "cuda" else {"triton_decode"})
+        assert takers == want, (layout, platform, judged)
   with pytest.raises(TypeError, match="key must have a floating dtype, got int8"):
     flax_mha.dot_product_attention(jnp.ones((1, 2, 2, 4)), *(jnp.ones((1, 2, 2, 4), jnp.int8),) * 2)
 

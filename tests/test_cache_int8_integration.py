@@ -80,8 +80,9 @@ def test_jit_vmap_and_the_querys_gradient():
 
 
 def test_gradients_reach_the_query_and_the_scales():
-  """Of a step over a full or a paged int8 cache (the decode kernel's backward over the
-  dequantized keys): the query's and the scales' gradients equal the oracle's."""
+  """Of a step over a full or a paged int8 cache (the xla step's backward through the
+  dequantized prefix; the decode kernel's over the dequantized pages): the query's and the
+  scales' gradients equal the oracle's."""
   for kind, scales in (("full", ("key_scale", "value_scale")), ("paged", ("k_scales",
                                                                            "v_scales"))):
     cache = _filled(kind, jnp.int8)

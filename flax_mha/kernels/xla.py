@@ -168,15 +168,6 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
   return (out_BTHV, lse_BHT.transpose(0, 2, 1)) if return_residual else out_BTHV
 
 
-QUANTIZED = ("the xla step reads floating keys and values, not an int8 cache's: its step runs "
-             "a kernel that dequantizes each block it loads (decode, triton_decode)")
-
-
-def refuses(call: registry.Call) -> str | None:
-  """Why the xla kernel cannot run `call`: an int8 cache's step (its keys are int8)."""
-  return QUANTIZED if call.quantized else None
-
-
 KERNEL = registry.register(registry.Kernel(
-    "xla", attention, refuses, summary="the same graph shaped for XLA: the fastest for small "
+    "xla", attention, summary="the same graph shaped for XLA: the fastest for small "
     "T·S", layouts=("dense", "cache")))
