@@ -24,8 +24,9 @@ def base_config(task: str, **task_kwargs) -> ml_collections.ConfigDict:
   config.train = ml_collections.ConfigDict()
   config.train.steps = 1200  # optimizer steps
   config.train.batch_size = 128  # examples per step
-  config.train.peak_lr = 1e-3  # learning rate at the end of warm-up, then ~1/sqrt(step)
+  config.train.peak_lr = 1e-3  # learning rate at the end of warm-up, then train.schedule
   config.train.warmup_steps = 200  # linear warm-up steps
+  config.train.schedule = "rsqrt"  # after warm-up: "rsqrt" (the paper's) or "cosine" (to 0)
   config.train.weight_decay = 0.0  # adamw decoupled weight decay
   config.train.label_smoothing = 0.1  # mass spread over the non-target tokens
   config.train.grad_clip_norm = 1.0  # global-norm gradient clipping

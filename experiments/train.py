@@ -91,6 +91,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   for key, bounds in _FLOAT_KEYS.items():
     checks.check_real(f"config.{key}", _get(config, key), **bounds)
   remat.check_policy("config.train.remat", config.train.remat)
+  schedule = config.train.get("schedule", "rsqrt")
+  if schedule not in SCHEDULES:
+    raise ValueError(f"config.train.schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
   buckets = config.train.length_buckets
   if not buckets or not all(isinstance(b, int) and b >= 1 for b in buckets):
     raise ValueError(
@@ -104,6 +107,17 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.mesh.seq_strategy / seq_layout: {e}") from None
 
 
+def _warmup(warmup_steps: int) -> int:
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+  return max(warmup_steps, 1)  # step 1 is the first: a 0-step warm-up ends there too
+
+
+def _step(count):
+  """optax's count (step - 1) as the 1-based step, float32."""
+  return jnp.maximum(count + 1, 1).astype(jnp.float32)
+
+
 def learning_rate_schedule(peak_lr: float, warmup_steps: int):
   """The paper's schedule scaled to `peak_lr`: linear warm-up, then decay as 1/sqrt(step).
 
@@ -112,20 +126,39 @@ def learning_rate_schedule(peak_lr: float, warmup_steps: int):
   warmup_steps=0 means no warm-up and equals warmup_steps=1: peak_lr at step 1, peak_lr / sqrt(n)
   at step n.
   """
-  if warmup_steps < 0:
-    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-  warmup = max(warmup_steps, 1)  # step 1 is the first: a 0-step warm-up ends there too
+  warmup = _warmup(warmup_steps)
 
   def schedule(count):
-    step = jnp.maximum(count + 1, 1).astype(jnp.float32)
+    step = _step(count)
     return peak_lr * jnp.minimum(step / warmup, jnp.sqrt(warmup / step))
   return schedule
+
+
+def cosine_schedule(peak_lr: float, warmup_steps: int, steps: int):
+  """Linear warm-up to peak_lr at step w = max(warmup_steps, 1), then a cosine to 0 at step
+  `steps` (train.steps): a short run ends at a small learning rate, where the rsqrt decay
+  would still be at peak_lr·sqrt(w / steps). Extending a run's train.steps on resume
+  stretches the cosine of the steps still to come."""
+  warmup = _warmup(warmup_steps)
+
+  def schedule(count):
+    step = _step(count)
+    done = jnp.clip((step - warmup) / max(steps - warmup, 1), 0.0, 1.0)
+    return peak_lr * jnp.minimum(step / warmup, 0.5 * (1.0 + jnp.cos(jnp.pi * done)))
+  return schedule
+
+
+# config.train.schedule -> the learning rate's schedule from the train config.
+SCHEDULES = {
+    "rsqrt": lambda train: learning_rate_schedule(train.peak_lr, train.warmup_steps),
+    "cosine": lambda train: cosine_schedule(train.peak_lr, train.warmup_steps, train.steps),
+}
 
 
 def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:
   return optax.chain(
       optax.clip_by_global_norm(train.grad_clip_norm),
-      optax.adamw(learning_rate_schedule(train.peak_lr, train.warmup_steps), b1=0.9, b2=0.98,
+      optax.adamw(SCHEDULES[train.get("schedule", "rsqrt")](train), b1=0.9, b2=0.98,
                   eps=1e-9, weight_decay=train.weight_decay))
 
 

@@ -96,6 +96,16 @@ def test_learning_rate_schedule():
     train.learning_rate_schedule(2.0, -1)
 
 
+def test_cosine_schedule():
+  """Linear warm-up to the peak at step w, then a cosine to 0 at the run's last step."""
+  schedule = train.cosine_schedule(2.0, 4, 12)
+  lr = [float(schedule(c)) for c in (0, 3, 7, 11, 20)]  # steps 1, 4, 8, 12 and past the end
+  np.testing.assert_allclose(lr, [0.5, 2.0, 1.0, 0.0, 0.0], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(float(train.cosine_schedule(2.0, 0, 10)(0)), 2.0, rtol=1e-6)
+  with pytest.raises(ValueError, match="warmup_steps must be >= 0, got -1"):
+    train.cosine_schedule(2.0, -1, 10)
+
+
 @pytest.mark.parametrize("key,value,message", [
     ("train.steps", -5, "config.train.steps must be a positive int, got -5"),
     ("train.steps", 0, "config.train.steps must be a positive int, got 0"),
@@ -118,6 +128,8 @@ def test_learning_rate_schedule():
     ("mesh.fsdp", 0, "config.mesh.fsdp must be a positive int, got 0"),
     ("train.remat", "blocks", "config.train.remat must be one of ['none', 'layer', 'attention'], "
                               "got 'blocks'"),
+    ("train.schedule", "linear", "config.train.schedule must be one of ('rsqrt', 'cosine'), "
+                                 "got 'linear'"),
 ])
 def test_bad_config_values_raise_before_anything_runs(tmp_path, key, value, message):
   config = tiny_config()
