@@ -11,4 +11,11 @@ def get_config(arg: str | None = None):
   config = common.base_config("dates", heldout_percent=10)
   if arg not in (None, "tiny"):
     raise ValueError(f"config arg must be 'tiny' or absent, got {arg!r}")
-  return common.tiny(config) if arg == "tiny" else config
+  if arg == "tiny":  # the tests' variant keeps common's recipe (dropout included)
+    return common.tiny(config)
+  # The recipe of the sweep in docs/results.md ("The experiment"): 800 steps with a cosine to 0,
+  # a higher peak, no dropout and a narrower FFN reach 99.7% held-out exact match in about
+  # half the time of the paper's schedule over 1200 steps (98.7% on the same machine).
+  config.model.update(d_ff=256, dropout_rate=0.0)
+  config.train.update(steps=800, peak_lr=3e-3, warmup_steps=100, schedule="cosine")
+  return config
