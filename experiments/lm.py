@@ -95,9 +95,10 @@ class LMRunner(Runner):
     prompt = np.array([[*self.task.vocab.encode(text), BOS]], np.int32)
     return (prompt,), prompt
 
-  def decode(self, params) -> list[str]:
+  def decode(self, params, cache_dtype=None) -> list[str]:
     """Greedy answers to the held-out prompts, generated with the KV cache (prompts of
-    different lengths in one batch, each row at its own positions), stopping at EOS."""
+    different lengths in one batch, each row at its own positions), stopping at EOS;
+    `cache_dtype` as `decoding.generate`'s (jnp.int8: an int8 cache)."""
     out, size = [], self.decode_batch_size
     for i in range(0, len(self.pairs), size):
       chunk = self.pairs[i:i + size]
@@ -106,6 +107,7 @@ class LMRunner(Runner):
       check_token_ids("prompts", prompts, self.task.vocab.size)
       tokens = np.asarray(decoding.generate(
           self.model, {"params": params}, (prompts,), prompts, lengths,
-          max_new_tokens=self.decode_length, stop_tokens=(EOS,), pad_id=PAD))
+          max_new_tokens=self.decode_length, stop_tokens=(EOS,), pad_id=PAD,
+          cache_dtype=cache_dtype))
       out += [self.task.vocab.decode(row) for row in tokens]
     return out[:len(self.pairs)]

@@ -10,7 +10,8 @@ Parts:
              (flax_mha.models.decoding.generate) against recomputing the whole prefix every
              step (experiments.lm.generate_by_recompute); tokens/s, and the tokens must agree.
   eval       with --workdir (a trained `configs/lm.py` run): the held-out evaluation's greedy
-             answers by each path, their exact match and seconds.
+             answers by each path (the float32 cache, an int8 one, the prefix recomputed),
+             their exact match, how many equal the float cache's, and seconds.
   serving    16 prompts of 16 to 2048 tokens (geometric, in order) asking 16 to 256 new tokens
              each: continuous batching over a paged cache (flax_mha.models.serving.serve, 4
              rows, pages of 16 tokens, its on-device loop with chunked prefill) against static
@@ -92,17 +93,20 @@ def evaluation(workdir: str, runs: int, smoke: bool) -> list[str]:
     _tiny_run(workdir)
   runner, params = _restore(workdir)
   by_recompute = _recompute_decoder(runner)
-  fns = {"KV cache": lambda: runner.decode(params), "prefix recomputed": lambda: by_recompute(
-      params)}
+  fns = {"KV cache": lambda: runner.decode(params),
+         "KV cache, int8": lambda: runner.decode(params, cache_dtype=jnp.int8),
+         "prefix recomputed": lambda: by_recompute(params)}
   out = timing.in_turns(fns, runs)
-  refs = [t for _, t in runner.pairs]
+  refs, floats = [t for _, t in runner.pairs], out["KV cache"][1]
   rows = []
   for name, (seconds, hyps) in out.items():
     exact = np.mean([h == r for h, r in zip(hyps, refs)])
-    rows.append(f"| {name} | {seconds:.2f} | {100 * exact:.1f}% |")
+    same = sum(h == f for h, f in zip(hyps, floats))
+    rows.append(f"| {name} | {seconds:.2f} | {100 * exact:.1f}% | {same} of {len(refs)} |")
   speedup = out["prefix recomputed"][0] / out["KV cache"][0]
   return [f"The held-out evaluation's greedy answers ({len(refs)} dates), `{workdir}`:", "",
-          "| path | seconds (median) | exact match |", "|---|---|---|", *rows, "",
+          "| path | seconds (median) | exact match | answers identical to the float cache's |",
+          "|---|---|---|---|", *rows, "",
           f"Speed-up of the cache: {speedup:.1f}x."]
 
 
