@@ -91,7 +91,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   for key, bounds in _FLOAT_KEYS.items():
     checks.check_real(f"config.{key}", _get(config, key), **bounds)
   remat.check_policy("config.train.remat", config.train.remat)
-  schedule = config.train.get("schedule", "rsqrt")
+  schedule = _schedule_name(config.train)
   if schedule not in SCHEDULES:
     raise ValueError(f"config.train.schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
   buckets = config.train.length_buckets
@@ -155,10 +155,15 @@ SCHEDULES = {
 }
 
 
+def _schedule_name(train: ml_collections.ConfigDict) -> str:
+  """train.schedule; "rsqrt" for a run saved before the key existed (its config.json)."""
+  return train.get("schedule", "rsqrt")
+
+
 def make_optimizer(train: ml_collections.ConfigDict) -> optax.GradientTransformation:
   return optax.chain(
       optax.clip_by_global_norm(train.grad_clip_norm),
-      optax.adamw(SCHEDULES[train.get("schedule", "rsqrt")](train), b1=0.9, b2=0.98,
+      optax.adamw(SCHEDULES[_schedule_name(train)](train), b1=0.9, b2=0.98,
                   eps=1e-9, weight_decay=train.weight_decay))
 
 

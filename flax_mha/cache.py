@@ -35,12 +35,12 @@ An int8 cache (`dtype=jnp.int8`) stores each token's key and value per head as i
 float32 scale (`flax_mha.quant`: symmetric, max|x| / 127 per row), quantized when written:
 a quarter of a float32 cache's bytes, plus 4 bytes per token and head for each scale. A step
 reads it where it lies: "decode" and, on 'cuda', "triton_decode" dequantize each block they
-load, never a float copy of the cache; the "xla" step (a CPU's choice for a contiguous cache of up to
-`dispatch.XLA_INT8_MAX_SLOTS` slots) dequantizes the filled prefix its branch reads, inside the product's fusion; a prefill (more than FEW_QUERIES queries) or an
-`implementation` named other than the step kernels ("decode", "triton_decode") dequantizes the
-keys it hands to `dot_product_attention`. It is for
-inference: a gradient through the keys written into it raises (`flax_mha.quant`), one with
-respect to the query of a step is taken.
+load, never a float copy of the cache; the "xla" step (a CPU's choice for a contiguous cache
+of up to `dispatch.XLA_INT8_MAX_SLOTS` slots) dequantizes the filled prefix its branch reads,
+inside the product's fusion; a prefill (more than FEW_QUERIES queries) or an `implementation`
+named other than the step kernels ("decode", "triton_decode") dequantizes the keys it hands to
+`dot_product_attention`. It is for inference: a gradient through the keys written into it
+raises (`flax_mha.quant`), one with respect to the query of a step is taken.
 
 Keys arrive already rotated (rotary is applied when a key is written, by the front ends).
 Shapes: B batch, C capacity, T new tokens, G key/value heads, K, V head dims, H query heads.

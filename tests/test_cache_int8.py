@@ -1,9 +1,10 @@
 """The int8 KV cache (flax_mha.cache with dtype=jnp.int8, flax_mha.quant): a step over a full
 int8 cache equals the reference implementation over the cache's dequantized keys and values,
 and stays within the quantization's bound of the float cache's answer, by "xla" (the CPU's
-choice) and by "decode" (named); every step kernel takes int8 keys, the dense entrance none; the scales follow the rows and pages; what is refused. The
-rolling and paged caches' steps, the Triton decode kernel in Pallas interpret mode, prefills,
-jit, vmap and gradients, and generation are in tests/test_cache_int8_integration.py."""
+choice) and by "decode" (named); every step kernel takes int8 keys, the dense entrance none;
+the scales follow the rows and pages; what is refused. The rolling and paged caches' steps,
+the Triton decode kernel in Pallas interpret mode, prefills, jit, vmap and gradients, and
+generation are in tests/test_cache_int8_integration.py."""
 
 from __future__ import annotations
 
@@ -123,8 +124,8 @@ def _bound(cache, q, k, v):
 
 def check_step(kind, near_float: bool):
   """A step of 3 tokens with implementation=None (on a CPU: "xla" for a contiguous cache,
-  "decode" for a paged one), over GQA heads: equal to the oracle over the dequantized cache and, with `near_float`,
-  within `_bound` of the float cache's step."""
+  "decode" for a paged one), over GQA heads: equal to the oracle over the dequantized cache
+  and, with `near_float`, within `_bound` of the float cache's step."""
   options = KINDS[kind][1]
   q, k, v = _step_inputs()
 
