@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flax_mha  # pylint: disable=wrong-import-position
+from experiments.bench import hlo_bytes  # pylint: disable=wrong-import-position
 from experiments.bench import modules as bench  # pylint: disable=wrong-import-position
 from flax_mha import interop  # pylint: disable=wrong-import-position
 
@@ -87,7 +88,7 @@ def test_hlo_counts_reads_transposes_and_loops():
   once per trip (4 trips of a [16, 32] float32 slice: 8 KiB, not 4 x the whole array)."""
   kib = 2**-10  # in MiB
   x = jnp.zeros((64, 32), jnp.float32)
-  counts = bench.hlo_counts(jax.jit(lambda x: x.T * 2).lower(x).compile().as_text())
+  counts = hlo_bytes.hlo_counts(jax.jit(lambda x: x.T * 2).lower(x).compile().as_text())
   assert counts["transpose"] == [1, 8 * kib]
   assert counts["products"][0] == counts["slice"][0] == counts["while"][0] == 0
 
@@ -96,6 +97,6 @@ def test_hlo_counts_reads_transposes_and_loops():
         y, jnp.sin(jax.lax.dynamic_slice(y, (i * 16, 0), (16, 32))), (i * 16, 0))
     return jax.lax.fori_loop(0, 4, step, y)
 
-  counts = bench.hlo_counts(jax.jit(rows).lower(x).compile().as_text())
+  counts = hlo_bytes.hlo_counts(jax.jit(rows).lower(x).compile().as_text())
   assert counts["while"][0] == 1
   assert counts["slice"] == [1, 4 * 2 * kib]

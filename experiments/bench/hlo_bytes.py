@@ -1,6 +1,9 @@
-"""Bytes one device receives in a compiled (optimised, SPMD-partitioned) XLA program, read from
-its HLO text: each collective's result size, as much of it as comes from other devices of its
-group, times the trips of the loops it sits in (`known_trip_count` of the `while` ops)."""
+"""Bytes in a compiled XLA program, read from its HLO text, loops counted by their trips
+(`known_trip_count` of the `while` ops):
+- `collective_bytes`: what one device receives in an (optimised, SPMD-partitioned) program,
+  each collective's result size, as much of it as comes from other devices of its group;
+- `hlo_counts`: XLA:CPU's instructions by kind (products, transposes, copies, slices, ...) and
+  the bytes each kind writes per call (experiments.bench.modules' `--part hlo`)."""
 
 from __future__ import annotations
 
@@ -72,3 +75,89 @@ def collective_bytes(hlo: str, n: int) -> float:
     return own.get(name, 0.0) + sum(trips * total(callee) for callee, trips in calls.get(name, ()))
 
   return total(entry)
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+  """name -> instruction lines of each computation in compiled HLO text ('ENTRY' the entry)."""
+  comps, name = {}, None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      name = "ENTRY" if line.startswith("ENTRY") else header.group(1)
+      comps[name] = []
+    elif name and " = " in line:
+      comps[name].append(line)
+  return comps
+
+
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+BOOKKEEPING = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}  # no data moved
+
+
+def _bytes(shape: str) -> int:
+  """Bytes of an array shape 'f32[8,512]{1,0}' (0 for tuples and tokens)."""
+  return _size(shape) if re.fullmatch(r"\w+\[[\d,]*\](\{.*\})?", shape) else 0
+
+
+def hlo_counts(text: str) -> dict[str, list[float]]:
+  """kind -> [instructions in the program, MiB they write per call] in XLA:CPU's compiled HLO,
+  loop bodies counted once for the instructions and times their known trip count for the
+  bytes (a dynamic-update-slice writes its update in place: its update's bytes). Kinds:
+  'products' (YNNPACK's custom fusions, and dots: the projections, and the attention tiles
+  with their softmax), 'transpose' (a fusion holding a transpose, whatever else it fuses: a
+  bias add, the query's scale), 'copy' (one holding a copy and no transpose), 'slice' (dynamic
+  slices and updates: a loop's reads and writes of its operands), 'other' (the rest: bias adds,
+  fills, reductions), 'while' (loops). A transpose may be one of layout only, its bytes in the
+  order they came in (XLA picks the layouts): read the program to tell."""
+  comps = {name: [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
+           for name, lines in _computations(text).items()}
+  shapes = {name: {inst[0]: inst[1] for inst in insts} for name, insts in comps.items()}
+  counts = {kind: [0, 0.0] for kind in ("products", "transpose", "copy", "slice", "other", "while")}
+
+  def written(comp, inst) -> int:
+    """Bytes `inst` of computation `comp` writes: its update's where it (or its fusion) is a
+    dynamic-update-slice, else its result's."""
+    name, shape, opcode, rest = inst
+    if opcode == "fusion":
+      called = re.search(r"calls=%([\w.\-]+)", rest).group(1)
+      root = next((i for i in comps[called] if i[2] == "dynamic-update-slice"), None)
+      return written(called, root) if root else _bytes(shape)
+    if opcode == "dynamic-update-slice":
+      return _bytes(shapes[comp][re.findall(r"%([\w.\-]+)", rest)[1]])
+    return _bytes(shape)
+
+  def kind_of(opcode, line):
+    if opcode == "fusion":
+      if "__ynn_fusion" in line:
+        return "products"
+      called = re.search(r"calls=%([\w.\-]+)", line).group(1)
+      opcodes = {inst[2] for inst in comps[called]}
+    else:
+      opcodes = {opcode}
+    for kind, marks in (("transpose", {"transpose"}), ("copy", {"copy"}),
+                        ("slice", {"dynamic-slice", "dynamic-update-slice"})):
+      if opcodes & marks:
+        return kind
+    return "other"
+
+  def walk(name, trips):
+    for inst in comps[name]:
+      _, shape, opcode, line = inst
+      if opcode == "while":
+        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        counts["while"][0] += 1
+        walk(re.search(r"body=%([\w.\-]+)", line).group(1), trips * int(trip.group(1) if trip
+                                                                         else 1))
+      elif opcode == "call":
+        walk(re.search(r"to_apply=%([\w.\-]+)", line).group(1), trips)
+      elif opcode == "conditional":  # every branch: an upper bound
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line).group(1)
+        for called in re.findall(r"%([\w.\-]+)", branches):
+          walk(called, trips)
+      elif opcode not in BOOKKEEPING and not (opcode == "copy" and _bytes(shape) <= 8):
+        kind = "products" if opcode == "dot" else kind_of(opcode, line)  # (a copy <= 8 B: a
+        # loop counter)
+        counts[kind][0] += 1
+        counts[kind][1] += trips * written(name, inst) / 2**20
+  walk("ENTRY", 1)
+  return counts

@@ -45,7 +45,8 @@ torch never share a process (torch is imported only in torch's workers).
 torch, each system's pieces round-robin in its own processes (`jax_pieces`, `torch_pieces`):
 where a module's time goes. `--part hlo` compiles the linen SelfAttention's forward and
 forward+backward for this CPU (never running them) and counts the products, transposes,
-copies and slices in the program, with the bytes they write (`hlo_counts`).
+copies and slices in the program, with the bytes they write
+(`experiments.bench.hlo_bytes.hlo_counts`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 
@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import flax_mha
+from experiments.bench import hlo_bytes
 from experiments.bench import timing
 
 ENTRIES = ("self", "cross")
@@ -456,103 +457,13 @@ def pieces_table(args) -> list[str]:
   return lines
 
 
-def _computations(text: str) -> dict[str, list[str]]:
-  """name -> instruction lines of each computation in compiled HLO text ('ENTRY' the entry)."""
-  comps, name = {}, None
-  for line in text.splitlines():
-    header = re.match(r"(ENTRY )?%(\S+) \(.*\{$", line)
-    if header:
-      name = "ENTRY" if header.group(1) else header.group(2)
-      comps[name] = []
-    elif name and " = " in line:
-      comps[name].append(line)
-  return comps
-
-
-_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w\-]*)\((.*)$")
-BOOKKEEPING = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}  # no data moved
-BYTES = {"f32": 4, "s32": 4, "u32": 4, "pred": 1, "bf16": 2, "f16": 2}
-
-
-def _bytes(shape: str) -> int:
-  """Bytes of an array shape 'f32[8,512]{1,0}' (0 for tuples and tokens)."""
-  m = re.fullmatch(r"(\w+)\[([\d,]*)\](\{.*\})?", shape)
-  if not m or m.group(1) not in BYTES:
-    return 0
-  return BYTES[m.group(1)] * int(np.prod([int(x) for x in m.group(2).split(",") if x]))
-
-
-def hlo_counts(text: str) -> dict[str, list[float]]:
-  """kind -> [instructions in the program, MiB they write per call] in XLA:CPU's compiled HLO,
-  loop bodies counted once for the instructions and times their known trip count for the
-  bytes (a dynamic-update-slice writes its update in place: its update's bytes). Kinds:
-  'products' (YNNPACK's custom fusions, and dots: the projections, and the attention tiles
-  with their softmax), 'transpose' (a fusion holding a transpose, whatever else it fuses: a
-  bias add, the query's scale), 'copy' (one holding a copy and no transpose), 'slice' (dynamic
-  slices and updates: a loop's reads and writes of its operands), 'other' (the rest: bias adds,
-  fills, reductions), 'while' (loops). A transpose may be one of layout only, its bytes in the
-  order they came in (XLA picks the layouts): read the program to tell."""
-  comps = {name: [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
-           for name, lines in _computations(text).items()}
-  shapes = {name: {inst[0]: inst[1] for inst in insts} for name, insts in comps.items()}
-  counts = {kind: [0, 0.0] for kind in ("products", "transpose", "copy", "slice", "other", "while")}
-
-  def written(comp, inst) -> int:
-    """Bytes `inst` of computation `comp` writes: its update's where it (or its fusion) is a
-    dynamic-update-slice, else its result's."""
-    name, shape, opcode, rest = inst
-    if opcode == "fusion":
-      called = re.search(r"calls=%([\w.\-]+)", rest).group(1)
-      root = next((i for i in comps[called] if i[2] == "dynamic-update-slice"), None)
-      return written(called, root) if root else _bytes(shape)
-    if opcode == "dynamic-update-slice":
-      return _bytes(shapes[comp][re.findall(r"%([\w.\-]+)", rest)[1]])
-    return _bytes(shape)
-
-  def kind_of(opcode, line):
-    if opcode == "fusion":
-      if "__ynn_fusion" in line:
-        return "products"
-      called = re.search(r"calls=%([\w.\-]+)", line).group(1)
-      opcodes = {inst[2] for inst in comps[called]}
-    else:
-      opcodes = {opcode}
-    for kind, marks in (("transpose", {"transpose"}), ("copy", {"copy"}),
-                        ("slice", {"dynamic-slice", "dynamic-update-slice"})):
-      if opcodes & marks:
-        return kind
-    return "other"
-
-  def walk(name, trips):
-    for inst in comps[name]:
-      _, shape, opcode, line = inst
-      if opcode == "while":
-        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-        counts["while"][0] += 1
-        walk(re.search(r"body=%([\w.\-]+)", line).group(1), trips * int(trip.group(1) if trip
-                                                                         else 1))
-      elif opcode == "call":
-        walk(re.search(r"to_apply=%([\w.\-]+)", line).group(1), trips)
-      elif opcode == "conditional":  # every branch: an upper bound
-        branches = re.search(r"branch_computations=\{([^}]*)\}", line).group(1)
-        for called in re.findall(r"%([\w.\-]+)", branches):
-          walk(called, trips)
-      elif opcode not in BOOKKEEPING and not (opcode == "copy" and _bytes(shape) <= 8):
-        kind = "products" if opcode == "dot" else kind_of(opcode, line)  # (a copy <= 8 B: a
-        # loop counter)
-        counts[kind][0] += 1
-        counts[kind][1] += trips * written(name, inst) / 2**20
-  walk("ENTRY", 1)
-  return counts
-
-
 def hlo_table(args) -> list[str]:
   """Markdown: `hlo_counts` of the jitted linen SelfAttention, forward and forward+backward (as
   timed: the loss and its gradients), at each N and mask (compiled, never run), beside the
   kernel `None` picks."""
   lines = [f"The jitted linen SelfAttention at D={args.d}, H={args.heads}, B·N={args.tokens}, "
            "compiled for this CPU (never run): instructions of each kind in the program / MiB "
-           "they write per call (loop bodies times their trip count). See `hlo_counts`.", "",
+           "they write per call (loop bodies times their trip count). See `hlo_bytes.hlo_counts`.", "",
            "| N | mask | kernel | pass | products | transpose | copy | slice | other | while |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for n in args.ns:
@@ -565,7 +476,7 @@ def hlo_table(args) -> list[str]:
       loss = lambda variables, x: jnp.sum(forward(variables, x))
       kernel = picks(n, b, args.heads, args.d // args.heads, MASKS[mask])
       for name, fn in (("fwd", forward), ("fwd+bwd", jax.value_and_grad(loss, argnums=(0, 1)))):
-        counts = hlo_counts(jax.jit(fn).lower(variables, x).compile().as_text())
+        counts = hlo_bytes.hlo_counts(jax.jit(fn).lower(variables, x).compile().as_text())
         cell = lambda kind: f"{counts[kind][0]} / {counts[kind][1]:.1f}"
         lines.append(f"| {n} | {mask} | `{kernel}` | {name} | " + " | ".join(
             cell(kind) for kind in ("products", "transpose", "copy", "slice", "other")) +
