@@ -1,12 +1,50 @@
 """The suite's fixtures (a seeded NumPy rng, jit/no-jit variants, chex's trace counter cleared
-per test) and its hook; the helpers that test files import are in tests/helpers.py."""
+per test), its hooks and jax's persistent compilation cache; the helpers that test files
+import are in tests/helpers.py."""
 
 from __future__ import annotations
+
+import os
+import pathlib
 
 import chex
 import jax
 import numpy as np
 import pytest
+
+
+# jax's persistent compilation cache, for this process and the interpreters tests start (they
+# inherit the environment): a rerun after a change compiles only the programs the change
+# touched. A JAX_COMPILATION_CACHE_DIR set by the caller wins ("" turns the cache off).
+CACHE = pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax"
+CACHE_BYTES = 2 * 2**30  # at session start, oldest entries go until the cache is under this
+
+
+def pytest_configure(config):
+  directory = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE))
+  if not directory:
+    return
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+  if not hasattr(config, "workerinput"):  # once, in pytest-xdist's controller
+    prune(pathlib.Path(directory), CACHE_BYTES)
+
+
+def prune(directory: pathlib.Path, limit: int) -> None:
+  """Delete the oldest files (by modification time) of `directory` until it holds at most
+  `limit` bytes: jax writes entries without evicting any."""
+  if not directory.is_dir():
+    return
+  files = sorted((f.stat().st_mtime, f.stat().st_size, f) for f in directory.iterdir()
+                 if f.is_file())
+  total = sum(size for _, size, _ in files)
+  for _, size, path in files:
+    if total <= limit:
+      return
+    path.unlink(missing_ok=True)
+    total -= size
 
 
 @pytest.fixture

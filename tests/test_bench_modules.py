@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import flax_mha  # pylint: disable=wrong-import-position
 from experiments.bench import hlo_bytes  # pylint: disable=wrong-import-position
+from experiments.bench import module_pieces  # pylint: disable=wrong-import-position
 from experiments.bench import modules as bench  # pylint: disable=wrong-import-position
 from flax_mha import interop  # pylint: disable=wrong-import-position
 
@@ -100,3 +101,29 @@ def test_hlo_counts_reads_transposes_and_loops():
   counts = hlo_bytes.hlo_counts(jax.jit(rows).lower(x).compile().as_text())
   assert counts["while"][0] == 1
   assert counts["slice"] == [1, 4 * 2 * kib]
+
+
+def test_pieces_workers_and_the_projections_ceiling():
+  """The pieces' workers (in-process) time every piece, torch all but JAX's alternatives (its
+  projection is the packed one); the module by hand, token- or head-major, computes the
+  module's function; the ceiling is torch's module over our four projections."""
+  reports = {system: bench.time_case(f"pieces,{system},{N},1", d=D, h=H, tokens=B * N,
+                                     rounds=1) for system in ("jax", "torch")}
+  calls = lambda pieces: {f"{p}|{kind}" for p in pieces for kind in ("fwd", "fwd_bwd")}
+  assert set(reports["jax"]["seconds"]) == calls(module_pieces.PIECES)
+  assert set(reports["torch"]["seconds"]) == calls(
+      p for p in module_pieces.PIECES if p not in module_pieces.JAX_ONLY)
+  apply, variables = bench.jax_module("self", "linen", D, H, bench.weights(D, H))
+  x = jnp.asarray(bench.inputs("self", B, N, D)[0])
+  for head_major in (False, True):
+    np.testing.assert_allclose(module_pieces.by_hand(True, head_major=head_major)(
+        variables["params"], x), apply(variables, x, is_causal=True), rtol=1e-5, atol=1e-5)
+  ms = {system: bench.median_ms([report]) for system, report in reports.items()}
+  assert len(module_pieces._rows("| 5 | causal |", ms)) == len(module_pieces.PIECES) + 1
+  made_up = {"torch": {"module|fwd": 120.0, "module|fwd_bwd": 330.0},
+             "jax": {"module|fwd": 100.0, "module|fwd_bwd": 300.0}}
+  for piece, fwd in (("q, k, v projections", 50.0), ("out projection", 10.0)):
+    made_up["jax"].update({f"{piece}|fwd": fwd, f"{piece}|fwd_bwd": 2 * fwd})
+  ceiling = module_pieces._rows("| 5 | causal |", made_up)[-1]
+  cells = [cell.strip() for cell in ceiling.split("|")[1:-1]]  # the table's 11 columns
+  assert cells[3:] == ["2.00", "", "", "", "2.75", "", "", ""], ceiling

@@ -81,8 +81,8 @@ def test_jit_vmap_and_the_querys_gradient():
 
 def test_gradients_reach_the_query_and_the_scales():
   """Of a step over a full or a paged int8 cache (the xla step's backward through the
-  dequantized prefix; the decode kernel's over the dequantized pages): the query's and the
-  scales' gradients equal the oracle's."""
+  dequantized prefix; the decode kernel's over the dequantized pages), plain and under
+  jax.checkpoint: the query's and the scales' gradients equal the oracle's."""
   for kind, scales in (("full", ("key_scale", "value_scale")), ("paged", ("k_scales",
                                                                            "v_scales"))):
     cache = _filled(kind, jnp.int8)
@@ -96,10 +96,11 @@ def test_gradients_reach_the_query_and_the_scales():
       return jax.jit(jax.grad(of, argnums=(0, 1, 2)))
 
     args = (q, *(getattr(cache, name) for name in scales))
-    got = loss(lambda c, q: cache_lib.attend(q, k, v, c, **options)[0])(*args)
+    step = lambda c, q: cache_lib.attend(q, k, v, c, **options)[0]
     want = loss(lambda c, q: _oracle_graph(c, q, k, v, options, True))(*args)
-    for g, w in zip(got, want):  # float32 sums of large terms: tolerance by the largest
-      np.testing.assert_allclose(g, w, atol=2e-5 * max(1.0, float(jnp.max(jnp.abs(w)))))
+    for got in (loss(step)(*args), loss(jax.checkpoint(step))(*args)):  # and rematerialised
+      for g, w in zip(got, want):  # float32 sums of large terms: tolerance by the largest
+        np.testing.assert_allclose(g, w, atol=2e-5 * max(1.0, float(jnp.max(jnp.abs(w)))))
 
 
 def _lm_config(**overrides):

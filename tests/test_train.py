@@ -10,7 +10,6 @@ import os
 import re
 import sys
 
-import jax
 import numpy as np
 import pytest
 from absl import flags
@@ -51,18 +50,6 @@ def step_clock(monkeypatch, batch_module):
   monkeypatch.setattr(train, "time", clock)
   monkeypatch.setattr(batch_module, "train_batch", ticking)
   return clock
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """Every run here compiles the same few programs: share them through jax's persistent cache."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-  before = [getattr(jax.config, name) for name in names]
-  jax.config.update(names[0], str(tmp_path_factory.mktemp("jax_cache")))
-  jax.config.update(names[1], 0.0)
-  yield
-  for name, value in zip(names, before):
-    jax.config.update(name, value)
 
 
 @pytest.fixture(autouse=True)

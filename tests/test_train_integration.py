@@ -22,8 +22,8 @@ from configs import dates, num2words_de
 from experiments import checkpoints, data, metrics, run_config, seq2seq, tasks, train
 from experiments.tasks import BOS, PAD
 from test_train import REPO, step_clock, tiny_config
-# The unit part's autouse fixtures, the same here: the StepClock, one compilation cache a module.
-from test_train import clock, compilation_cache  # noqa: F401
+# The unit part's autouse fixture, the same here: the StepClock.
+from test_train import clock  # noqa: F401
 
 pytestmark = pytest.mark.integration  # trainings and subprocesses
 

@@ -42,10 +42,10 @@ rounds of all turns; the ratio is torch's median over ours (above 1: ours is fas
 torch never share a process (torch is imported only in torch's workers).
 
 `--part pieces` times the linen SelfAttention's pieces beside the whole module, in JAX and in
-torch, each system's pieces round-robin in its own processes (`jax_pieces`, `torch_pieces`):
-where a module's time goes. `--part hlo` compiles the linen SelfAttention's forward and
-forward+backward for this CPU (never running them) and counts the products, transposes,
-copies and slices in the program, with the bytes they write
+torch, each system's pieces round-robin in its own processes (`experiments.bench.module_pieces`):
+where a module's time goes, and the most the projections leave to win. `--part hlo` compiles
+the linen SelfAttention's forward and forward+backward for this CPU (never running them) and
+counts the products, transposes, copies and slices in the program, with the bytes they write
 (`experiments.bench.hlo_bytes.hlo_counts`).
 """
 
@@ -207,12 +207,15 @@ def torch_callables(entry, d, h, causal, xs):
 
 def time_case(case: str, *, d: int, h: int, tokens: int, rounds: int) -> dict:
   """Worker: {'seconds': {call: [seconds...]}, 'probe': ...} of one system at one shape;
-  case = 'entry,system,N,causal' (entry 'pieces': `jax_pieces` or `torch_pieces`, no probe)."""
+  case = 'entry,system,N,causal' (entry 'pieces': module_pieces' `jax_pieces` or
+  `torch_pieces`, no probe)."""
   entry, system, n, causal = case.split(",")
   n, causal = int(n), bool(int(causal))
   xs = inputs(entry, max(1, tokens // n), n, d)
   if entry == "pieces":  # system 'jax' or 'torch'
-    calls = (torch_pieces if system == "torch" else jax_pieces)(d, h, causal, xs[0])
+    from experiments.bench import module_pieces  # pylint: disable=import-outside-toplevel
+    calls = (module_pieces.torch_pieces if system == "torch" else module_pieces.jax_pieces)(
+        d, h, causal, xs[0])
     return dict(seconds=timing.round_robin(calls, rounds, rotate=True))
   if system == "torch":
     calls, probe = torch_callables(entry, d, h, causal, xs)
@@ -233,7 +236,7 @@ def agree(probes: dict[str, dict], tol: float = 1e-3) -> None:
                            f"{a.tolist()} vs {b.tolist()}")
 
 
-def _median_ms(reports: list) -> dict:
+def median_ms(reports: list) -> dict:
   """call -> the median ms over every worker's report of one case ({"seconds": {call: [s]}})."""
   pooled = {}
   for report in reports:
@@ -252,7 +255,7 @@ def measure(entry: str, n: int, causal: bool, args) -> dict:
   reports = timing.isolated("experiments.bench.modules", list(cases.values()),
                             turns=args.turns, extra_args=extra)
   agree({system: reports[case][0]["probe"] for system, case in cases.items()})
-  ms = {system: _median_ms(reports[case]) for system, case in cases.items()}
+  ms = {system: median_ms(reports[case]) for system, case in cases.items()}
   paths = {call.split()[1]: t for call, t in ms["torch"].items() if call.startswith("fwd ")}
   fastest = min(paths, key=paths.get)
   ms["torch"].update({"fwd": paths[fastest], "path": fastest, "paths": paths})
@@ -316,154 +319,14 @@ def setup(results: dict, args) -> list[str]:
   return lines
 
 
-QKV = ("query", "key", "value")
-PIECES = ("module", "q, k, v projections", "q, k, v packed", "attention", "out projection")
-
-
-def _heads(shape, h: int) -> list[np.ndarray]:
-  """Query, key and value [B, T, H, K] for the attention piece, x's shape [B, T, D] split into
-  H heads, float32, NumPy-seeded."""
-  b, n, d = shape
-  return list(np.random.default_rng(2).standard_normal((3, b, n, h, d // h)).astype(np.float32))
-
-
-def _cotangent(shape) -> np.ndarray:
-  """A fixed random gradient of a piece's output, float32. The pieces' backward takes one in
-  place of the gradient of a sum: with the sum, XLA drops a linear piece's products (the
-  gradient of sum(x·W) w.r.t. W needs only x's column sums), which torch computes. (In the
-  whole module it changes nothing: the same products compile either way.) Both the value
-  and the gradient are computed, as torch does: a linear piece's gradient alone needs none of
-  its forward."""
-  return np.random.default_rng(3).standard_normal(shape).astype(np.float32)
-
-
-def jax_pieces(d, h, causal, x) -> dict:
-  """Calls of no arguments: each piece of the linen SelfAttention's forward ('<piece>|fwd') and
-  its value and gradient w.r.t. all its arguments given a fixed random output gradient
-  (`_cotangent`; '<piece>|fwd_bwd'), jitted: the module; the three DenseGeneral projections
-  x [B, T, D] -> [B, T, H, K] with their biases; the same as one product with the kernels
-  packed [D, 3·H, K] (as torch's in_proj_weight), split after (not what the module does: an
-  idea, timed); the attention `None` runs, on [B, T, H, K] inputs as the module hands it; the
-  out projection [B, T, H, V] -> [B, T, D] with its bias."""
-  apply, variables = jax_module("self", "linen", d, h, weights(d, h))
-  p = variables["params"]
-  q, k, v = map(jnp.asarray, _heads(x.shape, h))
-  x = jnp.asarray(x)
-  packed = [jnp.concatenate([p[name][w] for name in QKV], axis=-2) for w in ("kernel", "bias")]
-  pieces = {
-      "module": (lambda variables, x: apply(variables, x, is_causal=causal), (variables, x)),
-      "q, k, v projections": (lambda p, x: [jnp.einsum("BTD,DHK->BTHK", x, p[name]["kernel"])
-                                            + p[name]["bias"] for name in QKV], (p, x)),
-      "q, k, v packed": (lambda w, b, x: jnp.split(jnp.einsum("BTD,DHK->BTHK", x, w) + b, 3,
-                                                   axis=2), (*packed, x)),
-      "attention": (lambda q, k, v: flax_mha.dot_product_attention(q, k, v, is_causal=causal),
-                    (q, k, v)),
-      "out projection": (lambda out, o: jnp.einsum("BTHV,HVD->BTD", o, out["kernel"])
-                         + out["bias"], (p["out"], v)),
-  }
-  calls = {}
-  for piece, (fn, args) in pieces.items():
-    cotangents = [jnp.asarray(_cotangent(y.shape)) for y in jax.tree.leaves(jax.eval_shape(fn,
-                                                                                      *args))]
-    total = lambda *a, fn=fn, cotangents=cotangents: sum(
-        jnp.vdot(y, c) for y, c in zip(jax.tree.leaves(fn(*a)), cotangents))
-    calls[f"{piece}|fwd"] = timing.blocking(fn, *args)
-    calls[f"{piece}|fwd_bwd"] = timing.blocking(
-        jax.value_and_grad(total, argnums=tuple(range(len(args)))), *args)
-  return calls
-
-
-def torch_pieces(d, h, causal, x) -> dict:
-  """torch's counterparts of `jax_pieces`: the module (SDPA path); the packed in-projection
-  x [B, T, D] -> [B, T, 3·D]; scaled_dot_product_attention on [B, H, T, K] inputs and the
-  merge of its output back to [B, T, H·V] (a copy, as the module makes); the out projection."""
-  import torch  # pylint: disable=import-outside-toplevel
-  torch.set_num_threads(os.cpu_count() or 1)
-  functional = torch.nn.functional
-  module = torch.nn.MultiheadAttention(d, h, batch_first=True).eval()
-  state = {k: torch.from_numpy(v.copy()) for k, v in to_torch_state(weights(d, h)).items()}
-  module.load_state_dict(state)
-  b, n, _ = x.shape
-  hide = torch.zeros(n, n).masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1),
-                                       float("-inf"))
-  masks = dict(attn_mask=hide, is_causal=True) if causal else {}
-  leaf = lambda a: torch.from_numpy(np.ascontiguousarray(a)).requires_grad_()
-  tx = leaf(x)
-  qkv = [leaf(a.transpose(0, 2, 1, 3)) for a in _heads(x.shape, h)]  # torch's [B, H, T, K]
-  w_in, b_in, w_out, b_out = (state[k].requires_grad_() for k in (
-      "in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"))
-  o = leaf(x)
-  pieces = {
-      "module": lambda: module(tx, tx, tx, need_weights=False, **masks)[0],
-      "q, k, v projections": lambda: functional.linear(tx, w_in, b_in),
-      "attention": lambda: functional.scaled_dot_product_attention(
-          *qkv, is_causal=causal).transpose(1, 2).reshape(b, n, d),
-      "out projection": lambda: functional.linear(o, w_out, b_out),
-  }
-  leaves = [tx, *qkv, w_in, b_in, w_out, b_out, o, *module.parameters()]
-
-  def forward(fn):
-    def call():
-      torch.backends.mha.set_fastpath_enabled(False)  # the module's SDPA path, as fwd_bwd's
-      try:
-        with torch.no_grad():
-          return fn()
-      finally:
-        torch.backends.mha.set_fastpath_enabled(True)
-    return call
-
-  def forward_backward(fn):
-    cotangent = torch.from_numpy(_cotangent(tuple(forward(fn)().shape)))
-    def call():
-      for a in leaves:
-        a.grad = None
-      fn().backward(cotangent)
-    return call
-
-  calls = {}
-  for piece, fn in pieces.items():
-    calls[f"{piece}|fwd"], calls[f"{piece}|fwd_bwd"] = forward(fn), forward_backward(fn)
-  return calls
-
-
-def pieces_table(args) -> list[str]:
-  """Markdown: each piece's ms in JAX and torch at each N and mask (each system's pieces timed
-  round-robin in its own processes, the two systems' processes in turn; torch has no packed
-  row: its projection is the packed one)."""
-  extra = ["--d", str(args.d), "--heads", str(args.heads), "--tokens", str(args.tokens),
-           "--rounds", str(args.rounds)]
-  lines = [f"The linen SelfAttention's forward and forward+backward in pieces, D={args.d}, "
-           f"H={args.heads}, B·N={args.tokens}; turns: {args.turns}, rounds per turn: "
-           f"{args.rounds}; medians, ms. Share: of the module's time in the same system.", "",
-           "| N | mask | piece | ours fwd | torch fwd | ours share | torch share | ours fwd+bwd "
-           "| torch fwd+bwd | ours share | torch share |", "|---|---|---|---|---|---|---|---|---|"
-           "---|---|"]
-  for n in args.ns:
-    for mask in args.masks:
-      cases = {system: f"pieces,{system},{n},{int(MASKS[mask])}" for system in ("jax", "torch")}
-      reports = timing.isolated("experiments.bench.modules", list(cases.values()),
-                                turns=args.turns, extra_args=extra)
-      ms = {system: _median_ms(reports[case]) for system, case in cases.items()}
-      for piece in PIECES:
-        cells = []
-        for kind in ("fwd", "fwd_bwd"):
-          mine = [ms[system].get(f"{piece}|{kind}") for system in ("jax", "torch")]
-          shares = [m and m / ms[system][f"module|{kind}"] for m, system in zip(mine,
-                                                                                ("jax", "torch"))]
-          cells += [f"{x:.1f}" if x else "—" for x in mine]
-          cells += [f"{x:.2f}" if x else "—" for x in shares]
-        lines.append(f"| {n} | {mask} | {piece} | " + " | ".join(cells) + " |")
-      print("\n".join(lines[-len(PIECES):]), flush=True)
-  return lines
-
-
 def hlo_table(args) -> list[str]:
   """Markdown: `hlo_counts` of the jitted linen SelfAttention, forward and forward+backward (as
   timed: the loss and its gradients), at each N and mask (compiled, never run), beside the
   kernel `None` picks."""
   lines = [f"The jitted linen SelfAttention at D={args.d}, H={args.heads}, B·N={args.tokens}, "
            "compiled for this CPU (never run): instructions of each kind in the program / MiB "
-           "they write per call (loop bodies times their trip count). See `hlo_bytes.hlo_counts`.", "",
+           "they write per call (loop bodies times their trip count). See "
+           "`hlo_bytes.hlo_counts`.", "",
            "| N | mask | kernel | pass | products | transpose | copy | slice | other | while |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for n in args.ns:
@@ -549,8 +412,8 @@ def main():
     title = ("The self-attention in pieces" if args.part == "pieces" else
              "What XLA compiles the linen SelfAttention to")
     timing.write_report(f"{title} (CPU, float32)", _command(), [title],
-                        {title: lambda: (pieces_table if args.part == "pieces" else hlo_table)(
-                            args)}, args.out, args.smoke or args.out is None)
+                        {title: lambda: _part_table(args)}, args.out,
+                        args.smoke or args.out is None)
     return
   args.load = {"start": os.getloadavg()}
   results = speed(args)
@@ -564,6 +427,15 @@ def main():
   timing.write_report("Attention modules against torch.nn.MultiheadAttention (CPU, float32)",
                       _command(), parts, sections, args.out or "docs/benchmark_modules_cpu.md",
                       args.smoke)
+
+
+def _part_table(args) -> list[str]:
+  """The markdown of --part pieces (`experiments.bench.module_pieces`, which imports this
+  module: imported here) or --part hlo."""
+  if args.part == "hlo":
+    return hlo_table(args)
+  from experiments.bench import module_pieces  # pylint: disable=import-outside-toplevel
+  return module_pieces.pieces_table(args)
 
 
 def _command() -> str:
