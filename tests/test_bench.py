@@ -82,12 +82,12 @@ MODULES = sorted({_module(c) for c in COMMANDS} - set(TESTED_ELSEWHERE))
 
 
 def test_every_benchmark_is_cited():
-  """Each module of experiments/bench (but the timing, HLO and report helpers) has a cited
-  command."""
+  """Each module of experiments/bench (but the timing, HLO and report helpers, and the parts
+  a cited command runs) has a cited command."""
   bench = {f"experiments.bench.{p.stem}" for p in (REPO / "experiments" / "bench").glob("*.py")}
   helpers = {"experiments.bench.__init__", "experiments.bench.timing",
              "experiments.bench.hlo_bytes", "experiments.bench.attention_report",
-             "experiments.bench.serving_parts"}
+             "experiments.bench.serving_parts", "experiments.bench.module_pieces"}
   missing = bench - helpers - set(MODULES)
   assert not missing, f"no command cited in README.md, docs/ or flax_mha/: {sorted(missing)}"
 

@@ -9,6 +9,11 @@ attention, the out projection, and the module written out by hand, token-major (
 head-major (JAX only: `by_hand`). Each (N, mask) ends with the projections' ceiling: torch's
 module time over our four projections' (Q/K/V and out), the best ratio to torch our module
 could reach if everything else in it took no time.
+
+  python -m experiments.bench.modules --part hlo --ns 512
+
+compiles the module and the same written out head-major (`hlo_table`, never run) and counts
+what XLA writes in its products, transposes, copies and slices.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import flax_mha
+from experiments.bench import hlo_bytes
 from experiments.bench import modules
 from experiments.bench import timing
 
@@ -205,3 +211,37 @@ def _rows(lead: str, ms: dict) -> list[str]:
   rows.append(f"{lead} ceiling (torch module / our projections) | {ceiling('fwd'):.2f} | | | | "
               f"{ceiling('fwd_bwd'):.2f} | | | |")
   return rows
+
+
+def hlo_table(args) -> list[str]:
+  """Markdown: `hlo_counts` of the jitted linen SelfAttention and of the same written out
+  head-major (`by_hand`), forward and forward+backward (as timed: the loss and its
+  gradients), at each N and mask (compiled, never run), beside the kernel `None` picks."""
+  lines = [f"The jitted linen SelfAttention at D={args.d}, H={args.heads}, B·N={args.tokens}, "
+           "and the same written out with head-major projections, compiled for this CPU (never "
+           "run): instructions of each kind in the program / MiB they write per call (loop "
+           "bodies times their trip count). See `hlo_bytes.hlo_counts`.", "",
+           "| N | mask | kernel | program | pass | products | transpose | copy | slice | other "
+           "| while |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for n in args.ns:
+    b = max(1, args.tokens // n)
+    for mask in args.masks:
+      causal = modules.MASKS[mask]
+      apply, variables = modules.jax_module("self", "linen", args.d, args.heads,
+                                            modules.weights(args.d, args.heads))
+      x = jax.ShapeDtypeStruct((b, n, args.d), jnp.float32)
+      programs = {"module": (lambda variables, x: apply(variables, x, is_causal=causal),
+                             variables),
+                  "head-major": (by_hand(causal, head_major=True), variables["params"])}
+      kernel = modules.picks(n, b, args.heads, args.d // args.heads, causal)
+      for program, (forward, params) in programs.items():
+        loss = lambda params, x, forward=forward: jnp.sum(forward(params, x))
+        for name, fn in (("fwd", forward),
+                         ("fwd+bwd", jax.value_and_grad(loss, argnums=(0, 1)))):
+          counts = hlo_bytes.hlo_counts(jax.jit(fn).lower(params, x).compile().as_text())
+          cell = lambda kind: f"{counts[kind][0]} / {counts[kind][1]:.1f}"
+          lines.append(f"| {n} | {mask} | `{kernel}` | {program} | {name} | " + " | ".join(
+              cell(kind) for kind in ("products", "transpose", "copy", "slice", "other")) +
+                       f" | {counts['while'][0]} |")
+          print(lines[-1], flush=True)
+  return lines

@@ -44,9 +44,9 @@ torch never share a process (torch is imported only in torch's workers).
 `--part pieces` times the linen SelfAttention's pieces beside the whole module, in JAX and in
 torch, each system's pieces round-robin in its own processes (`experiments.bench.module_pieces`):
 where a module's time goes, and the most the projections leave to win. `--part hlo` compiles
-the linen SelfAttention's forward and forward+backward for this CPU (never running them) and
-counts the products, transposes, copies and slices in the program, with the bytes they write
-(`experiments.bench.hlo_bytes.hlo_counts`).
+the linen SelfAttention's forward and forward+backward for this CPU (never running them), and
+the same written out head-major, and counts the products, transposes, copies and slices in the
+programs, with the bytes they write (`experiments.bench.hlo_bytes.hlo_counts`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import flax_mha
-from experiments.bench import hlo_bytes
 from experiments.bench import timing
 
 ENTRIES = ("self", "cross")
@@ -319,35 +318,6 @@ def setup(results: dict, args) -> list[str]:
   return lines
 
 
-def hlo_table(args) -> list[str]:
-  """Markdown: `hlo_counts` of the jitted linen SelfAttention, forward and forward+backward (as
-  timed: the loss and its gradients), at each N and mask (compiled, never run), beside the
-  kernel `None` picks."""
-  lines = [f"The jitted linen SelfAttention at D={args.d}, H={args.heads}, B·N={args.tokens}, "
-           "compiled for this CPU (never run): instructions of each kind in the program / MiB "
-           "they write per call (loop bodies times their trip count). See "
-           "`hlo_bytes.hlo_counts`.", "",
-           "| N | mask | kernel | pass | products | transpose | copy | slice | other | while |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-  for n in args.ns:
-    b = max(1, args.tokens // n)
-    for mask in args.masks:
-      apply, variables = jax_module("self", "linen", args.d, args.heads,
-                                    weights(args.d, args.heads))
-      x = jax.ShapeDtypeStruct((b, n, args.d), jnp.float32)
-      forward = lambda variables, x: apply(variables, x, is_causal=MASKS[mask])
-      loss = lambda variables, x: jnp.sum(forward(variables, x))
-      kernel = picks(n, b, args.heads, args.d // args.heads, MASKS[mask])
-      for name, fn in (("fwd", forward), ("fwd+bwd", jax.value_and_grad(loss, argnums=(0, 1)))):
-        counts = hlo_bytes.hlo_counts(jax.jit(fn).lower(variables, x).compile().as_text())
-        cell = lambda kind: f"{counts[kind][0]} / {counts[kind][1]:.1f}"
-        lines.append(f"| {n} | {mask} | `{kernel}` | {name} | " + " | ".join(
-            cell(kind) for kind in ("products", "transpose", "copy", "slice", "other")) +
-                     f" | {counts['while'][0]} |")
-        print(lines[-1], flush=True)
-  return lines
-
-
 # Run size -> (D, H, tokens B·N, N, entries, masks, turns, rounds). The smoke run starts three
 # workers (one entry, one mask) so that it stays well under a minute on 2 cores;
 # tests/test_bench_modules.py runs every entry's workers in-process.
@@ -430,12 +400,10 @@ def main():
 
 
 def _part_table(args) -> list[str]:
-  """The markdown of --part pieces (`experiments.bench.module_pieces`, which imports this
-  module: imported here) or --part hlo."""
-  if args.part == "hlo":
-    return hlo_table(args)
+  """The markdown of --part pieces or --part hlo (`experiments.bench.module_pieces`, which
+  imports this module: imported here)."""
   from experiments.bench import module_pieces  # pylint: disable=import-outside-toplevel
-  return module_pieces.pieces_table(args)
+  return (module_pieces.pieces_table if args.part == "pieces" else module_pieces.hlo_table)(args)
 
 
 def _command() -> str:
