@@ -37,14 +37,14 @@ def prune(directory: pathlib.Path, limit: int) -> None:
   `limit` bytes: jax writes entries without evicting any."""
   if not directory.is_dir():
     return
-  files = sorted((f.stat().st_mtime, f.stat().st_size, f) for f in directory.iterdir()
-                 if f.is_file())
-  total = sum(size for _, size, _ in files)
-  for _, size, path in files:
+  files = sorted(((f.stat(), f) for f in directory.iterdir() if f.is_file()),
+                 key=lambda entry: entry[0].st_mtime)
+  total = sum(stat.st_size for stat, _ in files)
+  for stat, path in files:
     if total <= limit:
       return
     path.unlink(missing_ok=True)
-    total -= size
+    total -= stat.st_size
 
 
 @pytest.fixture

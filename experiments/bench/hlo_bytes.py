@@ -99,6 +99,11 @@ def _bytes(shape: str) -> int:
   return _size(shape) if re.fullmatch(r"\w+\[[\d,]*\](\{.*\})?", shape) else 0
 
 
+def _callee(line: str, key: str = "calls") -> str:
+  """The computation an instruction's `key=%name` names (a fusion's calls, a loop's body)."""
+  return re.search(key + r"=%([\w.\-]+)", line).group(1)
+
+
 def hlo_counts(text: str) -> dict[str, list[float]]:
   """kind -> [instructions in the program, MiB they write per call] in XLA:CPU's compiled HLO,
   loop bodies counted once for the instructions and times their known trip count for the
@@ -119,7 +124,7 @@ def hlo_counts(text: str) -> dict[str, list[float]]:
     dynamic-update-slice, else its result's."""
     name, shape, opcode, rest = inst
     if opcode == "fusion":
-      called = re.search(r"calls=%([\w.\-]+)", rest).group(1)
+      called = _callee(rest)
       root = next((i for i in comps[called] if i[2] == "dynamic-update-slice"), None)
       return written(called, root) if root else _bytes(shape)
     if opcode == "dynamic-update-slice":
@@ -130,8 +135,7 @@ def hlo_counts(text: str) -> dict[str, list[float]]:
     if opcode == "fusion":
       if "__ynn_fusion" in line:
         return "products"
-      called = re.search(r"calls=%([\w.\-]+)", line).group(1)
-      opcodes = {inst[2] for inst in comps[called]}
+      opcodes = {inst[2] for inst in comps[_callee(line)]}
     else:
       opcodes = {opcode}
     for kind, marks in (("transpose", {"transpose"}), ("copy", {"copy"}),
@@ -144,12 +148,11 @@ def hlo_counts(text: str) -> dict[str, list[float]]:
     for inst in comps[name]:
       _, shape, opcode, line = inst
       if opcode == "while":
-        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        trip = _TRIPS.search(line)
         counts["while"][0] += 1
-        walk(re.search(r"body=%([\w.\-]+)", line).group(1), trips * int(trip.group(1) if trip
-                                                                         else 1))
+        walk(_callee(line, "body"), trips * int(trip.group(1) if trip else 1))
       elif opcode == "call":
-        walk(re.search(r"to_apply=%([\w.\-]+)", line).group(1), trips)
+        walk(_callee(line, "to_apply"), trips)
       elif opcode == "conditional":  # every branch: an upper bound
         branches = re.search(r"branch_computations=\{([^}]*)\}", line).group(1)
         for called in re.findall(r"%([\w.\-]+)", branches):

@@ -170,8 +170,6 @@ def pieces_table(args) -> list[str]:
   """Markdown: each piece's ms in JAX and torch at each N and mask (each system's pieces timed
   round-robin in its own processes, the two systems' processes in turn; torch has no rows of
   JAX's alternatives, `JAX_ONLY`), and the projections' ceiling (the docstring)."""
-  extra = ["--d", str(args.d), "--heads", str(args.heads), "--tokens", str(args.tokens),
-           "--rounds", str(args.rounds)]
   lines = [f"The linen SelfAttention's forward and forward+backward in pieces, D={args.d}, "
            f"H={args.heads}, B·N={args.tokens}; turns: {args.turns}, rounds per turn: "
            f"{args.rounds}; medians, ms. Share: of the module's time in the same system. "
@@ -182,12 +180,10 @@ def pieces_table(args) -> list[str]:
            "---|---|"]
   for n in args.ns:
     for mask in args.masks:
-      cases = {system: f"pieces,{system},{n},{int(modules.MASKS[mask])}"
-               for system in ("jax", "torch")}
-      reports = timing.isolated("experiments.bench.modules", list(cases.values()),
-                                turns=args.turns, extra_args=extra)
-      rows = _rows(f"| {n} | {mask} |", {system: modules.median_ms(reports[case])
-                                         for system, case in cases.items()})
+      reports = modules.run_cases({system: f"pieces,{system},{n},{int(modules.MASKS[mask])}"
+                                   for system in ("jax", "torch")}, args)
+      rows = _rows(f"| {n} | {mask} |", {system: modules.median_ms(report)
+                                         for system, report in reports.items()})
       lines += rows
       print("\n".join(rows), flush=True)
   return lines

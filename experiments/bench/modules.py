@@ -244,17 +244,24 @@ def median_ms(reports: list) -> dict:
   return {call: 1e3 * statistics.median(s) for call, s in pooled.items()}
 
 
-def measure(entry: str, n: int, causal: bool, args) -> dict:
-  """call -> ms medians per system at one shape (each system in its own processes, see the
-  docstring), after checking that the systems agree; 'torch fwd' is its faster forward path,
-  named under 'torch path'."""
-  cases = {system: f"{entry},{system},{n},{int(causal)}" for system in SYSTEMS}
+def run_cases(cases: dict[str, str], args) -> dict[str, list]:
+  """system -> its workers' reports of its case (`cases`: system -> case, see `time_case`),
+  each system in its own processes, in turn (`timing.isolated`), at this run's sizes."""
   extra = ["--d", str(args.d), "--heads", str(args.heads), "--tokens", str(args.tokens),
            "--rounds", str(args.rounds)]
   reports = timing.isolated("experiments.bench.modules", list(cases.values()),
                             turns=args.turns, extra_args=extra)
-  agree({system: reports[case][0]["probe"] for system, case in cases.items()})
-  ms = {system: median_ms(reports[case]) for system, case in cases.items()}
+  return {system: reports[case] for system, case in cases.items()}
+
+
+def measure(entry: str, n: int, causal: bool, args) -> dict:
+  """call -> ms medians per system at one shape (each system in its own processes, see the
+  docstring), after checking that the systems agree; 'torch fwd' is its faster forward path,
+  named under 'torch path'."""
+  reports = run_cases({system: f"{entry},{system},{n},{int(causal)}" for system in SYSTEMS},
+                      args)
+  agree({system: report[0]["probe"] for system, report in reports.items()})
+  ms = {system: median_ms(report) for system, report in reports.items()}
   paths = {call.split()[1]: t for call, t in ms["torch"].items() if call.startswith("fwd ")}
   fastest = min(paths, key=paths.get)
   ms["torch"].update({"fwd": paths[fastest], "path": fastest, "paths": paths})
