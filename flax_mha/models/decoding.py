@@ -53,6 +53,7 @@ class NNXModel:
   `apply(state, *args, method=name)`: the module is merged from the state and its method called
   (inside the decoding loops' `jit`, so the state is traced and nothing is mutated)."""
   graphdef: Any
+  position_limit: int | None = None  # the module's (see `position_limit`)
 
   def apply(self, state, *args, method: str = "__call__", **kwargs):
     return getattr(nnx.merge(self.graphdef, state), method)(*args, **kwargs)
@@ -66,10 +67,29 @@ def decodable(model, params=None):
       raise ValueError(f"an NNX model holds its parameters: params must be None, got "
                        f"{type(params).__name__}")
     graphdef, state = nnx.split(model)
-    return NNXModel(graphdef), state
+    return NNXModel(graphdef, position_limit(model)), state
   if not callable(getattr(model, "apply", None)):
     raise TypeError(f"model must be a linen module or an NNX module, got {type(model).__name__}")
   return model, params
+
+
+def position_limit(model) -> int | None:
+  """How many positions `model` embeds (its `position_limit` attribute: a learned table's size,
+  as GPT-2's), or None when it takes any (rotary, or a model that does not say)."""
+  return getattr(model, "position_limit", None)
+
+
+def check_positions(model, prompt_length: int, max_new_tokens: int) -> None:
+  """A prompt of `prompt_length` tokens and `max_new_tokens` within the model's positions: the
+  tokens fed are at positions 0 .. prompt_length + max_new_tokens - 2 (the last new token is
+  never fed back). A ValueError names both lengths and the limit; transformers raises an
+  IndexError there, and inside `jit` such a position embeds as NaN."""
+  limit = position_limit(model)
+  if limit is not None and prompt_length + max_new_tokens - 1 > limit:
+    raise ValueError(f"a prompt of {prompt_length} tokens and max_new_tokens={max_new_tokens} "
+                     f"reach position {prompt_length + max_new_tokens - 2}, past the model's "
+                     f"learned positions [0, {limit}): the prompt and max_new_tokens may hold "
+                     f"{limit + 1} tokens in all")
 
 
 def vocabulary(model, params, method: str, context=(), static=(), batch: int = 1) -> int:
@@ -97,8 +117,11 @@ def check_ids(name: str, ids, vocab_size: int, lengths=None) -> None:
   checks.check_token_ids(name, ids, vocab_size)
 
 
-def _check_ids(model, params, context, prompts, lengths) -> None:
-  """The prompts' ids and those of the context's integer arrays, against the logits' size."""
+def _check_ids(model, params, context, prompts, lengths, max_new_tokens) -> None:
+  """The prompts' lengths and max_new_tokens against the model's positions; the prompts' ids
+  and those of the context's integer arrays against the logits' size."""
+  longest = prompts.shape[1] if isinstance(lengths, jax.core.Tracer) else int(np.max(lengths))
+  check_positions(model, longest, max_new_tokens)
   if isinstance(prompts, jax.core.Tracer):
     return
   vocab = vocabulary(model, params, "init_cache", context, (1,), prompts.shape[0])
@@ -106,6 +129,42 @@ def _check_ids(model, params, context, prompts, lengths) -> None:
   for i, x in enumerate(context):
     if x is not prompts and jnp.issubdtype(getattr(x, "dtype", float), jnp.integer):
       check_ids(f"context[{i}]", x, vocab)
+
+
+def as_token_arrays(context, prompts, prompt_lengths=None):
+  """(context, prompts, prompt_lengths) with Python lists taken as `serve` takes them: a list
+  of prompts, ragged or not, right-padded with 0 (and, without prompt_lengths, each row's
+  length as its own); a list in the context as an array. Arrays pass as they are."""
+  if not isinstance(prompts, (list, tuple)):
+    return _list_arrays(context), prompts, prompt_lengths
+  rows = prompt_rows(prompts)
+  padded = np.zeros((len(rows), max((len(r) for r in rows), default=0)), np.int32)
+  for i, row in enumerate(rows):
+    padded[i, :len(row)] = row
+  if prompt_lengths is None and len({len(r) for r in rows}) > 1:
+    prompt_lengths = np.array([len(r) for r in rows], np.int32)
+  context = tuple(padded if x is prompts else x for x in context)  # an LM's context
+  return _list_arrays(context), padded, prompt_lengths
+
+
+def prompt_rows(prompts) -> list[np.ndarray]:
+  """Each prompt of a sequence of prompts as int32 ids [L], refused by index when empty or not
+  1-D integers (the ids' range is the caller's to check: `check_ids`)."""
+  rows = []
+  for i, prompt in enumerate(prompts):
+    row = np.asarray(prompt)
+    if row.size == 0:  # not its dtype: NumPy reads [] as float64
+      raise ValueError(f"prompts[{i}] must be a non-empty sequence of integer token ids, got "
+                       f"shape {row.shape}: it is empty")
+    if row.ndim != 1 or not np.issubdtype(row.dtype, np.integer):
+      raise ValueError(f"prompts[{i}] must be a sequence of integer token ids, got shape "
+                       f"{row.shape} and dtype {row.dtype}")
+    rows.append(row.astype(np.int32))
+  return rows
+
+
+def _list_arrays(context):
+  return tuple(np.asarray(x, np.int32) if isinstance(x, (list, tuple)) else x for x in context)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +218,15 @@ def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_to
   Args:
     model: a decodable linen module (params: its variables) or NNX module (params: None); see
       the module docstring.
-    context: tuple of `init_cache`'s positional arguments (the prompts for an LM, the source
-      for the Transformer).
-    prompts: [B, L] int, right-padded; prompt_lengths [B] (default: all L). Ids outside the
+    context: tuple of `init_cache`'s positional arguments: what the model needs beside the
+      prompts to start. For a DecoderLM, `(prompts,)`: its cache reads only the batch size B
+      from it, so the prompts go twice (`generate(lm, params, (prompts,), prompts, ...)`); for
+      the Transformer, `(src,)`, the source it encodes once, while the prompts are the target's
+      first tokens (its bos). A Python list is taken as an array.
+    prompts: [B, L] int, right-padded; prompt_lengths [B] (default: all L). A Python list of
+      prompts (ragged or not) is right-padded here, its rows' lengths as prompt_lengths. A
+      prompt and max_new_tokens past the model's positions (GPT-2's learned table) raise a
+      ValueError (`check_positions`; inside `jit`, with lengths traced, for the padded L). Ids outside the
       vocabulary raise a ValueError when concrete (not inside `jit`); padding, past a row's
       length, is never read, whatever its ids.
     max_new_tokens: static; sampler: `Greedy()` or `Sampling(temperature, top_k, top_p)`.
@@ -171,8 +236,9 @@ def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_to
       dtype), a floating dtype, or jnp.int8 (an int8 cache: see the module docstring).
   """
   model, params = decodable(model, params)
+  context, prompts, prompt_lengths = as_token_arrays(context, prompts, prompt_lengths)
   prompts, prompt_lengths = _check(prompts, prompt_lengths, max_new_tokens)
-  _check_ids(model, params, context, prompts, prompt_lengths)
+  _check_ids(model, params, context, prompts, prompt_lengths, max_new_tokens)
   if isinstance(sampler, Sampling) and rng is None:
     raise ValueError("sampling needs rng (a jax.random.key): the same key gives the same tokens")
   rng = jax.random.key(0) if rng is None else rng
@@ -265,8 +331,9 @@ def stream(model, params, context, prompt, *, max_new_tokens: int, sampler=Greed
   (a jitted prefill, then one jitted step per token: for a terminal, not for throughput).
   Arguments as `generate`'s; the ids are checked before the first token."""
   model, params = decodable(model, params)
+  context, prompt, _ = as_token_arrays(context, prompt)
   prompt, lengths = _check(prompt, None, max_new_tokens)
-  _check_ids(model, params, context, prompt, lengths)
+  _check_ids(model, params, context, prompt, lengths, max_new_tokens)
   rng = jax.random.key(0) if rng is None else rng
   cache, logits = _jitted_prefill(model, params, tuple(context), prompt, lengths, max_new_tokens,
                                   _check_cache_dtype(cache_dtype))
@@ -302,8 +369,9 @@ def generate_beam(model, params, context, prompts, prompt_lengths=None, *,
   then scores only pad.
   `beam_size=1` is greedy decoding."""
   model, params = decodable(model, params)
+  context, prompts, prompt_lengths = as_token_arrays(context, prompts, prompt_lengths)
   prompts, prompt_lengths = _check(prompts, prompt_lengths, max_new_tokens)
-  _check_ids(model, params, context, prompts, prompt_lengths)
+  _check_ids(model, params, context, prompts, prompt_lengths, max_new_tokens)
   checks.check_int("beam_size", beam_size)
   return _beam(model, params, tuple(context), prompts, prompt_lengths, max_new_tokens,
                beam_size, float(alpha), tuple(stop_tokens), pad_id,

@@ -18,7 +18,9 @@ import functools
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flax_mha import cache as cache_lib
 from flax_mha import checks
@@ -147,6 +149,11 @@ class LMConfig:
         sink_tokens=self.sink_tokens if local else 0, learned_sinks=self.learned_sinks,
         scale=self.attention_scale)
 
+  @property
+  def position_limit(self) -> int | None:
+    """How many positions the model embeds: the learned table's size, None for rotary (any)."""
+    return self.max_positions if self.positions == "learned" else None
+
   def attention_positions(self, positions, cache):
     """The positions a layer's attention takes: rotary angles, or a cache's slots (learned
     positions are added to the embeddings and the attention has no use for them otherwise)."""
@@ -214,6 +221,12 @@ class Decodable:
   NNX's, keep with the same three methods: `self(tokens, segment_ids, positions, cache=...)`
   and `self.config` are all they read. (Plain methods: linen leaves them unwrapped, and they
   touch no variable but through the wrapped `__call__`.)"""
+
+  @property
+  def position_limit(self) -> int | None:
+    """How many positions the model embeds (`LMConfig.position_limit`): generation refuses a
+    prompt and max_new_tokens that pass it (`flax_mha.models.decoding.check_positions`)."""
+    return self.config.position_limit
 
   def logits(self, tokens, cache, positions=None):
     """(logits [B, T, C], cache) of T new tokens per row, one document per row (see `DecoderLM`)."""
@@ -300,14 +313,28 @@ def embed_tokens(cfg: LMConfig, embed, tokens, positions, position_embed=None):
   """The blocks' input [B, L, D] (linen's and NNX's models alike): the tokens' embeddings
   (an id outside [0, C) NaN), times sqrt(D) with scale_embeddings, plus the learned position
   embeddings with position_embed (a negative position, padding, reads row 0; one >= the
-  table's size is NaN)."""
+  table's size is refused by name when concrete, and NaN inside `jit`, as a token id outside
+  the vocabulary)."""
   x = tokens_lib.embed(embed, tokens, cfg.vocab_size).astype(cfg.dtype)
   if cfg.scale_embeddings:
     x = x * jnp.sqrt(jnp.asarray(cfg.d_model, cfg.dtype))
   if position_embed is not None:
+    _check_concrete_positions(positions, cfg.max_positions)
     x = x + tokens_lib.embed(position_embed, jnp.maximum(positions, 0),
                              cfg.max_positions).astype(cfg.dtype)
   return x
+
+
+def _check_concrete_positions(positions, table_size: int) -> None:
+  """Concrete positions (eager calls) below the learned table's size, else a ValueError naming
+  the first past it; traced ones (inside `jit`) embed as NaN there."""
+  if isinstance(positions, jax.core.Tracer):
+    return
+  past = np.argwhere(np.asarray(positions) >= table_size)
+  if past.size:
+    where = tuple(int(i) for i in past[0])
+    raise ValueError(f"positions holds {int(np.asarray(positions)[where])} at {where}, past the "
+                     f"learned positions' table [0, {table_size}) (LMConfig.max_positions)")
 
 
 def output_logits(cfg: LMConfig, logits_BLC):

@@ -11,7 +11,10 @@ shared prefixes computed once, and requests that arrive while the loop runs.
 on the device) in runs of up to `segment_steps` trips; between runs the host takes out the
 tokens made, ends cancelled requests, and admits waiting ones into free rows. Either the caller
 drives it (`step()`, or `stream`, which steps while it waits), or a thread of its own does
-(`start()`/`stop()`, or `with server:`), so that `submit` and `stream` run beside it.
+(`start()`/`stop()`, or `with server:`), so that `submit` and `stream` run beside it. Every
+method may be called from any number of threads, with or without the server's own: one run of
+the loop at a time (the device's pool is donated from run to run), and a thread that finds the
+loop running waits for that run's tokens instead of starting one of its own.
 
 Prefix caching (`prefix_caching=True`, the default): a prompt's whole pages are entered in the
 host's book (`flax_mha.models.page_pool`), named by a chain of digests of their tokens; a later
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import threading
 import time
 
@@ -76,7 +80,7 @@ class ServeStats:
 
   @property
   def tokens_per_second(self) -> float:
-    return self.new_tokens / self.seconds
+    return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -110,7 +114,8 @@ class Server:
   """Continuous batching with prefix caching and online admission (see the module docstring).
 
   batch_size rows; a pool of num_pages pages of page_size tokens; requests of up to max_length
-  tokens (prompt and new); prefill_chunk: the most prompt tokens one trip feeds;
+  tokens (prompt and new), rounded up to whole pages (`self.max_length` is the rounded value,
+  what `submit` takes); prefill_chunk: the most prompt tokens one trip feeds;
   segment_steps: trips between two looks of the host. Greedy tokens equal
   `decoding.generate`'s; a sampler draws token t of request r with fold_in(fold_in(rng, r), t).
   cache_dtype: the pool's dtype (None: the model's; jnp.int8 where the model's caches take it).
@@ -143,19 +148,28 @@ class Server:
     self._next_id, self._new_tokens, self._shared = 0, 0, 0
     self._cond = threading.Condition()
     self._thread, self._stopping, self._error = None, False, None
+    self._stepper = threading.Lock()  # one run of the loop at a time: it donates the pool
+    self._steps, self._loop_seconds = 0, 0.0  # runs finished; seconds spent in them
     self._inputs = self._no_inputs()
+
+  @property
+  def max_length(self) -> int:
+    """The longest request (prompt and new tokens): the constructor's max_length rounded up to
+    whole pages."""
+    return self.plan.pages_per_row * self.plan.page_size
 
   # The caller's side.
 
   def submit(self, prompt, max_new_tokens: int) -> Request:
     """Queue a request (any time, from any thread); returns its handle."""
     prompt = _prompts([prompt], self.vocab_size)[0]
-    checks.check_int("max_new_tokens", max_new_tokens)
+    max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens)
+    decoding.check_positions(self.model, len(prompt), max_new_tokens)
     total = len(prompt) + max_new_tokens
-    if total > self.plan.pages_per_row * self.plan.page_size:
+    if total > self.max_length:
       raise ValueError(f"a prompt of {len(prompt)} tokens and max_new_tokens={max_new_tokens} "
                        f"need {total} tokens, more than max_length "
-                       f"({self.plan.pages_per_row * self.plan.page_size} in pages)")
+                       f"({self.max_length} in pages)")
     if self.pool.pages_for(total) > self.pool.num_pages:
       raise ValueError(f"a request of {total} tokens needs {self.pool.pages_for(total)} pages; "
                        f"the pool has num_pages={self.pool.num_pages}")
@@ -176,22 +190,22 @@ class Server:
       self._cond.notify_all()
 
   def stream(self, request: Request):
-    """The tokens of `request` as they are made (a generator; it runs the loop itself when no
-    thread of the server's does)."""
+    """The tokens of `request` as they are made (a generator; without the server's own thread
+    it runs the loop itself, or waits for the run another caller has started)."""
     sent = 0
     while True:
       with self._cond:
         if self._thread is not None:
           self._cond.wait_for(lambda: len(request.tokens) > sent or request.finished
-                              or self._error is not None)
+                              or self._error is not None or self._thread is None)
         self._raise()
-        new, finished = request.tokens[sent:], request.finished
+        new, finished, seen = request.tokens[sent:], request.finished, self._steps
       yield from new
       sent += len(new)
       if finished and sent == len(request.tokens):
         return
       if self._thread is None and not new:
-        self.step()
+        self._step_or_wait(seen)
 
   @property
   def busy(self) -> bool:
@@ -199,12 +213,22 @@ class Server:
     return bool(self._waiting) or any(row is not None for row in self._rows)
 
   def run(self) -> None:
-    """Step until every request submitted is done."""
+    """Until every request submitted is done: stepping, or waiting for the server's thread."""
     while self.busy:
-      self.step()
+      with self._cond:
+        seen = self._steps
+        if self._thread is not None:
+          self._cond.wait_for(lambda: not self.busy or self._error is not None
+                              or self._thread is None)
+        self._raise()
+      if self._thread is None:
+        self._step_or_wait(seen)
 
-  def stats(self, seconds: float) -> ServeStats:
+  def stats(self, seconds: float | None = None) -> ServeStats:
+    """What the server did so far; `seconds` (default: the seconds spent in the loop's runs,
+    compilation included) is what tokens_per_second divides by."""
     peak = self._rows_state["peak"]
+    seconds = self._loop_seconds if seconds is None else seconds
     return ServeStats(self._new_tokens, seconds, int(peak[0]), self.plan.page_size,
                       int(peak[1]), int(peak[2]), self._shared)
 
@@ -226,7 +250,9 @@ class Server:
         self._stopping = True
         self._cond.notify_all()
       thread.join()
-      self._thread = None
+      with self._cond:
+        self._thread = None
+        self._cond.notify_all()  # run() and stream() callers step for themselves now
     self._raise()
 
   def __enter__(self) -> "Server":
@@ -256,21 +282,45 @@ class Server:
 
   def step(self) -> None:
     """One look of the host and one run of the loop: cancelled rows freed, waiting requests
-    admitted, the loop run, its tokens handed out."""
-    with self._cond:
-      self._end_cancelled()
-      self._admit()
-      if not any(row is not None for row in self._rows):
-        return
-      rows = dict(self._rows_state, free=self.pool.free, n_free=np.int32(self.pool.n_free))
-      inputs, self._inputs = self._inputs, self._no_inputs()
-      waiting = bool(self._waiting)
-    self.cache, rows = serving_loop.segment(self.plan, self.params, self.cache, rows, self.rng,
-                                            *inputs, self.segment_steps, waiting)
-    rows = {k: np.array(v) for k, v in jax.device_get(rows).items()}
-    with self._cond:
-      self._take_out(rows, time.perf_counter())
-      self._cond.notify_all()
+    admitted, the loop run, its tokens handed out. A call while another thread steps waits for
+    that run to end, then makes its own."""
+    with self._stepper:
+      self._step()
+
+  def _step_or_wait(self, seen: int) -> None:
+    """A run of the loop, or, while another thread makes one, a wait until a run after the
+    `seen`-th has ended."""
+    if self._stepper.acquire(blocking=False):
+      try:
+        self._step()
+      finally:
+        self._stepper.release()
+    else:
+      with self._cond:
+        self._cond.wait_for(lambda: self._steps != seen or self._thread is not None)
+
+  def _step(self) -> None:
+    """`step` under `_stepper`."""
+    started = time.perf_counter()
+    try:
+      with self._cond:
+        self._end_cancelled()
+        self._admit()
+        if not any(row is not None for row in self._rows):
+          return
+        rows = dict(self._rows_state, free=self.pool.free, n_free=np.int32(self.pool.n_free))
+        inputs, self._inputs = self._inputs, self._no_inputs()
+        waiting = bool(self._waiting)
+      self.cache, rows = serving_loop.segment(self.plan, self.params, self.cache, rows,
+                                              self.rng, *inputs, self.segment_steps, waiting)
+      rows = {k: np.array(v) for k, v in jax.device_get(rows).items()}
+      with self._cond:
+        self._take_out(rows, time.perf_counter())
+        self._loop_seconds += time.perf_counter() - started
+    finally:
+      with self._cond:
+        self._steps += 1
+        self._cond.notify_all()
 
   def _no_inputs(self):
     b = self.plan.batch_size
@@ -356,7 +406,7 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
   """Every request up front through a `Server`, run until all are done: (new tokens per prompt,
   ServeStats).
 
-  prompts: sequences of token ids; max_new_tokens: an int or one per prompt. A request waits
+  prompts: sequences of token ids; max_new_tokens: an int (NumPy's too) or one per prompt. A request waits
   while the pool cannot hold it beside the running ones; one longer than the pool is refused.
   The other arguments are `Server`'s. No prompts: ([], ServeStats of 0 tokens and 0 pages),
   after the same checks and nothing run.
@@ -369,6 +419,8 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
   prompts = _prompts(prompts, decoding.vocabulary(model, params, "init_paged_cache",
                                                   static=(1, 1, 1, 1)))
   limits = _limits(max_new_tokens, len(prompts))
+  for prompt, limit in zip(prompts, limits):
+    decoding.check_positions(model, len(prompt), limit)
   if not prompts:
     return [], ServeStats(0, time.perf_counter() - started, 0, page_size)
   server = Server(model, params, batch_size=batch_size, page_size=page_size,
@@ -412,19 +464,16 @@ def serve_static(model, params, prompts, max_new_tokens, *, batch_size: int, sto
 def _prompts(prompts, vocab_size: int) -> list[np.ndarray]:
   """Each prompt as int32 ids [L], refused when empty, not 1-D integers or outside
   [0, vocab_size)."""
-  out = []
-  for i, prompt in enumerate(prompts):
-    prompt = np.asarray(prompt)
-    if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-      raise ValueError(f"prompts[{i}] must be a non-empty sequence of integer token ids, got "
-                       f"shape {prompt.shape} and dtype {prompt.dtype}")
-    checks.check_token_ids(f"prompts[{i}]", prompt, vocab_size)
-    out.append(prompt.astype(np.int32))
-  return out
+  rows = decoding.prompt_rows(prompts)
+  for i, row in enumerate(rows):
+    checks.check_token_ids(f"prompts[{i}]", row, vocab_size)
+  return rows
 
 
 def _limits(max_new_tokens, n: int) -> list[int]:
-  limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+  """max_new_tokens (any integer, NumPy's included, or one per prompt) as n Python ints."""
+  one = isinstance(max_new_tokens, numbers.Integral) or np.ndim(max_new_tokens) == 0
+  limits = [max_new_tokens] * n if one else list(max_new_tokens)
   if len(limits) != n:
     raise ValueError(f"max_new_tokens must be an int or one per prompt ({n}), got {len(limits)}")
   return [checks.check_int("max_new_tokens", m) for m in limits]

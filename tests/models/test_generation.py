@@ -169,3 +169,96 @@ def test_serving_no_prompts_gives_no_outputs(front):
     serving.serve(model, params, [], 3, batch_size=0, page_size=4, num_pages=8)
   with pytest.raises(ValueError, match=r"max_new_tokens must be an int or one per prompt \(0\)"):
     serving.serve(model, params, [], [3], batch_size=2, page_size=4, num_pages=8)
+
+
+def test_serving_says_an_empty_prompt_is_empty_not_its_dtype():
+  """NumPy reads `[]` as float64: the message says empty, not "dtype float64"."""
+  model, params = _lm()
+  for entry in (lambda: serving.serve(model, params, [[]], 3, batch_size=1, page_size=4,
+                                      num_pages=4),
+                lambda: decoding.generate(model, params, ([[]],), [[]], max_new_tokens=3)):
+    with pytest.raises(ValueError, match=r"prompts\[0\] .* got shape \(0,\): it is empty$"):
+      entry()
+
+
+def test_serve_takes_numpy_integers_as_generate_does():
+  """`serve(..., np.int64(3))` (it was `'numpy.int64' object is not iterable`)."""
+  model, params = _lm()
+  for limit in (np.int64(3), np.int32(3), np.array(3)):
+    assert serving.serve(model, params, [], limit, batch_size=1, page_size=4,
+                         num_pages=4)[0] == []
+  assert serving._limits(np.int64(2), 3) == [2, 2, 2]  # pylint: disable=protected-access
+
+
+def test_generate_takes_python_lists_as_serve_does():
+  """A list of prompts, ragged or not, in the prompts and the context: the tokens of the
+  right-padded array with each row's length."""
+  model, params = _lm()
+  rows = [list(PROMPTS[i, :n]) for i, n in enumerate(LENGTHS)]
+  want = decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=3)
+  got = decoding.generate(model, params, (rows,), rows, max_new_tokens=3)
+  np.testing.assert_array_equal(got, want)
+  square = [list(r) for r in PROMPTS]
+  np.testing.assert_array_equal(
+      decoding.generate(model, params, (square,), square, max_new_tokens=3),
+      decoding.generate(model, params, (PROMPTS,), PROMPTS, max_new_tokens=3))
+
+
+def _learned(front="linen", max_positions=16):
+  """A GPT-2-like LM: learned positions, a table of `max_positions`."""
+  model, params = _lm(positions="learned", max_positions=max_positions, local_window=None)
+  if front == "nnx":
+    model = lm_nnx.load_linen_params(lm_nnx.DecoderLM(model.config, rngs=nnx.Rngs(1)), params)
+    params = None
+  return model, params
+
+
+@pytest.mark.parametrize("front", ["linen", "nnx"])
+def test_learned_positions_past_their_table_are_refused_by_every_entry_point(front):
+  """A prompt of 6 and max_new_tokens=20 with a table of 16 (it gave NaN logits from position
+  16, read by greedy as token 0); 6 + 11 reach position 15 and run, finite."""
+  model, params = _learned(front)
+  prompt = np.arange(1, 7)[None]
+  message = (r"a prompt of 6 tokens and max_new_tokens=20 reach position 24, past the "
+             r"model's learned positions \[0, 16\)")
+  calls = {
+      "generate": lambda n: decoding.generate(model, params, (prompt,), prompt,
+                                              max_new_tokens=n),
+      "stream": lambda n: list(decoding.stream(model, params, (prompt,), prompt,
+                                               max_new_tokens=n)),
+      "generate_beam": lambda n: decoding.generate_beam(model, params, (prompt,), prompt,
+                                                        max_new_tokens=n, beam_size=2),
+      "serve": lambda n: serving.serve(model, params, list(prompt), n, batch_size=1,
+                                       page_size=4, num_pages=8),
+      "submit": lambda n: serving.Server(model, params, batch_size=1, page_size=4,
+                                         num_pages=8, max_length=32).submit(prompt[0], n),
+  }
+  for name, call in calls.items():
+    with pytest.raises(ValueError, match=message):
+      call(20)
+  tokens = decoding.generate(model, params, (prompt,), prompt, max_new_tokens=11)
+  assert tokens.shape == (1, 11)
+  jitted = jax.jit(lambda p: decoding.generate(model, params, (p,), p, max_new_tokens=20))
+  with pytest.raises(ValueError, match=message):  # the lengths are static under jit
+    jitted(prompt)
+
+
+@pytest.mark.parametrize("front", ["linen", "nnx"])
+def test_a_model_call_past_learned_positions_is_refused_eagerly_and_nan_inside_jit(front):
+  """`apply` on 20 tokens with a table of 16: a ValueError naming the first position past it;
+  inside `jit` (traced positions) NaN logits there, as an id outside the vocabulary; 16 run."""
+  model, params = _learned(front)
+  call = (lambda t: model(t)) if front == "nnx" else (lambda t: model.apply(params, t))
+  with pytest.raises(ValueError, match=r"positions holds 16 at \(0, 16\), past the learned "
+                                       r"positions' table \[0, 16\) \(LMConfig.max_positions\)"):
+    call(jnp.ones((1, 20), jnp.int32))
+  logits = jax.jit(call)(jnp.ones((1, 20), jnp.int32))
+  assert bool(jnp.isnan(logits[0, 16:]).all())
+  assert bool(jnp.isfinite(call(jnp.ones((1, 16), jnp.int32))).all())
+
+
+def test_a_rotary_model_has_no_position_limit():
+  model, params = _lm(local_window=None)
+  assert decoding.position_limit(model) is None
+  assert decoding.generate(model, params, (PROMPTS,), PROMPTS,
+                           max_new_tokens=40).shape == (3, 40)

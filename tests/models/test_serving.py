@@ -102,3 +102,16 @@ def test_a_request_that_cannot_fit_is_refused_by_submit():
     serving.Server(model, params, batch_size=2, page_size=4, num_pages=3, max_length=16,
                    prefix_caching=1)
   assert not server.busy
+
+
+def test_max_length_rounds_up_to_whole_pages_and_stats_need_no_argument():
+  """Server(max_length=10, page_size=4) takes requests of 12 tokens (3 pages) and says so;
+  `stats()` reports the seconds spent in the loop (none yet)."""
+  model, params = _global_lm()
+  server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=8, max_length=10)
+  assert server.max_length == 12
+  server.submit([1] * 4, 8)
+  with pytest.raises(ValueError, match=r"need 13 tokens, more than max_length \(12 in pages\)"):
+    server.submit([1] * 5, 8)
+  stats = server.stats()
+  assert (stats.new_tokens, stats.seconds, stats.tokens_per_second) == (0, 0.0, 0.0)

@@ -5,6 +5,8 @@ tests/models/test_serving.py."""
 
 from __future__ import annotations
 
+import threading
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -126,3 +128,60 @@ def test_an_int8_pool_serves_what_generate_gives_over_an_int8_cache():
                                 num_pages=24, prefill_chunk=16, cache_dtype=jnp.int8)
   assert served == _generated(model, params, prompts, limits, cache_dtype=jnp.int8)
   assert stats.shared_tokens > 0
+
+
+def _stream_from_threads(server, prompts, limits, cancel_every=5):
+  """Each request submitted and streamed from a thread of its own (every `cancel_every`-th
+  cancelled after its second token); (tokens streamed per request, requests, errors)."""
+  streamed, requests, errors = [None] * len(prompts), [None] * len(prompts), []
+
+  def client(i):
+    try:
+      requests[i] = server.submit(prompts[i], np.int64(limits[i]))
+      streamed[i] = []
+      for token in server.stream(requests[i]):
+        streamed[i].append(token)
+        if i % cancel_every == cancel_every - 1 and len(streamed[i]) == 2:
+          server.cancel(requests[i])
+    except Exception as error:  # pylint: disable=broad-except  (reported below)
+      errors.append(repr(error))
+
+  threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(timeout=120)
+  assert not any(thread.is_alive() for thread in threads), "a client hung"
+  return streamed, requests, errors
+
+
+@pytest.mark.parametrize("own_thread", [False, True])
+def test_sixteen_threads_streaming_with_cancels_get_offline_serve_s_tokens(own_thread):
+  """16 clients, each submitting and streaming from its own thread, with the server's thread
+  (`with server:`) or without (the clients step it; 7 of 8 once died of a donated buffer):
+  every request gets `serve`'s greedy tokens (a cancelled one a prefix of them), `run()` and
+  `stream()` inside `with server:` wait for its thread, and every page comes back."""
+  model, params = _global_lm()
+  prompts, limits = _requests(5, tuple(range(3, 35, 2)), tuple(range(4, 20)))
+  want, _ = serving.serve(model, params, prompts, limits, batch_size=3, page_size=4,
+                          num_pages=40, prefill_chunk=16)
+  server = serving.Server(model, params, batch_size=3, page_size=4, num_pages=40,
+                          max_length=56, prefill_chunk=16, segment_steps=2)
+  if own_thread:
+    server.start()
+  streamed, requests, errors = _stream_from_threads(server, prompts, limits)
+  if own_thread:
+    late = server.submit(prompts[0], limits[0])
+    server.run()  # waits for the server's thread (it once killed it)
+    assert late.tokens == want[0] and list(server.stream(late)) == want[0]
+    server.stop()
+  assert errors == []
+  for i, (got, request) in enumerate(zip(streamed, requests)):
+    if request.state == "cancelled":
+      assert i % 5 == 4 and got == want[i][:len(got)] and 2 <= len(got) < limits[i]
+    else:
+      assert request.state == "done" and got == want[i], i
+  assert sum(r.state == "cancelled" for r in requests) == 3
+  pool = server.pool
+  assert not server.busy and all(e.refs == 0 for e in pool.entries.values())
+  assert pool.n_free + pool.cached_pages == 40
