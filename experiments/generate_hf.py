@@ -5,7 +5,7 @@ The directory holds config.json, the safetensors weights and tokenizer.json
 (`flax_mha.models.hf` loads them, without torch). The prompts are encoded by the tokenizer as
 it is configured (its post-processor adds a BOS token where the family's does), decoded
 greedily or by sampling through `flax_mha.models.decoding.generate` (all prompts in one batch),
-or with `serve=True` by continuous batching (`flax_mha.models.serving.serve`); a row stops at
+or with `serve=True` by continuous batching (`flax_mha.serving.serve`); a row stops at
 the checkpoint's end-of-sequence ids (generation_config.json, else config.json).
 """
 
@@ -17,7 +17,8 @@ import time
 import jax
 import numpy as np
 
-from flax_mha.models import decoding, hf, serving
+from flax_mha import serving
+from flax_mha.models import decoding, hf
 
 
 def generate(directory: str, prompts, *, max_new_tokens: int = 32, sampler=decoding.Greedy(),

@@ -24,7 +24,7 @@ class Runner:
   defines the methods that raise NotImplementedError here.
 
   Attributes:
-    param_axes: the model's logical axes per parameter (flax_mha.sharding).
+    param_axes: the model's logical axes per parameter (flax_mha.parallel.sharding).
     token_names: the batch entries that hold token ids.
     token_order_free: whether the model reads token order only through attention (positions
       come with the batch) and the loss sums over tokens, so that a batch whose [B, L] arrays

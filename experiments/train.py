@@ -44,8 +44,8 @@ from experiments.runner import Runner
 from experiments.seq2seq import Seq2SeqRunner
 from flax_mha import checks
 from flax_mha import remat
-from flax_mha import sharding
-from flax_mha.kernels.seq_parallel import (length_multiple, sequence_parallel_implementation,
+from flax_mha.parallel import sharding
+from flax_mha.parallel.seq_parallel import (length_multiple, sequence_parallel_implementation,
                                            to_layout_order)
 
 
@@ -209,7 +209,7 @@ def shard_and_compile(runner: Runner, state: TrainState, tx):
   """`state` laid out on the config's (data, fsdp, model, seq) mesh, and the jitted step for it.
 
   Parameters and Adam moments follow the model's declared axes (runner.param_axes), and with
-  fsdp > 1 are split over 'fsdp' too (flax_mha.sharding); batches are split over 'data' (x
+  fsdp > 1 are split over 'fsdp' too (flax_mha.parallel.sharding); batches are split over 'data' (x
   'fsdp'); with seq > 1 the training model's attention is sequence-parallel over 'seq' by
   mesh.seq_strategy in mesh.seq_layout, and it recomputes what config.train.remat says
   (evaluation and decoding use the model as configured). A runner whose model is token-order

@@ -1,32 +1,35 @@
 """flax_mha: multi-head attention for JAX.
 
-The package is layered: imports flow down this list, never up (tests/test_layering.py):
+The package is layered in rooms, each a set of top-level modules or a folder; a module imports
+only from its own room or rooms listed before it, and the import graph between modules has no
+circle (tests/test_layering.py reads this list):
 
-  flax_mha/            the public pure API (no flax): `attention` (dot_product_attention,
-                       explain, checks of its arguments), `dispatch` (what None runs on each
-                       platform, and why), `masks`, `mods` (mask and score terms), `rotary`,
-                       `cache` (the KV cache as data), `quant` (an int8 cache's per-token
-                       quantization), `paged` (paged_attention), `steps` (a
-                       few queries over a cache or pages: the kernel dispatch chooses), `checks`
-                       (the argument checks every layer shares), `interop` (torch weights),
-                       `sharding` (meshes, placement, FSDP), `remat` (what a training step
-                       recomputes), `platforms` (what this process has, what None stages,
-                       which platform an accelerator kernel is for), `selftest` (with
-                       `selftest_cases`: `python -m flax_mha.selftest`, every kernel on this
-                       device against the oracle)
-  flax_mha/kernels/    the implementations behind `implementation=`: reference (the oracle),
-                       xla, rows, chunked, decode, cudnn, seq_parallel (ring, all-gather,
-                       Ulysses), and what they share (`common`, `tiling`, `layouts`, ...)
-  flax_mha/nn/         the front ends: `linen` (MultiHeadAttention, SelfAttention) and `nnx`
-  flax_mha/models/     the Transformer, the decoder-only LM and decoding
-  experiments/         (beside the package) data, training, benchmarks: imports anything
+  checks, mods, masks, rotary, platforms, call_options, interop, quant
+              the base every layer shares: argument checks, mask and score terms, rotary,
+              the platform at hand, a call's options record, torch weights, an int8 cache's
+              quantization
+  kernels/    the implementations behind `implementation=` (reference, the oracle; xla, rows,
+              chunked, decode, cudnn, splash, triton, triton_decode) and what they share
+  dispatch    what None runs on each platform, and why (reads the kernels' registry only)
+  parallel/   scale-out: meshes and placement (`sharding`), sequence parallelism
+              (`seq_parallel`: ring, all-gather, Ulysses; their layouts and mask terms)
+  attention, remat
+              the entry (dot_product_attention, explain, checks of its arguments; importing it
+              registers every implementation), and what a training step recomputes
+  cache/      the KV cache as data (int8 too), the steps that read it, paged
+              attention, `attend` and `explain` (see `flax_mha.cache`)
+  nn/         the front ends: `linen` (MultiHeadAttention, SelfAttention) and `nnx`
+  models/     the Transformer, the decoder-only LM (its config, linen and NNX), decoding and
+              sampling, Hugging Face checkpoints
+  serving/    the page pool, the compiled serving loop, the Server and `serve`
+  selftest/   `python -m flax_mha.selftest`: every kernel on this device against the oracle
+  experiments/
+              beside the package: data, training, benchmarks; imports anything
 
-The top-level modules and kernels/ are one layer, the pure core: they import each other (the
-API calls the kernels, the kernels read `mods`, `checks`, `platforms`), never nn/, models/ or
-experiments/ (the lazy names below aside), and load no flax (`remat.layer_class` imports
-flax.linen only when a model calls it). nn/ never imports models/; nothing in flax_mha/ imports
-experiments/. No module imports an underscore name of another module: what several modules use
-is public internal API.
+The rooms up to cache/ load no flax (`remat.layer_class`
+imports flax.linen only when a model calls it); nothing in flax_mha/ imports experiments/. No
+module imports an underscore name of another module: what several modules use is public
+internal API.
 
 `import flax_mha` loads no flax: the front ends and models (`flax_mha.MultiHeadAttention`,
 `flax_mha.nnx`, `flax_mha.Transformer`, ...) load on first access.
@@ -57,13 +60,13 @@ from flax_mha import dispatch
 from flax_mha import interop
 from flax_mha import masks
 from flax_mha import mods
-from flax_mha import paged
+from flax_mha.cache import paged
 from flax_mha import platforms
 from flax_mha import quant
 from flax_mha import remat
 from flax_mha import rotary
-from flax_mha import sharding
-from flax_mha import steps
+from flax_mha.parallel import sharding
+from flax_mha.cache import steps
 from flax_mha.attention import IMPLEMENTATIONS
 from flax_mha.attention import confine_nonfinite
 from flax_mha.attention import dot_product_attention
@@ -72,16 +75,16 @@ from flax_mha.attention import explain
 from flax_mha.attention import merge_heads
 from flax_mha.attention import split_heads
 from flax_mha.dispatch import stage_accelerator_kernels
-from flax_mha.kernels.seq_parallel import attention as ring_implementation
-from flax_mha.kernels.seq_parallel import ring_attention
-from flax_mha.kernels.seq_parallel import sequence_parallel_attention
-from flax_mha.kernels.seq_parallel import sequence_parallel_implementation
+from flax_mha.parallel.seq_parallel import attention as ring_implementation
+from flax_mha.parallel.seq_parallel import ring_attention
+from flax_mha.parallel.seq_parallel import sequence_parallel_attention
+from flax_mha.parallel.seq_parallel import sequence_parallel_implementation
 from flax_mha.masks import causal_mask
 from flax_mha.masks import combine_masks
 from flax_mha.masks import make_attention_mask
 from flax_mha.masks import padding_mask
 from flax_mha.masks import segment_mask
-from flax_mha.paged import paged_attention
+from flax_mha.cache.paged import paged_attention
 from flax_mha.remat import remat_implementation
 from flax_mha.rotary import Rope
 from flax_mha.rotary import apply_rotary

@@ -21,6 +21,7 @@ from flax_mha import call_options
 from flax_mha import checks
 from flax_mha import dispatch
 from flax_mha import kernels  # importing the package registers every implementation
+from flax_mha.parallel import seq_parallel  # registers "ring", after the package's kernels
 from flax_mha.kernels import common
 from flax_mha.kernels import confine
 from flax_mha.kernels import reference
@@ -30,7 +31,7 @@ from flax_mha.kernels import xla
 # name -> the registered implementation's function: a live read-only view of
 # `flax_mha.kernels.registry` (a kernel registered later is listed at once).
 IMPLEMENTATIONS: Mapping[str, Callable] = registry.FUNCTIONS
-del kernels
+del kernels, seq_parallel
 
 
 def default_implementation(query, key, value, bias, mask, *, is_causal: bool,

@@ -54,9 +54,9 @@ The same rule serves every entrance. A `Call`'s layout says which: "dense" above
 "a few queries", which also bounds "decode" above), run by the first kernel of
 `STEP_PREFERENCE[layout][platform]` that takes the call, and "dense" beyond (the keys go to
 `dot_product_attention`). "ring_block" (one step of ring attention) runs the first kernel of
-`STEP_PREFERENCE["ring_block"]` that takes it, whatever T. `flax_mha.steps` and
-`flax_mha.kernels.ring` stage those choices per platform; `flax_mha.steps.explain` and
-`flax_mha.kernels.ring.explain_step` report them. The rule reads the kernels through the
+`STEP_PREFERENCE["ring_block"]` that takes it, whatever T. `flax_mha.cache.steps` and
+`flax_mha.parallel.ring` stage those choices per platform; `flax_mha.cache.explain` and
+`flax_mha.parallel.ring.explain_step` report them. The rule reads the kernels through the
 registry only: their `refuses`, their declared platform and staging, and the measures their
 `hints` offer.
 """
@@ -67,7 +67,6 @@ import dataclasses
 from typing import Mapping
 
 from flax_mha import mods as mods_lib
-from flax_mha import kernels  # noqa: F401  (importing the package registers every kernel)
 from flax_mha import platforms
 from flax_mha.kernels import registry
 

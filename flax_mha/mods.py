@@ -145,7 +145,7 @@ class SeqLengths:
 class Segments:
   """q_ids[b, q_idx] == kv_ids[b, kv_idx]: packed documents. Positions index the id arrays
   directly, so offsets must be 0 (sequence parallelism hands each device the ids of its own
-  tokens: `flax_mha.kernels.seqmods`)."""
+  tokens: `flax_mha.parallel.seqmods`)."""
   q_ids: Any  # [B, T] int
   kv_ids: Any  # [B, S] int
 

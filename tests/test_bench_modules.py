@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import flax_mha  # pylint: disable=wrong-import-position
 from experiments.bench import hlo_bytes  # pylint: disable=wrong-import-position
+from experiments.bench import module_cases as cases  # pylint: disable=wrong-import-position
 from experiments.bench import module_pieces  # pylint: disable=wrong-import-position
 from experiments.bench import modules as bench  # pylint: disable=wrong-import-position
 from flax_mha import interop  # pylint: disable=wrong-import-position
@@ -25,18 +26,18 @@ D = H * K
 def test_to_torch_state_is_interops_inverse():
   """Packing flax's kernels into torch's layout, then reading them back with
   flax_mha.interop, gives the same params."""
-  variables = bench.weights(D, H)
-  back = interop.from_torch_multihead_attention(bench.to_torch_state(variables), H)
+  variables = cases.weights(D, H)
+  back = interop.from_torch_multihead_attention(cases.to_torch_state(variables), H)
   jax.tree.map(np.testing.assert_array_equal, back, variables)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
-@pytest.mark.parametrize("entry", bench.ENTRIES)
+@pytest.mark.parametrize("entry", cases.ENTRIES)
 def test_linen_module_matches_torch(entry, causal):
   """The linen module and torch.nn.MultiheadAttention, same weights: output, the gradients of
   its sum w.r.t. every input and every parameter (torch's mapped with `to_torch_state`)."""
-  variables = bench.weights(D, H)
-  xs = bench.inputs(entry, B, N, D)
+  variables = cases.weights(D, H)
+  xs = cases.inputs(entry, B, N, D)
   module = (flax_mha.SelfAttention if entry == "self" else flax_mha.MultiHeadAttention)(H)
   apply = lambda params, *xs: module.apply(params, *xs, is_causal=causal)
   out = apply(variables, *xs)
@@ -45,7 +46,7 @@ def test_linen_module_matches_torch(entry, causal):
 
   mha = torch.nn.MultiheadAttention(D, H, batch_first=True)
   mha.load_state_dict({k: torch.from_numpy(v.copy())
-                       for k, v in bench.to_torch_state(variables).items()})
+                       for k, v in cases.to_torch_state(variables).items()})
   tx = [torch.from_numpy(x).requires_grad_() for x in xs]
   key = tx[-1]  # self: the query itself
   hide = torch.triu(torch.ones(N, N, dtype=torch.bool), 1)  # torch: True = hidden
@@ -58,7 +59,7 @@ def test_linen_module_matches_torch(entry, causal):
   close(out, t_out.detach())
   for grad, x in zip(grads[1:], tx):
     close(grad, x.grad)
-  ours = bench.to_torch_state(grads[0])
+  ours = cases.to_torch_state(grads[0])
   for name, param in mha.named_parameters():
     close(ours[name], param.grad)
 
@@ -70,7 +71,7 @@ def test_workers_agree(entry, causal):
   entry: the test above covers both."""
   reports = {system: bench.time_case(f"{entry},{system},{N},{int(causal)}", d=D, h=H,
                                      tokens=B * N, rounds=1)
-             for system in bench.SYSTEMS}
+             for system in cases.SYSTEMS}
   bench.agree({system: report["probe"] for system, report in reports.items()})
   want = {"fwd SDPA", "fwd_bwd"} | ({"fwd native"} if entry == "self" else set())
   assert set(reports["torch"]["seconds"]) == want
@@ -113,12 +114,12 @@ def test_pieces_workers_and_the_projections_ceiling():
   assert set(reports["jax"]["seconds"]) == calls(module_pieces.PIECES)
   assert set(reports["torch"]["seconds"]) == calls(
       p for p in module_pieces.PIECES if p not in module_pieces.JAX_ONLY)
-  apply, variables = bench.jax_module("self", "linen", D, H, bench.weights(D, H))
-  x = jnp.asarray(bench.inputs("self", B, N, D)[0])
+  apply, variables = cases.jax_module("self", "linen", D, H, cases.weights(D, H))
+  x = jnp.asarray(cases.inputs("self", B, N, D)[0])
   for head_major in (False, True):
     np.testing.assert_allclose(module_pieces.by_hand(True, head_major=head_major)(
         variables["params"], x), apply(variables, x, is_causal=True), rtol=1e-5, atol=1e-5)
-  ms = {system: bench.median_ms([report]) for system, report in reports.items()}
+  ms = {system: cases.median_ms([report]) for system, report in reports.items()}
   assert len(module_pieces._rows("| 5 | causal |", ms)) == len(module_pieces.PIECES) + 1
   made_up = {"torch": {"module|fwd": 120.0, "module|fwd_bwd": 330.0},
              "jax": {"module|fwd": 100.0, "module|fwd_bwd": 300.0}}

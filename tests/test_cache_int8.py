@@ -20,7 +20,6 @@ from flax_mha import cache as cache_lib
 from flax_mha import call_options
 from flax_mha import dispatch
 from flax_mha import quant
-from flax_mha import steps
 from flax_mha.kernels import registry
 from flax_mha.kernels import triton_decode
 
@@ -162,19 +161,19 @@ def test_every_cpu_step_kernel_reads_int8_as_the_oracle():
 
 def test_explain_names_the_kernel_that_reads_int8():
   query = jax.ShapeDtypeStruct((B, 1, H, K), jnp.float32)
-  said = steps.explain(query, _empty("full", jnp.int8), platform="cpu")
+  said = cache_lib.explain(query, _empty("full", jnp.int8), platform="cpu")
   assert said.implementation == "xla" and said.alternatives["decode"] == "runs"
   long = cache_lib.KVCache.create(B, dispatch.XLA_INT8_MAX_SLOTS + 1, G, K, V, jnp.int8)
-  said = steps.explain(query, long, platform="cpu")
+  said = cache_lib.explain(query, long, platform="cpu")
   assert said.implementation == "decode" and said.alternatives["xla"] == "runs"
   assert said.reason.startswith("xla refuses (an int8 cache of S = 2049 > XLA_INT8_MAX_SLOTS")
-  assert steps.explain(query, cache_lib.KVCache.create(B, 4096, G, K, V), platform="cpu"
+  assert cache_lib.explain(query, cache_lib.KVCache.create(B, 4096, G, K, V), platform="cpu"
                        ).implementation == "xla"  # a float cache's step keeps xla
-  assert steps.explain(query, _empty("paged", jnp.int8), platform="cpu").implementation == (
+  assert cache_lib.explain(query, _empty("paged", jnp.int8), platform="cpu").implementation == (
       "decode")
   with flax_mha.stage_accelerator_kernels():
     for kind in ("full", "paged"):
-      assert steps.explain(query, _empty(kind, jnp.int8),
+      assert cache_lib.explain(query, _empty(kind, jnp.int8),
                            platform="cuda").implementation == "triton_decode"
 
 

@@ -9,11 +9,12 @@ Two rules:
   same holds for JAX's private API, but for the reaches that have no public spelling, each
   listed in JAX_PRIVATE.
 
-  Direction: what the docstring of `flax_mha/__init__.py` states. The top-level modules
-  (the pure API) and flax_mha/kernels/ load no flax and import nothing from flax_mha.nn,
-  flax_mha.models or experiments; flax_mha/nn/ imports nothing from flax_mha.models or
-  experiments, and `flax_mha.nn.shared` imports no flax at all; flax_mha/models/ imports nothing
-  from experiments. experiments/ may import anything.
+  Direction: what the docstring of `flax_mha/__init__.py` states, read from it. Its rooms
+  (sets of top-level modules, or folders) are ordered bottom first; every import of a module,
+  at load or inside a function, reaches its own room or one before it, and the graph of
+  imports between modules has no circle. Every module is in a room, and the top level holds
+  at most 12 modules. The rooms up to cache/ load no flax, `flax_mha.nn.shared` none at all,
+  and nothing in flax_mha/ imports experiments/.
 """
 
 from __future__ import annotations
@@ -103,38 +104,162 @@ def honest_names_violations(module: str, path: pathlib.Path, source: str) -> lis
   return bad
 
 
-def _layer(module: str) -> str:
-  """api (the top-level modules), kernels, nn, models, experiments, or the third-party root."""
+def rooms(package_doc: str) -> list[tuple[str, ...]]:
+  """The rooms of flax_mha/__init__.py's docstring, bottom first: each a folder ('kernels/') or
+  top-level modules ('attention', 'remat'); a line of two spaces then the room, the rest of
+  the line (after two spaces) or the lines indented further its description."""
+  block = package_doc.split("reads this list):", 1)[1].split("\n\n", 2)[1]
+  out = []
+  for line in block.splitlines():
+    if line.startswith("  ") and not line.startswith("   "):
+      out.append(tuple(name.strip() for name in line.strip().split("  ")[0].split(",")))
+  return out
+
+
+ROOMS = rooms(ast.get_docstring(ast.parse((ROOT / "flax_mha" / "__init__.py").read_text())))
+
+
+def room(module: str, room_list=ROOMS) -> float:
+  """The index of `module`'s room (the root package flax_mha itself, which re-exports the API,
+  above every room of the package and below experiments/); a KeyError for a module of no
+  room."""
   parts = module.split(".")
-  if parts[0] == "flax_mha":
-    return parts[1] if len(parts) > 1 and parts[1] in ("kernels", "nn", "models") else "api"
-  return parts[0]
+  for i, names in enumerate(room_list):
+    for name in names:
+      if name.endswith("/"):
+        folder = ["experiments"] if name == "experiments/" else ["flax_mha", name[:-1]]
+        if parts[:len(folder)] == folder:
+          return i
+      elif parts == ["flax_mha", name]:
+        return i
+  if module == "flax_mha":
+    return len(room_list) - 1.5
+  raise KeyError(f"{module} is in no room of flax_mha/__init__.py's list")
 
 
-# layer -> (layers it never imports, layers it never imports at module level)
-FORBIDDEN = {
-    "api": ({"nn", "models", "experiments"}, {"flax"}),
-    "kernels": ({"nn", "models", "experiments"}, {"flax"}),
-    "nn": ({"models", "experiments"}, set()),
-    "models": ({"experiments"}, set()),
-    "experiments": (set(), set()),
-}
+def resolve(name: str, modules=MODULES) -> str:
+  """The first-party module an imported dotted name reaches (`flax_mha.cache.KVCache` ->
+  `flax_mha.cache`), or '' for a third-party one."""
+  while name and name not in modules:
+    name = name.rpartition(".")[0]
+  return name
+
+
+def graph(sources: dict[str, str], modules=MODULES) -> dict[str, set[str]]:
+  """module -> the first-party modules it imports (at load or inside a function): the module a
+  dotted name reaches, a package where the name is one of its own (`from flax_mha.cache import
+  KVCache` is an arrow to the package, which loads every module it re-exports from)."""
+  edges = {}
+  for module, source in sources.items():
+    targets = {resolve(name, modules) for _, name, _ in _imports(ast.parse(source))}
+    edges[module] = {t for t in targets if t and t != module}
+  return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+  """Every strongly connected set of more than one module (Tarjan), each a circle of imports."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(edges.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(edges):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def upward(edges: dict[str, set[str]], room_list=ROOMS) -> list[str]:
+  """Every arrow from a module to one of a later room (or to the root package from inside it)."""
+  bad = []
+  for module, targets in sorted(edges.items()):
+    for target in sorted(targets):
+      inside = module.startswith("flax_mha.") and target == "flax_mha"
+      if inside or room(target, room_list) > room(module, room_list):
+        bad.append(f"{module} imports {target}, a room up")
+  return bad
+
+
+NO_FLAX_ROOMS = 6  # the rooms up to cache/ load no flax (the docstring)
 NO_FLAX_AT_ALL = ("flax_mha.nn.shared",)  # flax_mha/nn/__init__.py: "which imports no flax"
 
 
 def direction_violations(module: str, path: pathlib.Path, source: str) -> list[str]:
-  """What `module` breaks of the import direction that flax_mha/__init__.py states."""
+  """What `module` breaks of the flax rules the docstring states: the rooms up to cache/ load
+  no flax, `nn.shared` none at all, and nothing in flax_mha/ imports experiments/."""
   tree = ast.parse(source, str(path))
-  never, not_at_load = FORBIDDEN[_layer(module)]
-  if module in NO_FLAX_AT_ALL:
-    never = never | {"flax"}
   bad = []
   for node, name, at_load in _imports(tree):
-    target = _layer(name)
-    if target in never or (at_load and target in not_at_load):
-      bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {_layer(module)} module {module} "
-                 f"imports {name}{' at load' if target in not_at_load else ''}")
+    where = f"{path.relative_to(ROOT)}:{node.lineno}"
+    top = name.split(".")[0]
+    if top == "flax" and ((at_load and room(module) < NO_FLAX_ROOMS) or module in NO_FLAX_AT_ALL):
+      bad.append(f"{where}: {module} imports {name}{' at load' if at_load else ''}")
+    if top == "experiments" and module.startswith("flax_mha"):
+      bad.append(f"{where}: {module} imports {name} (experiments/ sits beside the package)")
   return bad
+
+
+def _sources() -> dict[str, str]:
+  return {module: path.read_text() for module, path in MODULES.items()}
+
+
+def test_every_module_is_in_a_room_and_the_rooms_are_the_docstring_s():
+  assert [names[0] for names in ROOMS][:3] == ["checks", "kernels/", "dispatch"], ROOMS
+  assert ROOMS[-1] == ("experiments/",) and ("cache/",) in ROOMS
+  assert NO_FLAX_ROOMS == ROOMS.index(("cache/",)) + 1
+  for module in MODULES:
+    room(module)  # a KeyError names a module of no room
+  top_level = [m for m in MODULES if m.count(".") == 1 and m.startswith("flax_mha.")
+               and not (ROOT / m.replace(".", "/")).is_dir()]
+  assert len(top_level) <= 12, top_level
+
+
+def test_the_import_graph_has_no_circle_and_no_upward_arrow():
+  edges = graph(_sources())
+  assert not circles(edges), circles(edges)
+  assert not upward(edges), "\n".join(upward(edges))
+
+
+@pytest.mark.parametrize("module, source", [
+    ("flax_mha.cache.kv", "from flax_mha.cache import entry\n"),  # entry imports kv: a circle
+    ("flax_mha.dispatch", "def f():\n  from flax_mha.parallel import ring\n"),  # ring: dispatch
+    ("flax_mha.kernels.registry", "from flax_mha import dispatch\n"),  # dispatch: registry
+    ("flax_mha.cache.steps", "from flax_mha.cache import KVCache\n"),  # the package: entry
+])
+def test_a_circle_is_caught(module, source):
+  """A circle through an import inside a function counts (steps.explain once made one)."""
+  sources = dict(_sources(), **{module: source})
+  assert circles(graph(sources))
+
+
+@pytest.mark.parametrize("module, source", [
+    ("flax_mha.kernels.xla", "from flax_mha.parallel import seq_parallel\n"),
+    ("flax_mha.kernels", "from flax_mha.parallel import seq_parallel\n"),
+    ("flax_mha.dispatch", "def f():\n  from flax_mha import attention\n"),
+    ("flax_mha.nn.linen", "from flax_mha.models import lm\n"),
+    ("flax_mha.masks", "import flax_mha\n"),
+])
+def test_an_upward_arrow_is_caught(module, source):
+  sources = dict(_sources(), **{module: source})
+  assert upward(graph(sources))
 
 
 def _path(module: str) -> pathlib.Path:
@@ -162,10 +287,8 @@ def test_package_follows_the_rule(check):
      honest_names_violations),
     ("flax_mha.attention", "from jax._src import core\n", honest_names_violations),
     ("flax_mha.attention", "import jax\njax._src.core\n", honest_names_violations),
-    ("flax_mha.attention", "from flax_mha.nn import linen\n", direction_violations),
-    ("flax_mha.kernels.xla", "from flax_mha.models import lm\n", direction_violations),
     ("flax_mha.kernels.xla", "import flax.linen as nn\n", direction_violations),
-    ("flax_mha.nn.linen", "def f():\n  from flax_mha.models import lm\n", direction_violations),
+    ("flax_mha.cache.kv", "import flax\n", direction_violations),
     ("flax_mha.nn.shared", "def f():\n  import flax\n", direction_violations),
     ("flax_mha.models.lm", "import experiments.train\n", direction_violations),
 ])
@@ -177,7 +300,7 @@ def test_a_violation_is_caught(module, source, check):
 
 @pytest.mark.parametrize("module, source, check", [
     # a private module, imported from its own package folder
-    ("flax_mha.kernels.seqmods", "from flax_mha.kernels._layouts import order\n",
+    ("flax_mha.kernels.tiling", "from flax_mha.kernels._layouts import order\n",
      honest_names_violations),
     ("flax_mha.kernels", "import flax_mha.kernels._layouts\n", honest_names_violations),
     ("flax_mha.remat", "def f():\n  import flax.linen\n", direction_violations),

@@ -30,7 +30,7 @@ flax_mha.dot_product_attention(x, x, x, is_causal=True, mask_mod=lambda b, h, q,
 flax_mha.apply_rotary(x, jnp.arange(4))
 flax_mha.explain(x, x, x, local_window_size=2, platform="cuda")
 flax_mha.padding_mask(jnp.array([3]), 4)
-flax_mha.sharding.make_mesh()
+flax_mha.parallel.sharding.make_mesh()
 loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'optax'))
 assert not loaded, loaded
 flax_mha.nnx, flax_mha.SelfAttention  # loaded on first access

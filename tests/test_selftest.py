@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flax_mha import selftest
-from flax_mha import selftest_cases as cases
+from flax_mha.selftest import cases
 from flax_mha.kernels import reference
 from flax_mha.kernels import registry
 

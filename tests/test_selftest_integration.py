@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from flax_mha import selftest
-from flax_mha import selftest_cases as cases
+from flax_mha.selftest import cases
 from flax_mha.kernels import registry
 
 pytestmark = pytest.mark.integration  # subprocesses: a minute or two of compiles each

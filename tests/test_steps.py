@@ -1,6 +1,6 @@
 """One chooser for every entrance: a KV cache's step and paged attention get their kernel from
 `flax_mha.dispatch` (layouts "cache" and "paged" of one `registry.Call`), with one threshold
-for "a few queries", and `flax_mha.steps.explain` says what runs on each platform and why."""
+for "a few queries", and `flax_mha.cache.explain` says what runs on each platform and why."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 import flax_mha
 from flax_mha import cache as cache_lib
 from flax_mha import dispatch
-from flax_mha import steps
 from flax_mha.kernels import registry
 from flax_mha.kernels import triton_decode
 
@@ -45,18 +44,18 @@ def test_the_step_kernels_are_registered_by_layout():
                                           ("paged", "decode")])
 def test_explain_names_the_step_kernel_per_platform(kind, on_cpu):
   cache = _caches()[kind]
-  said = steps.explain(_query(1), cache, platform="cpu")
+  said = cache_lib.explain(_query(1), cache, platform="cpu")
   assert said.implementation == on_cpu and "FEW_QUERIES = 32" in said.reason
   assert said.alternatives["triton_decode"].startswith("refuses: the Triton decode kernel is for "
                                                        "NVIDIA GPUs")
-  cuda = steps.explain(_query(1), cache, platform="cuda")
+  cuda = cache_lib.explain(_query(1), cache, platform="cuda")
   assert cuda.implementation == on_cpu and "stage_accelerator_kernels()" in cuda.reason
   with flax_mha.stage_accelerator_kernels():
-    assert steps.explain(_query(1), cache, platform="cuda").implementation == "triton_decode"
-    masked = steps.explain(_query(1), cache, platform="cuda",
+    assert cache_lib.explain(_query(1), cache, platform="cuda").implementation == "triton_decode"
+    masked = cache_lib.explain(_query(1), cache, platform="cuda",
                            mask_mod=lambda b, h, i, j: i >= j)
     assert masked.implementation == on_cpu and "not MaskMod" in masked.reason
-  assert steps.explain(_query(1), cache, platform="tpu").implementation == on_cpu
+  assert cache_lib.explain(_query(1), cache, platform="tpu").implementation == on_cpu
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
@@ -65,11 +64,11 @@ def test_one_threshold_for_a_few_queries(kind):
   dot_product_attention); the dense rule's "decode" uses the same bound."""
   cache = _caches()[kind]
   few = dispatch.FEW_QUERIES
-  assert steps.explain(_query(few), cache, platform="cpu").implementation != "dense"
-  beyond = steps.explain(_query(few + 1), cache, platform="cpu")
+  assert cache_lib.explain(_query(few), cache, platform="cpu").implementation != "dense"
+  beyond = cache_lib.explain(_query(few + 1), cache, platform="cpu")
   assert beyond.implementation == "dense" and f"> FEW_QUERIES = {few}" in beyond.reason
   assert dispatch.DECODE_MAX_QUERIES == few
-  residual = steps.explain(_query(1), cache, platform="cpu", return_residual=True)
+  residual = cache_lib.explain(_query(1), cache, platform="cpu", return_residual=True)
   assert residual.implementation == ("dense" if kind == "contiguous" else "decode")
 
 

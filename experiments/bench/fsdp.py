@@ -28,7 +28,7 @@ import jax  # noqa: E402  (after XLA_FLAGS: the device count is read once, at im
 
 from configs import dates, lm  # noqa: E402
 from experiments import train  # noqa: E402
-from flax_mha import sharding  # noqa: E402
+from flax_mha.parallel import sharding  # noqa: E402
 
 CONFIGS = {"dates": dates.get_config, "lm": lm.get_config}
 LAYOUTS = {  # name -> config.mesh

@@ -13,7 +13,7 @@ Parts:
              answers by each path (the float32 cache, an int8 one, the prefix recomputed),
              their exact match, how many equal the float cache's, and seconds.
   serving    16 prompts of 16 to 2048 tokens (geometric, in order) asking 16 to 256 new tokens
-             each: continuous batching over a paged cache (flax_mha.models.serving.serve, 4
+             each: continuous batching over a paged cache (flax_mha.serving.serve, 4
              rows, pages of 16 tokens, its on-device loop with chunked prefill) against static
              batching (groups of 4 padded to their longest); tokens/s, and the cache's bytes:
              the pages in use at the peak against the tokens held then, and against 4 rows x
@@ -43,7 +43,9 @@ from configs import lm as lm_config
 from experiments import lm
 from experiments.bench import serving_parts
 from experiments.bench import timing
-from flax_mha.models import decoding, serving
+from experiments.bench import static_batching
+from flax_mha import serving
+from flax_mha.models import decoding
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 
@@ -151,7 +153,7 @@ def _batched(model, params, prompts, limits, rows: int, page: int, runs: int):
   fns = {"continuous (paged)": lambda: serving.serve(
              model, params, prompts, limits, batch_size=rows, page_size=page,
              num_pages=rows * per_row),
-         "static (padded groups)": lambda: serving.serve_static(
+         "static (padded groups)": lambda: static_batching.serve_static(
              model, params, prompts, limits, batch_size=rows)}
   out = timing.in_turns(fns, runs)
   (t_cont, (got_cont, stats)), (t_static, (got_static, _)) = out.values()

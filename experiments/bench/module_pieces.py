@@ -26,7 +26,7 @@ import numpy as np
 
 import flax_mha
 from experiments.bench import hlo_bytes
-from experiments.bench import modules
+from experiments.bench import module_cases as cases
 from experiments.bench import timing
 
 QKV = ("query", "key", "value")
@@ -82,7 +82,7 @@ def jax_pieces(d, h, causal, x) -> dict:
   out projection [B, T, H, V] -> [B, T, D] with its bias; and the module written out by hand
   (`by_hand`) token-major, as the module runs, and head-major (not what the module does: an
   idea, timed)."""
-  apply, variables = modules.jax_module("self", "linen", d, h, modules.weights(d, h))
+  apply, variables = cases.jax_module("self", "linen", d, h, cases.weights(d, h))
   p = variables["params"]
   q, k, v = map(jnp.asarray, _heads(x.shape, h))
   x = jnp.asarray(x)
@@ -121,7 +121,7 @@ def torch_pieces(d, h, causal, x) -> dict:
   functional = torch.nn.functional
   module = torch.nn.MultiheadAttention(d, h, batch_first=True).eval()
   state = {k: torch.from_numpy(v.copy())
-           for k, v in modules.to_torch_state(modules.weights(d, h)).items()}
+           for k, v in cases.to_torch_state(cases.weights(d, h)).items()}
   module.load_state_dict(state)
   b, n, _ = x.shape
   hide = torch.zeros(n, n).masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1),
@@ -180,9 +180,9 @@ def pieces_table(args) -> list[str]:
            "---|---|"]
   for n in args.ns:
     for mask in args.masks:
-      reports = modules.run_cases({system: f"pieces,{system},{n},{int(modules.MASKS[mask])}"
+      reports = cases.run_cases({system: f"pieces,{system},{n},{int(cases.MASKS[mask])}"
                                    for system in ("jax", "torch")}, args)
-      rows = _rows(f"| {n} | {mask} |", {system: modules.median_ms(report)
+      rows = _rows(f"| {n} | {mask} |", {system: cases.median_ms(report)
                                          for system, report in reports.items()})
       lines += rows
       print("\n".join(rows), flush=True)
@@ -222,14 +222,14 @@ def hlo_table(args) -> list[str]:
   for n in args.ns:
     b = max(1, args.tokens // n)
     for mask in args.masks:
-      causal = modules.MASKS[mask]
-      apply, variables = modules.jax_module("self", "linen", args.d, args.heads,
-                                            modules.weights(args.d, args.heads))
+      causal = cases.MASKS[mask]
+      apply, variables = cases.jax_module("self", "linen", args.d, args.heads,
+                                            cases.weights(args.d, args.heads))
       x = jax.ShapeDtypeStruct((b, n, args.d), jnp.float32)
       programs = {"module": (lambda variables, x: apply(variables, x, is_causal=causal),
                              variables),
                   "head-major": (by_hand(causal, head_major=True), variables["params"])}
-      kernel = modules.picks(n, b, args.heads, args.d // args.heads, causal)
+      kernel = cases.picks(n, b, args.heads, args.d // args.heads, causal)
       for program, (forward, params) in programs.items():
         loss = lambda params, x, forward=forward: jnp.sum(forward(params, x))
         for name, fn in (("fwd", forward),

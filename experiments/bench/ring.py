@@ -9,7 +9,7 @@ device, ring attention against one device holding the whole sequence, plain (`re
 [T, T] logits) and chunked; with --window W, under a causal window of W keys back as well.
 
 --part balance counts the causal work of every device: the key tiles the chunked kernel visits
-(its tile maps over the tokens' true positions, as `flax_mha.kernels.ring` builds them), per
+(its tile maps over the tokens' true positions, as `flax_mha.parallel.ring` builds them), per
 ring step and in all, for each layout. Every ring step waits for its slowest device, so the
 ring's critical path is the sum over steps of the slowest device's tiles; all-gather's is the
 slowest device's total.
@@ -50,9 +50,10 @@ from configs import lm  # noqa: E402
 from experiments import train  # noqa: E402
 from experiments.bench import hlo_bytes, timing  # noqa: E402
 from flax_mha import mods as mods_lib  # noqa: E402
-from flax_mha import sharding  # noqa: E402
-from flax_mha.kernels import chunked, layouts, reference, seqmods  # noqa: E402
-from flax_mha.kernels.seq_parallel import ring_attention, sequence_parallel_attention  # noqa: E402
+from flax_mha.parallel import sharding  # noqa: E402
+from flax_mha.kernels import chunked, reference  # noqa: E402
+from flax_mha.parallel import layouts, seqmods  # noqa: E402
+from flax_mha.parallel.seq_parallel import ring_attention, sequence_parallel_attention  # noqa: E402
 
 B, H, K = 1, 8, 64
 MIB = 2**20

@@ -13,7 +13,7 @@ import numpy as np
 
 from experiments.bench import timing
 from flax_mha import cache as cache_lib
-from flax_mha.models import serving
+from flax_mha import serving
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 

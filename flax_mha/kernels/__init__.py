@@ -10,7 +10,7 @@ oracle:
   chunked    online softmax in tiles with its own backward: memory linear in the sequence,
              every option, tiles the masks hide skipped; its tile pieces (`Config`,
              `tile_context`, `forward_tile`, `initial_stats`) are the online softmax that
-             `decode` and `flax_mha.paged` run too
+             `decode` and `flax_mha.cache.paged` run too
   rows       blocks of query rows with an exact softmax and its own backward: the fast CPU
              path for bias, mask, causality and windows
   cudnn      cuDNN flash attention on NVIDIA GPUs (16-bit)
@@ -21,8 +21,12 @@ oracle:
              refuses: masks, windows, lengths, positions, bias with its gradient, mask/score
              functions of indices; `make_attention(interpret=True)` runs it anywhere
   decode     a few queries over a long cache: keys split, merged by log-sum-exp
-  ring       (seq_parallel) sequence-parallel over the context mesh's 'seq' axis; other
-             strategies (all-gather, Ulysses) through `flax_mha.sequence_parallel_implementation`
+
+and, registered by `flax_mha.attention` after these (it loads `flax_mha.parallel`, a layer up):
+
+  ring       (`flax_mha.parallel.seq_parallel`) sequence-parallel over the context mesh's 'seq'
+             axis; other strategies (all-gather, Ulysses) through
+             `flax_mha.sequence_parallel_implementation`
 
 What `implementation=None` picks among them is the rule in `flax_mha.dispatch`.
 
@@ -42,7 +46,5 @@ from flax_mha.kernels import cudnn
 from flax_mha.kernels import splash
 from flax_mha.kernels import triton
 from flax_mha.kernels import decode
-from flax_mha.kernels import seq_parallel
 
-__all__ = ["registry", "reference", "xla", "chunked", "rows", "cudnn", "splash", "triton", "decode",
-           "seq_parallel"]
+__all__ = ["registry", "reference", "xla", "chunked", "rows", "cudnn", "splash", "triton", "decode"]

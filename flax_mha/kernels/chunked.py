@@ -20,7 +20,7 @@ copy). The backward works on transposed tiles [B, G, P, R, Q] for the same reaso
 visited tiles of the other axis. T and S are padded to block multiples; padded keys are masked.
 
 `chunked_forward` / `chunked_backward` are the building blocks for ring attention
-(`flax_mha.kernels.ring`): one (query shard, key shard) pair with absolute offsets, the backward
+(`flax_mha.parallel.ring`): one (query shard, key shard) pair with absolute offsets, the backward
 taking the GLOBAL `out`/`lse` so per-shard gradient contributions add up.
 """
 

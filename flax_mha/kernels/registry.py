@@ -14,7 +14,7 @@ Adding an implementation is one module of `flax_mha/kernels/` that ends with
 and its line in `flax_mha/kernels/__init__.py`'s import list (the registration order is the
 order of `names()`), plus its place in `flax_mha.dispatch`'s preference if None should pick it.
 A kernel for a KV cache's step or paged attention declares those `layouts` (and its entry in
-`flax_mha.steps`); an accelerator kernel its `platform` and `staged=True`.
+`flax_mha.cache.steps`); an accelerator kernel its `platform` and `staged=True`.
 
 The kernels' function signature: (query [B, T, H, K], key [B, S, G, K], value [B, S, G, V],
 bias, mask (None or rank 4 over the flattened batch), *, is_causal, scale, dropout_rate,
@@ -41,7 +41,7 @@ def _spec(x):
 # slots, head-major [B, G, S, K]: `flax_mha.cache.attend`'s step), "paged" (a few queries over
 # pages [P, page, G, K] through a page table: `flax_mha.paged_attention`), "ring_block" (one
 # step of ring attention: this device's queries over the visiting key shard, forward with its
-# lse and backward from the global one: `flax_mha.kernels.ring`).
+# lse and backward from the global one: `flax_mha.parallel.ring`).
 LAYOUTS = ("dense", "cache", "paged", "ring_block")
 
 

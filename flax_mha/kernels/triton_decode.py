@@ -1,6 +1,6 @@
 """The KV cache's decode step on NVIDIA GPUs: a split-key ("flash decoding") Pallas kernel on the
 Triton backend that reads the cache where it lies, what `flax_mha.cache` and
-`flax_mha.paged` stage for 'cuda'.
+`flax_mha.cache.paged` stage for 'cuda'.
 
 One kernel instance takes one (row b, key/value head g, partition p): the T new queries of the
 H/G query heads that read head g form one tile of T·H/G rows (GQA: the cache is read once per

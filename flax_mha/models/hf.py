@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from flax import traverse_util
 
-from flax_mha import sharding as sharding_lib
+from flax_mha.parallel import sharding as sharding_lib
 from flax_mha.models import lm
 from flax_mha.models import lm_nnx
 from flax_mha.models.hf_config import config_from_hf, family
@@ -144,7 +144,7 @@ def load(directory, *, dtype=None, mesh=None, **overrides):
   """(the linen `DecoderLM`, its variables {'params': ...}) of the checkpoint in `directory`.
 
   dtype: the parameters' and the computation's (default: the checkpoint's, so a bfloat16 one
-    stays bfloat16). mesh: a `jax.sharding.Mesh` (`flax_mha.sharding.make_mesh`): each
+    stays bfloat16). mesh: a `jax.sharding.Mesh` (`flax_mha.parallel.sharding.make_mesh`): each
     parameter is placed as the model's sharding rules say as it is read. overrides: other
     `LMConfig` fields (e.g. attention_implementation).
   """

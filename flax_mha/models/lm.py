@@ -32,7 +32,7 @@ from flax_mha.nn.options import AttentionOptions, Norm
 from flax_mha.rotary import Rope
 
 
-# Logical axes of every parameter (see `flax_mha.sharding`): the attention projections', the
+# Logical axes of every parameter (see `flax_mha.parallel.sharding`): the attention projections', the
 # MLP's Megatron split (mlp_in column-, mlp_out row-parallel), the tied embedding and norms.
 PARAM_AXES = ATTENTION_PARAM_AXES + (
     (r"mlp_(in|gate)/kernel$", ("embed", "mlp")),
@@ -241,7 +241,7 @@ class Decodable:
 
   def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int,
                        pages_per_row: int, dtype=None):
-    """Caches for serving (`flax_mha.models.serving`): the global layers' keys and values in a
+    """Caches for serving (`flax_mha.serving.server`): the global layers' keys and values in a
     pool of `num_pages` pages of `page_size` tokens (each row owning up to `pages_per_row`,
     assigned by the host), the local layers' in rolling caches of their window."""
     return paged_caches(self.config, batch_size, num_pages, page_size, pages_per_row, dtype)

@@ -32,7 +32,7 @@ from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
 from flax_mha.nn.linen import MultiHeadAttention
 
 
-# Logical axes of every parameter (see `flax_mha.sharding`): the attention projections', the
+# Logical axes of every parameter (see `flax_mha.parallel.sharding`): the attention projections', the
 # FFN's Megatron split (Dense_0 column-, Dense_1 row-parallel), embeddings and norms.
 PARAM_AXES = ATTENTION_PARAM_AXES + (
     (r"Dense_0/kernel$", ("embed", "mlp")),

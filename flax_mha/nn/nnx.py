@@ -17,7 +17,7 @@ same key, not flax's.
 `flax_mha.MultiHeadAttention` (whose tree equals `flax.linen.MultiHeadDotProductAttention`'s).
 
 Every parameter carries the logical axes that `flax_mha.nn.PARAM_AXES` gives its path (read them
-with `nnx.get_partition_spec(nnx.state(module))`), the layout that `flax_mha.sharding.shardings_for`
+with `nnx.get_partition_spec(nnx.state(module))`), the layout that `flax_mha.parallel.sharding.shardings_for`
 gives the linen tree with that table. They are metadata only, so creating a
 module never needs a mesh (`eager_sharding=False`).
 """
@@ -38,7 +38,7 @@ from flax import traverse_util
 from flax_mha import checks
 from flax_mha.nn import shared
 from flax_mha.nn.options import ALIASES, AttentionOptions, Norm, qk_norm
-from flax_mha import sharding
+from flax_mha.parallel import sharding
 from flax_mha.attention import check_implementation
 
 Initializer = Callable[..., Any]

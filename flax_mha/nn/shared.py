@@ -24,7 +24,7 @@ from flax_mha.nn.options import AttentionOptions, Norm
 from flax_mha.rotary import apply_rotary
 
 
-# The attention projections' logical axes (see `flax_mha.sharding`): the query/key/value
+# The attention projections' logical axes (see `flax_mha.parallel.sharding`): the query/key/value
 # kernels [D, H|G, K] column-parallel over heads, `out` [H, V, D] row-parallel; the normalize_qk
 # scales [K] and the output bias [D] replicated. Models extend this table with their own.
 PARAM_AXES = (

@@ -13,7 +13,10 @@ import pytest
 from flax import nnx
 
 from flax_mha import cache as cache_lib
-from flax_mha.models import decoding, lm_nnx, serving
+from flax_mha.cache import entry
+from experiments.bench import static_batching
+from flax_mha import serving
+from flax_mha.models import decoding, lm_nnx
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 VOCAB = 13
@@ -69,8 +72,8 @@ def test_decoding_loops_trace_no_overflow_check(monkeypatch):
   the same cache write of a user's own under jit keeps its check."""
   model, params = _lm()
   checked = []
-  judge = cache_lib._overflow_is_nan
-  monkeypatch.setattr(cache_lib, "_overflow_is_nan", lambda out, cache: (
+  judge = entry._overflow_is_nan
+  monkeypatch.setattr(entry, "_overflow_is_nan", lambda out, cache: (
       checked.append(not cache_lib.ROOM_MADE_BY_CALLER.value), judge(out, cache))[1])
   for fn in (decoding.generate, decoding.generate_beam):
     jaxpr = jax.make_jaxpr(lambda p, fn=fn: fn(model, p, (PROMPTS,), PROMPTS, LENGTHS,
@@ -108,7 +111,7 @@ def _decoders(model, params, prompts):
                                                       max_new_tokens=3, beam_size=2),
       "serve": lambda: serving.serve(model, params, rows, 3, batch_size=1, page_size=4,
                                      num_pages=4),
-      "serve_static": lambda: serving.serve_static(model, params, rows, 3, batch_size=1),
+      "serve_static": lambda: static_batching.serve_static(model, params, rows, 3, batch_size=1),
   }
 
 
@@ -142,7 +145,7 @@ def test_serving_refuses_an_empty_prompt_by_name(entry):
   model, params = _lm()
   call = dict(serve=lambda: serving.serve(model, params, [[3, 4], []], 3, batch_size=1,
                                           page_size=4, num_pages=4),
-              serve_static=lambda: serving.serve_static(model, params, [[3, 4], []], 3,
+              serve_static=lambda: static_batching.serve_static(model, params, [[3, 4], []], 3,
                                                         batch_size=1))[entry]
   with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty sequence of integer "
                                        r"token ids, got shape \(0,\)"):
@@ -163,7 +166,7 @@ def test_serving_no_prompts_gives_no_outputs(front):
     assert served == [] and isinstance(stats, serving.ServeStats)
     assert (stats.new_tokens, stats.peak_pages, stats.page_size, stats.peak_tokens) == (0, 0, 4, 0)
     assert stats.tokens_per_second == 0.0
-    static, static_stats = serving.serve_static(model, params, [], limits, batch_size=2)
+    static, static_stats = static_batching.serve_static(model, params, [], limits, batch_size=2)
     assert static == [] and static_stats.new_tokens == 0
   with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
     serving.serve(model, params, [], 3, batch_size=0, page_size=4, num_pages=8)
@@ -174,11 +177,11 @@ def test_serving_no_prompts_gives_no_outputs(front):
 def test_serving_says_an_empty_prompt_is_empty_not_its_dtype():
   """NumPy reads `[]` as float64: the message says empty, not "dtype float64"."""
   model, params = _lm()
-  for entry in (lambda: serving.serve(model, params, [[]], 3, batch_size=1, page_size=4,
-                                      num_pages=4),
-                lambda: decoding.generate(model, params, ([[]],), [[]], max_new_tokens=3)):
+  for call in (lambda: serving.serve(model, params, [[]], 3, batch_size=1, page_size=4,
+                                     num_pages=4),
+               lambda: decoding.generate(model, params, ([[]],), [[]], max_new_tokens=3)):
     with pytest.raises(ValueError, match=r"prompts\[0\] .* got shape \(0,\): it is empty$"):
-      entry()
+      call()
 
 
 def test_serve_takes_numpy_integers_as_generate_does():
@@ -187,7 +190,7 @@ def test_serve_takes_numpy_integers_as_generate_does():
   for limit in (np.int64(3), np.int32(3), np.array(3)):
     assert serving.serve(model, params, [], limit, batch_size=1, page_size=4,
                          num_pages=4)[0] == []
-  assert serving._limits(np.int64(2), 3) == [2, 2, 2]  # pylint: disable=protected-access
+  assert serving.check_limits(np.int64(2), 3) == [2, 2, 2]
 
 
 def test_generate_takes_python_lists_as_serve_does():

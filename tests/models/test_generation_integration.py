@@ -15,7 +15,9 @@ import pytest
 
 from flax import nnx
 
-from flax_mha.models import decoding, lm_nnx, serving
+from experiments.bench import static_batching
+from flax_mha import serving
+from flax_mha.models import decoding, lm_nnx
 from test_generation import LENGTHS, PROMPTS, VOCAB, _lm
 
 pytestmark = pytest.mark.integration  # a whole model end to end: seconds of compiles
@@ -119,7 +121,7 @@ def test_continuous_batching_over_pages_equals_static_batching():
   limits = [6, 3, 8, 5, 7, 4]
   paged, stats = serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
                                num_pages=40)
-  static, _ = serving.serve_static(model, params, prompts, limits, batch_size=2)
+  static, _ = static_batching.serve_static(model, params, prompts, limits, batch_size=2)
   assert paged == static
   assert [len(o) for o in paged] == limits
   assert stats.peak_pages <= 2 * -(-(40 + 3) // 4)  # at most two rows' pages at once

@@ -24,7 +24,8 @@ import pytest
 
 import hf_checkpoints as hc
 from experiments import generate_hf
-from flax_mha.models import decoding, hf, serving
+from flax_mha import serving
+from flax_mha.models import decoding, hf
 from tests.multidevice.run import ROOT
 
 pytestmark = pytest.mark.integration  # torch and transformers: ~10 s to import
@@ -146,7 +147,7 @@ def test_loading_onto_a_mesh_places_each_parameter(checkpoints):
   (query heads split over 'model') and the logits equal the single-device ones."""
   code = f"""
 import jax, jax.numpy as jnp, numpy as np
-from flax_mha import sharding
+from flax_mha.parallel import sharding
 from flax_mha.models import hf
 directory = {str(checkpoints['llama'])!r}
 mesh = sharding.make_mesh(data=2, model=4)

@@ -26,7 +26,7 @@ from experiments import data, lm_data, train
 from experiments.lm import LMRunner
 from experiments.seq2seq import Seq2SeqRunner
 from experiments.tasks import PAD, get_task
-from flax_mha import sharding
+from flax_mha.parallel import sharding
 from flax_mha.models.decoding import beam_search, greedy_decode
 from flax_mha.models import lm as lm_model
 from flax_mha.models import tokens as tokens_lib

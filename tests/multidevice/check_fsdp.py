@@ -3,7 +3,7 @@
 
 FSDP with remat: the training step of the tiny dates (Transformer) and LM configs on data=2 x
 fsdp=4 with train.remat=layer must give the single-device losses for 20 steps, with parameters
-and Adam moments split as flax_mha.sharding declares (each moment placed like its parameter) and
+and Adam moments split as flax_mha.parallel.sharding declares (each moment placed like its parameter) and
 1/fsdp of their bytes on each device; on fsdp=8, 1/8. Prints one 'OK ...' per check.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from configs import dates, lm
 from experiments import train
-from flax_mha import sharding
+from flax_mha.parallel import sharding
 
 CONFIGS = {"dates": lambda: dates.get_config("tiny"), "lm": lambda: lm.get_config("tiny")}
 

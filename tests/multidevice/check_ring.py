@@ -1,5 +1,5 @@
 """Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
-(tests/kernels/test_ring_integration.py does).
+(tests/parallel/test_ring_integration.py does).
 
 Ring attention over 4 sequence shards (x 2 batch shards) must equal the float64 NumPy attention
 of tests/helpers.py in values and single-device `flax_mha.kernels.reference` in loss and gradients:
@@ -17,10 +17,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import flax_mha
 from experiments.bench import hlo_bytes
-from flax_mha import sharding
+from flax_mha.parallel import sharding
 from flax_mha.kernels import reference
 from flax_mha import ring_implementation
-from flax_mha.kernels.seq_parallel import ring_attention
+from flax_mha.parallel.seq_parallel import ring_attention
 from tests.helpers import np_attention
 
 B, H, K, V = 2, 6, 5, 7  # distinct sizes so a swapped axis fails

@@ -1,5 +1,5 @@
 """Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
-(tests/kernels/test_ring_integration.py does).
+(tests/parallel/test_ring_integration.py does).
 
 The ring's step kernel on an accelerator: each step runs the platform's Block, here flax_mha's
 Triton kernel in Pallas interpret mode standing in for the CPU's chunked tiles, merged through
@@ -17,11 +17,11 @@ import numpy as np
 
 import flax_mha
 from flax_mha import dispatch
-from flax_mha import sharding
+from flax_mha.parallel import sharding
 from flax_mha.kernels import registry
-from flax_mha.kernels import ring as ring_lib
+from flax_mha.parallel import ring as ring_lib
 from flax_mha.kernels import triton
-from flax_mha.kernels.seq_parallel import sequence_parallel_attention
+from flax_mha.parallel.seq_parallel import sequence_parallel_attention
 from tests.multidevice.check_ring import B, H, check, loss_and_output, random_qkv
 
 TRACED = []  # one entry per ring trace that stepped with the interpreted Triton Block

@@ -1,5 +1,5 @@
 """Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
-(tests/kernels/test_ring_integration.py does).
+(tests/parallel/test_ring_integration.py does).
 
 Every sequence-parallel strategy x layout on data x seq = 2 x 4 devices must equal single-device
 `flax_mha.dot_product_attention` (the reference implementation) in output, loss and gradients to
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import flax_mha
-from flax_mha import sharding
-from flax_mha.kernels import layouts, seq_parallel
+from flax_mha.parallel import sharding
+from flax_mha.parallel import layouts, seq_parallel
 
 B, T, H, G, K, V = 2, 16, 8, 4, 5, 3  # Ulysses splits H and G over the 4 sequence devices
 STRATEGIES = ("ring", "all_gather", "ulysses")

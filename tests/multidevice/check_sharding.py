@@ -1,9 +1,9 @@
 """Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
-(tests/test_sharding_integration.py does).
+(tests/parallel/test_sharding_integration.py does).
 
 Every layout (data, model, data x model) must give the unsharded loss and gradients for
 MultiHeadAttention (MHA and GQA), the FFN and a small Transformer, with parameters, optimizer
-moments and the batch really split as flax_mha.sharding declares; the Transformer's parameter
+moments and the batch really split as flax_mha.parallel.sharding declares; the Transformer's parameter
 specs are also compared with a hand-written table. Prints one 'OK ...' per check.
 """
 

@@ -118,11 +118,11 @@ def test_partition_specs_are_the_linen_layout():
   qkv = {"kernel": P("embed", "heads", "head_dim"), "bias": P("heads", "head_dim")}
   assert specs == {"query": qkv, "key": qkv, "value": qkv,
                    "out": {"kernel": P("heads", "head_dim", "embed"), "bias": P("embed")}}
-  # The same axes as flax_mha.sharding gives the linen tree: one layout for both front ends.
-  mesh = flax_mha.sharding.make_mesh()
-  placed = flax_mha.sharding.shardings_for(fnnx.nnx_to_linen_params(module)["params"], mesh,
+  # The same axes as flax_mha.parallel.sharding gives the linen tree: one layout for both front ends.
+  mesh = flax_mha.parallel.sharding.make_mesh()
+  placed = flax_mha.parallel.sharding.shardings_for(fnnx.nnx_to_linen_params(module)["params"], mesh,
                                            flax_mha.nn.PARAM_AXES)
-  want = jax.tree.map(lambda s: flax_mha.sharding.spec_for(s, (1,) * len(s), mesh), specs,
+  want = jax.tree.map(lambda s: flax_mha.parallel.sharding.spec_for(s, (1,) * len(s), mesh), specs,
                       is_leaf=lambda s: isinstance(s, P))
   assert jax.tree.map(lambda s: s.spec, placed) == want
 

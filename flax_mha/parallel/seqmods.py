@@ -2,7 +2,7 @@
 terms a device evaluates on its local tokens.
 
 A device of a sequence-parallel strategy holds some query rows and some key rows in an order of
-the layout's (`flax_mha.kernels.layouts`), not necessarily contiguous. Its local problem is an
+the layout's (`flax_mha.parallel.layouts`), not necessarily contiguous. Its local problem is an
 ordinary call of the chunked kernel with offsets 0, made exact by `localize`: every term that
 reads an index as a position (causality, windows, lengths, `mask_mod`, `score_mod`) is rewritten
 to read the tokens' TRUE positions `q_pos`, `kv_pos` instead, and every term that indexes arrays
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import layouts
+from flax_mha.parallel import layouts
 
 # What a leaf of `Mods` is split along: the query's tokens [B, T], the keys' [B, S], the batch
 # [B], the query heads [H] (sinks), or nothing (a mod's closed-over arrays: replicated).

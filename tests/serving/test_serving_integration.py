@@ -1,7 +1,7 @@
-"""Continuous batching (flax_mha.models.serving.serve) end to end: chunked prefill, stop tokens,
+"""Continuous batching (flax_mha.serving.serve) end to end: chunked prefill, stop tokens,
 pages handed out and back on the device, and the same tokens as `decoding.generate` and static
 batching. The loop as one program and the argument checks are the unit part,
-tests/models/test_serving.py."""
+tests/serving/test_serving.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_mha.models import decoding, serving
+from experiments.bench import static_batching
+from flax_mha import serving
+from flax_mha.models import decoding
 from test_serving import _global_lm, _lm, _requests, _shared_prefix_requests
 
 pytestmark = pytest.mark.integration  # a model compiled several times: ~20 s a case
@@ -55,7 +57,7 @@ def test_stop_tokens_and_pages_given_back_for_the_next_requests():
                             num_pages=2 * 10, prefill_chunk=16, stop_tokens=stop)
   want = _generated(model, params, prompts, limits, stop_tokens=stop)
   assert served == want and served[0][-1] == stop[0] and len(served[0]) <= 3
-  static, _ = serving.serve_static(model, params, prompts, limits, batch_size=2,
+  static, _ = static_batching.serve_static(model, params, prompts, limits, batch_size=2,
                                    stop_tokens=stop)
   assert served == static
 

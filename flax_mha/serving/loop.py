@@ -1,4 +1,4 @@
-"""The device side of serving (`flax_mha.models.serving`): a compiled loop over `batch_size` rows
+"""The device side of serving (`flax_mha.serving.server`): a compiled loop over `batch_size` rows
 that runs until the host has something to do.
 
 Each trip of the loop feeds one row's prompt a piece (chunked prefill: at most `chunk` tokens,
@@ -7,7 +7,7 @@ one decode step for every row past its prompt, so a long prompt enters between d
 no running row waits for a whole prefill. The global layers' keys and values live in a pool of
 pages (`flax_mha.cache.PagedKVCache`): a row pops pages off a free stack as its length crosses
 page boundaries and pushes them back when it ends, except its first `keep` table entries, which
-are the host's (shared prefix pages, `flax_mha.models.page_pool`); the local layers keep rolling
+are the host's (shared prefix pages, `flax_mha.serving.page_pool`); the local layers keep rolling
 caches of their window.
 
 A run (`segment`) ends after `max_trips` trips, when a row's output buffer is nearly full, when

@@ -1,6 +1,6 @@
-"""flax_mha.sharding on 8 emulated devices, in a subprocess (tests/multidevice/check_sharding.py):
+"""flax_mha.parallel.sharding on 8 emulated devices, in a subprocess (tests/multidevice/check_sharding.py):
 data, model and data x model layouts equal the unsharded model. The table lookups are the unit
-part, tests/test_sharding.py, on the single CPU device."""
+part, tests/parallel/test_sharding.py, on the single CPU device."""
 
 import pytest
 

@@ -1,6 +1,6 @@
 """Ring attention (Liu et al., 2023): the "ring" strategy of sequence parallelism.
 
-One device's part, run inside `shard_map` by `flax_mha.kernels.seq_parallel`: it keeps its query
+One device's part, run inside `shard_map` by `flax_mha.parallel.seq_parallel`: it keeps its query
 shard and passes its key/value shard around the ring (`lax.ppermute` to the next device); at
 each of n steps it runs a step kernel (a `Block`) on the (query shard, visiting key shard) pair
 and merges the partial result into its running output by log-sum-exp. The step kernel is the
@@ -21,7 +21,7 @@ forward; after n hops the accumulators are home. Its loop sends K/V n times, the
 unused, rather than peel a step off (see `_ring_bwd`).
 
 The arrays of the key side of the mask terms (segment ids, positions) travel with their shard.
-Visibility compares the tokens' true positions (`flax_mha.kernels.seqmods.localize`), whatever
+Visibility compares the tokens' true positions (`flax_mha.parallel.seqmods.localize`), whatever
 the layout: a visiting shard entirely in a query shard's future costs no tile (the kernel skips
 tiles that its masks hide), so a balanced layout (zigzag, striped) balances the work per step.
 """
@@ -36,13 +36,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flax_mha import dispatch
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import common
 from flax_mha.kernels import registry
-from flax_mha.kernels import seqmods
+from flax_mha.parallel import seqmods
 from flax_mha.kernels import triton
 from flax_mha.kernels.chunked import chunked_backward, chunked_forward
-from flax_mha.kernels.seqmods import HEADS, KV
+from flax_mha.parallel.seqmods import HEADS, KV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,6 @@ def explain_step(query, key, value, mask=None, *, mods=None, platform: str = "cp
   """What one ring step of these shards' shapes (query [B, T, H, K], the visiting key and
   value shards [B, S, G, K|V], `mods` at the step's positions) runs on `platform`, and why:
   `flax_mha.dispatch`'s choice for the layout "ring_block"."""
-  from flax_mha import dispatch  # the rule imports the kernels' package, this module among them
   return dispatch.explanation(registry.Call.of(query, key, value, None, mask, mods=mods,
                                                platform=platform, layout="ring_block"))
 
@@ -99,7 +99,6 @@ def _step_terms(plan: seqmods.Plan, i, q, k_i, mask, leaves, kv_leaves):
 def _step_kernel(plan: seqmods.Plan, which: str, q, k, v, mask, leaves):
   """fn(*arrays, mask, mods) -> the step's `which` ("forward" or "backward") of the platform's
   Block, staged per platform with `lax.platform_dependent` where the platforms' Blocks differ."""
-  from flax_mha import dispatch  # the rule imports the kernels' package, this module among them
   mask_0, mods_0 = _step_terms(plan, 0, q, k, mask, leaves, plan.of_side(leaves, KV))
   call = registry.Call.of(q, k, v, None, mask_0, mods=mods_0, platform="cpu",
                           layout="ring_block")

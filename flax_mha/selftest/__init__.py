@@ -4,7 +4,7 @@ On the backend where it runs (`jax.default_backend()`: cpu, a CUDA or ROCm GPU, 
 every implementation registered for that platform (`flax_mha.kernels.registry`: each kernel
 whose `platform` is None or this one, read from the registry, so a kernel registered later
 appears; a superset of what `implementation=None` picks) and `implementation=None` itself,
-compiled, on the matrix of `flax_mha.selftest_cases`: options of `dot_product_attention` at a
+compiled, on the matrix of `flax_mha.selftest.cases`: options of `dot_product_attention` at a
 small and a medium shape, in float32 and bfloat16; a KV cache's step (`flax_mha.cache.attend`)
 and `flax_mha.paged_attention`, by None and by each kernel of those layouts. Each row is
 checked against the oracle (`implementation="reference"` in float32 on the same rounded
@@ -50,8 +50,7 @@ from flax_mha import attention
 from flax_mha import cache as cache_lib
 from flax_mha import dispatch
 from flax_mha import platforms
-from flax_mha import selftest_cases as cases
-from flax_mha import steps
+from flax_mha.selftest import cases
 from flax_mha.kernels import registry
 
 DTYPES = ("float32", "bfloat16")
@@ -325,14 +324,14 @@ def _step_rows(settings: Settings, platform: str, layout: str, report) -> None:
 
 
 def _step_explain(layout: str, inputs: cases.Inputs):
-  """What None runs for the step (`flax_mha.steps.explain`)."""
+  """What None runs for the step (`flax_mha.cache.explain`)."""
   query = inputs.args[0]
   if layout == "cache":
-    return steps.explain(query, inputs.extra[0], **inputs.static, **inputs.arrays)
+    return cache_lib.explain(query, inputs.extra[0], **inputs.static, **inputs.arrays)
   lengths, table = inputs.extra
   before = cache_lib.PagedKVCache(inputs.args[1], inputs.args[2], table,
                                   lengths - query.shape[1])
-  return steps.explain(query, before, **inputs.static, **inputs.arrays)
+  return cache_lib.explain(query, before, **inputs.static, **inputs.arrays)
 
 
 def run(settings: Settings = Settings(), report: Callable[[Row], None] | None = None
@@ -455,7 +454,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                      interpret=args.interpret, seconds=seconds, counts=counts(rows),
                      rows=[dataclasses.asdict(row) for row in rows]), f, indent=1)
   return 1 if counts(rows)["fail"] else 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,8 +1,8 @@
-"""flax_mha.kernels.ring: 4 sequence shards equal single-device attention, values and grads.
+"""flax_mha.parallel.ring: 4 sequence shards equal single-device attention, values and grads.
 
 Argument checks, the strategy rule and traces on abstract meshes run here on the single CPU
 device; the 8-device checks (in a subprocess, tests/multidevice/check_ring.py) and compiles on
-one-device meshes are in tests/kernels/test_ring_integration.py.
+one-device meshes are in tests/parallel/test_ring_integration.py.
 """
 
 import jax
@@ -13,10 +13,10 @@ from jax.sharding import AbstractMesh
 
 import flax_mha
 from flax_mha import mods as mods_lib
-from flax_mha import sharding
+from flax_mha.parallel import sharding
 from flax_mha import ring_implementation
-from flax_mha.kernels import layouts, seq_parallel
-from flax_mha.kernels.seq_parallel import ring_attention
+from flax_mha.parallel import layouts, seq_parallel
+from flax_mha.parallel.seq_parallel import ring_attention
 from helpers import np_attention, output_and_grads, qkv
 
 
@@ -126,7 +126,7 @@ AUTO_CASES = [
     # A narrow window: each query shard sees about one shard of keys, the ring holds two.
     (MQA, (8, 1), dict(is_causal=True, mods=WINDOW), "ring", "0.062 of the tiles visible"),
     # A band over 32768 keys: its tile map is evaluated on every tile (~15 s): the integration
-    # part (tests/kernels/test_ring_integration.py).
+    # part (tests/parallel/test_ring_integration.py).
     (((1, 32768, 8, 64), (1, 32768, 1, 64)), (8, 1), dict(mods=mods_lib.Mods((
         mods_lib.MaskMod(lambda b, h, q, kv: jnp.abs(q - kv) <= 64),))), "ring",
      "0.046 of the tiles"),

@@ -11,7 +11,7 @@ applied to the sequence before it is split into n equal shards, and undone at th
 - "striped": token t lives on device t mod n (Brandon et al., 2023, "Striped Attention").
 
 Every layout computes the same function: the kernels compare the tokens' true positions
-(`flax_mha.kernels.seqmods`), so causality, windows and lengths hold whatever the order.
+(`flax_mha.parallel.seqmods`), so causality, windows and lengths hold whatever the order.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ shared prefixes computed once, and requests that arrive while the loop runs.
   server.cancel(request)                                     # its pages come back
 
 `Server` keeps `batch_size` rows busy. The device runs the compiled loop of
-`flax_mha.models.serving_loop` (chunked prefill between decode steps, pages popped and pushed
+`flax_mha.serving.loop` (chunked prefill between decode steps, pages popped and pushed
 on the device) in runs of up to `segment_steps` trips; between runs the host takes out the
 tokens made, ends cancelled requests, and admits waiting ones into free rows. Either the caller
 drives it (`step()`, or `stream`, which steps while it waits), or a thread of its own does
@@ -17,7 +17,7 @@ the loop at a time (the device's pool is donated from run to run), and a thread 
 loop running waits for that run's tokens instead of starting one of its own.
 
 Prefix caching (`prefix_caching=True`, the default): a prompt's whole pages are entered in the
-host's book (`flax_mha.models.page_pool`), named by a chain of digests of their tokens; a later
+host's book (`flax_mha.serving.page_pool`), named by a chain of digests of their tokens; a later
 request whose prompt begins with pages there takes them by reference and prefills only the
 rest; a prompt that matches to its last token recomputes that token into a copy of the last
 page (copy-on-write: a shared page is never written). Pages nobody holds stay until the pool
@@ -31,8 +31,7 @@ tokens) beside what every live row may still take, after evicting unused prefix 
 then it waits. A request longer than `max_length`, or than the pool, is refused by `submit`.
 
 `serve` is the batch API on top: every request submitted up front, run until all are done.
-`serve_static` is the baseline: groups of `batch_size` prompts padded to the group's longest,
-each group running until its longest request is done (`flax_mha.models.decoding.generate`).
+Static batching, the benchmarks' baseline, is `experiments.bench.static_batching.serve_static`.
 
 The model must provide `init_paged_cache` and `logits` (as `flax_mha.models.DecoderLM` and its
 NNX twin `flax_mha.models.lm_nnx.DecoderLM` do): a linen module with its variables as `params`,
@@ -54,8 +53,8 @@ import numpy as np
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.models import decoding
-from flax_mha.models import page_pool
-from flax_mha.models import serving_loop
+from flax_mha.serving import page_pool
+from flax_mha.serving import loop as serving_loop
 
 # The most prompt tokens one trip of the loop feeds: the faster of 256, 512 and 1024 on
 # `python -m experiments.bench.generation --part serving` (512 and 1024 level; 256 slower).
@@ -162,7 +161,7 @@ class Server:
 
   def submit(self, prompt, max_new_tokens: int) -> Request:
     """Queue a request (any time, from any thread); returns its handle."""
-    prompt = _prompts([prompt], self.vocab_size)[0]
+    prompt = check_prompts([prompt], self.vocab_size)[0]
     max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens)
     decoding.check_positions(self.model, len(prompt), max_new_tokens)
     total = len(prompt) + max_new_tokens
@@ -416,9 +415,9 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
                       ("num_pages", num_pages), ("prefill_chunk", prefill_chunk)):
     checks.check_int(name, value)
   started = time.perf_counter()
-  prompts = _prompts(prompts, decoding.vocabulary(model, params, "init_paged_cache",
+  prompts = check_prompts(prompts, decoding.vocabulary(model, params, "init_paged_cache",
                                                   static=(1, 1, 1, 1)))
-  limits = _limits(max_new_tokens, len(prompts))
+  limits = check_limits(max_new_tokens, len(prompts))
   for prompt, limit in zip(prompts, limits):
     decoding.check_positions(model, len(prompt), limit)
   if not prompts:
@@ -432,36 +431,7 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
   return [r.tokens for r in requests], server.stats(time.perf_counter() - started)
 
 
-def serve_static(model, params, prompts, max_new_tokens, *, batch_size: int, stop_tokens=(),
-                 sampler=decoding.Greedy(), rng=None):
-  """The baseline: groups of `batch_size` prompts, right-padded to the group's longest, each
-  generating until the group's largest limit; (new tokens per prompt, ServeStats without
-  pages)."""
-  model, params = decoding.decodable(model, params)
-  prompts = _prompts(prompts, decoding.vocabulary(model, params, "init_cache",
-                                                  (np.zeros((1, 1), np.int32),), (1,)))
-  limits = _limits(max_new_tokens, len(prompts))
-  outputs, start = [], time.perf_counter()
-  for first in range(0, len(prompts), batch_size):
-    group = list(range(first, min(first + batch_size, len(prompts))))
-    group += [group[-1]] * (batch_size - len(group))  # one shape for every group
-    length = max(len(prompts[i]) for i in group)
-    padded = np.zeros((batch_size, length), np.int32)
-    for row, i in enumerate(group):
-      padded[row, :len(prompts[i])] = prompts[i]
-    lengths = np.array([len(prompts[i]) for i in group], np.int32)
-    new = np.asarray(decoding.generate(
-        model, params, (padded,), padded, lengths, max_new_tokens=max(limits[i] for i in group),
-        sampler=sampler, stop_tokens=tuple(stop_tokens), rng=rng))
-    done = {}
-    for row, i in enumerate(group):
-      done.setdefault(i, until_stop(new[row, :limits[i]], stop_tokens))
-    outputs += [done[i] for i in sorted(done)]
-  seconds = time.perf_counter() - start
-  return outputs, ServeStats(sum(map(len, outputs)), seconds, 0, 0)
-
-
-def _prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
   """Each prompt as int32 ids [L], refused when empty, not 1-D integers or outside
   [0, vocab_size)."""
   rows = decoding.prompt_rows(prompts)
@@ -470,7 +440,7 @@ def _prompts(prompts, vocab_size: int) -> list[np.ndarray]:
   return rows
 
 
-def _limits(max_new_tokens, n: int) -> list[int]:
+def check_limits(max_new_tokens, n: int) -> list[int]:
   """max_new_tokens (any integer, NumPy's included, or one per prompt) as n Python ints."""
   one = isinstance(max_new_tokens, numbers.Integral) or np.ndim(max_new_tokens) == 0
   limits = [max_new_tokens] * n if one else list(max_new_tokens)

@@ -24,7 +24,7 @@ import numpy as np
 
 from flax_mha import attention
 from flax_mha import cache as cache_lib
-from flax_mha import paged as paged_lib
+from flax_mha.cache import paged as paged_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +296,7 @@ def paged_call(implementation):
 
 
 def paged_oracle(query, k_pages, v_pages, arrays, static, lengths, table):
-  """The oracle of a paged call, independent of flax_mha.paged: each row's pages gathered in
+  """The oracle of a paged call, independent of flax_mha.cache.paged: each row's pages gathered in
   order into a contiguous cache, slots past its length hidden by position, and
   `dot_product_attention(implementation="reference")` over it at the rows' last T positions."""
   b, t = query.shape[:2]

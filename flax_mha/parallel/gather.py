@@ -1,5 +1,5 @@
 """The "all_gather" and "ulysses" strategies of sequence parallelism: one device's part, run
-inside `shard_map` by `flax_mha.kernels.seq_parallel`.
+inside `shard_map` by `flax_mha.parallel.seq_parallel`.
 
 - all_gather (maxtext's default; kvax): every device gathers the whole key and value sequence
   (`lax.all_gather` over the axis) and attends with its own query shard. One collective, no
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from jax import lax
 
-from flax_mha.kernels import seqmods
+from flax_mha.parallel import seqmods
 from flax_mha.kernels import chunked
-from flax_mha.kernels.seqmods import HEADS, KV, Q
+from flax_mha.parallel.seqmods import HEADS, KV, Q
 
 
 def _gather(x, plan: seqmods.Plan, axis: int):

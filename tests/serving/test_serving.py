@@ -1,9 +1,9 @@
-"""Serving (flax_mha.models.serving): a run of the loop is one compiled program with no host
+"""Serving (flax_mha.serving.server): a run of the loop is one compiled program with no host
 callback, compiled once per shapes; shared prefixes give the tokens of serving without sharing
 and leave no page behind; the prefill pieces; bad arguments named. The tokens served against
 `decoding.generate`'s and static batching's, online admission, streaming, cancellation and a
-full pool are in tests/models/test_serving_integration.py; the host's book of pages alone in
-tests/models/test_page_pool.py."""
+full pool are in tests/serving/test_serving_integration.py; the host's book of pages alone in
+tests/serving/test_page_pool.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from helpers import random_params
-from flax_mha.models import serving, serving_loop
+from flax_mha import serving
+from flax_mha.serving import loop as serving_loop
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 VOCAB = 17

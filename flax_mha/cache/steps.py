@@ -1,5 +1,5 @@
 """A few queries over a KV cache, read where it lies: the step of a contiguous cache
-(`flax_mha.cache.attend`) and paged attention over a page pool (`flax_mha.paged`), each with
+(`flax_mha.cache.attend`) and paged attention over a page pool (`flax_mha.cache.paged`), each with
 the kernel that `flax_mha.dispatch` chooses for its `registry.Call` (layout "cache" or
 "paged") on each platform, staged with `lax.platform_dependent` where the platforms' choices
 differ, as `dot_product_attention` stages its own. Past FEW_QUERIES queries (a prefill) the
@@ -9,8 +9,8 @@ The kernels behind the names (ENTRIES): "xla", dense over the smallest power-of-
 slots that holds every filled one (a `lax.switch` over static prefixes: the step costs what is
 filled, not the capacity); "decode", the decode kernel walking each row's key blocks (a
 contiguous cache's slots, or its pages) in place; "triton_decode", the Triton decode kernel
-(on 'cuda'), which reads a row's filled blocks or pages in place. `explain` says which runs
-for a step, and why.
+(on 'cuda'), which reads a row's filled blocks or pages in place. `flax_mha.cache.explain`
+says which runs for a step, and why.
 
 An int8 cache (`flax_mha.quant`) comes with its scales (`kv_scales`): "decode" and
 "triton_decode" dequantize each block they load, "xla" the filled prefix its branch reads,
@@ -23,8 +23,8 @@ cache's capacity, or a row's pages times the page size), P pages.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-import dataclasses
 import functools
 
 import jax
@@ -128,33 +128,16 @@ def _call(query_BTHK, keys_BSGK, values_BSGV, mask, mods, dropout_rate, layout, 
   return call
 
 
-def explain(query, cache, positions=None, *, platform: str | None = None,
-            **options) -> dispatch.Explanation:
-  """What a step of `query` [B, T, H, K] (arrays or `jax.ShapeDtypeStruct`s) over `cache` (a
-  `KVCache` or `PagedKVCache`) runs with `implementation=None` on `platform` (None: the default
-  backend's), why, and what every kernel of the step's layout says of it: the dispatch of
-  `flax_mha.cache.attend(query, key, value, cache, positions, **options)`. Nothing is
-  computed. A call that is not a step (more than FEW_QUERIES queries, `return_residual`)
-  reads "dense": `flax_mha.explain` on the cache's keys says what then runs."""
-  from flax_mha import cache as cache_lib  # the cache's types import this module
-  platform = dispatch.check_platform(platform)
-  b, t = query.shape[:2]
-  heads = cache.k_pages.shape[2] if hasattr(cache, "k_pages") else cache.key.shape[1]
-  chunk = lambda dims: jax.ShapeDtypeStruct((b, t, heads, dims), query.dtype)
-  key_dim = cache.k_pages.shape[-1] if hasattr(cache, "k_pages") else cache.key.shape[-1]
-  value_dim = cache.v_pages.shape[-1] if hasattr(cache, "v_pages") else cache.value.shape[-1]
+@contextlib.contextmanager
+def recording():
+  """A context in which every step's `registry.Call` traced is appended to the list it gives
+  (`flax_mha.cache.explain` traces a step on shapes and reads what it would run)."""
   recorded = []
   token = _RECORDED.set(recorded)
   try:
-    jax.eval_shape(lambda q, k, v, c, p: cache_lib.attend(q, k, v, c, p, **options), query,
-                   chunk(key_dim), chunk(value_dim), cache, positions)
+    yield recorded
   finally:
     _RECORDED.reset(token)
-  if not recorded:
-    return dispatch.Explanation("dense", "not a step (an implementation named, or "
-                                "return_residual): the keys go to dot_product_attention",
-                                platform, {})
-  return dispatch.explanation(dataclasses.replace(recorded[0], platform=platform))
 
 
 def _api(x_BGSK):

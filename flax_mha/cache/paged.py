@@ -9,8 +9,8 @@ last T of them, at positions lengths[b] - T .. lengths[b] - 1, causal by default
 JAX's TPU `paged_attention`, the layout of `dot_product_attention`: pages replace S). A batch of
 sequences of very different lengths then holds memory for the tokens it has, rounded up to
 pages, not B x the longest. For a few queries (`flax_mha.dispatch.FEW_QUERIES`) the kernel
-that `flax_mha.dispatch` chooses walks each row's pages in place (`flax_mha.steps`: the decode
-kernel, on 'cuda' the Triton decode kernel; `flax_mha.steps.explain` says which); beyond, and
+that `flax_mha.dispatch` chooses walks each row's pages in place (`flax_mha.cache.steps`: the decode
+kernel, on 'cuda' the Triton decode kernel; `flax_mha.cache.explain` says which); beyond, and
 for the other implementations, the rows' pages are gathered into a contiguous cache. Equal to
 `dot_product_attention` over that contiguous cache.
 
@@ -28,7 +28,7 @@ import numpy as np
 
 from flax_mha import checks
 from flax_mha import quant
-from flax_mha import steps
+from flax_mha.cache import steps
 from flax_mha.attention import dot_product_attention
 from flax_mha.kernels import triton_decode
 

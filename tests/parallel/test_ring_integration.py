@@ -1,4 +1,4 @@
-"""flax_mha.kernels.ring at the cases tests/kernels/test_ring.py leaves out: 4 sequence shards
+"""flax_mha.parallel.ring at the cases tests/parallel/test_ring.py leaves out: 4 sequence shards
 equal single-device attention on 8 emulated devices, values and grads, each check in a subprocess
 (tests/multidevice/check_ring.py, check_ring_blocks.py, check_seq_parallel.py); the ring and the
 strategies compiled on one-device meshes against the oracle; and the auto strategy's rule on a
@@ -13,9 +13,9 @@ from jax.sharding import AxisType
 
 import flax_mha
 from flax_mha import mods as mods_lib
-from flax_mha import sharding
+from flax_mha.parallel import sharding
 from flax_mha import ring_implementation
-from flax_mha.kernels.seq_parallel import ring_attention
+from flax_mha.parallel.seq_parallel import ring_attention
 from helpers import np_attention, output_and_grads, qkv
 from tests.multidevice.run import run_check
 import test_ring as unit

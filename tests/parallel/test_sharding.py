@@ -1,6 +1,6 @@
-"""flax_mha.sharding's tables and checks on the single CPU device: the logical axes of every
+"""flax_mha.parallel.sharding's tables and checks on the single CPU device: the logical axes of every
 parameter, the rules, the refusals by name. The layouts on 8 devices equal to the unsharded
-model are in tests/test_sharding_integration.py.
+model are in tests/parallel/test_sharding_integration.py.
 """
 
 import inspect
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from flax_mha import sharding
-from flax_mha.kernels.seq_parallel import ring_attention
+from flax_mha.parallel import sharding
+from flax_mha.parallel.seq_parallel import ring_attention
 from flax_mha.models import lm, transformer
 from flax_mha.models.lm import DecoderLM, LMConfig
 from flax_mha.models.transformer import Transformer, TransformerConfig

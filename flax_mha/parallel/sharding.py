@@ -38,7 +38,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # Mesh axis names, defined here only: batch, fully sharded data parallelism (batch and state),
-# tensor (heads / FFN width), sequence (sequence parallelism). flax_mha.kernels.seq_parallel
+# tensor (heads / FFN width), sequence (sequence parallelism). flax_mha.parallel.seq_parallel
 # imports them, so this module must not import flax. Outermost first: the slowest links carry
 # 'data'.
 DATA_AXIS = "data"

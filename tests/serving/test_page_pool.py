@@ -1,4 +1,4 @@
-"""The host's book of a serving pool (flax_mha.models.page_pool), rule by rule, without a device:
+"""The host's book of a serving pool (flax_mha.serving.page_pool), rule by rule, without a device:
 prefix matching by digest chains, reference counts, copy-on-write of a whole-prompt match,
 waiting for a prefix being written, eviction (least recently used, deepest first), and a
 ledger check that fails when a page leaks."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flax_mha.models import page_pool
-from flax_mha.models.page_pool import BLOCKED, PagePool
+from flax_mha.serving import page_pool
+from flax_mha.serving.page_pool import BLOCKED, PagePool
 
 PAGE = 4
 

@@ -2,7 +2,7 @@
 prefix that later requests may share, and who holds them.
 
 The device pops a row's pages off a free stack as it grows and pushes them back when it ends
-(`flax_mha.models.serving`); between two runs of the loop the host reads that stack back, and
+(`flax_mha.serving.server`); between two runs of the loop the host reads that stack back, and
 this book decides the rest:
 - Prefix entries. A prompt's whole pages are named by a chain of digests (page i's digest
   covers the tokens of pages 0 .. i), so a page matches only under the same prefix. A request
@@ -18,7 +18,7 @@ this book decides the rest:
   so the device never finds the stack empty: a request that does not fit waits.
 
 Pure Python over NumPy: no JAX here, so every rule is tested by itself
-(tests/models/test_page_pool.py).
+(tests/serving/test_page_pool.py).
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
 """Sequence (context) parallelism: exact attention with the sequence split over a mesh axis.
 
 Query, key and value are split along the sequence over n devices of one mesh axis, in one of
-the token layouts of `flax_mha.kernels.layouts` (contiguous, zigzag, striped: the permutation
+the token layouts of `flax_mha.parallel.layouts` (contiguous, zigzag, striped: the permutation
 is applied to every sequence-shaped input once here and undone at the output), and each device
 computes its query shard's rows by one of three strategies:
 
-  ring        key/value shards travel around the ring, one per step (`flax_mha.kernels.ring`):
+  ring        key/value shards travel around the ring, one per step (`flax_mha.parallel.ring`):
               memory per device falls as 1/n; takes no bias and no differentiable score_mod.
   all_gather  each device gathers all keys/values, then attends locally
-              (`flax_mha.kernels.gather`): one collective, every option of the single-device API.
-  ulysses     all-to-all from sequence shards to head shards and back (`flax_mha.kernels.gather`):
+              (`flax_mha.parallel.gather`): one collective, every option of the single-device API.
+  ulysses     all-to-all from sequence shards to head shards and back (`flax_mha.parallel.gather`):
               moves 1/n of what the others move; needs H and G divisible by n.
   auto        one of them, by `choose_strategy`'s rule.
 
 Each device hands its local problem to the chunked kernel (the ring: to its platform's step
-kernel, `flax_mha.kernels.ring.Block`) with the mask terms at the tokens' true positions
-(`flax_mha.kernels.seqmods`), so every strategy x layout computes the function of
+kernel, `flax_mha.parallel.ring.Block`) with the mask terms at the tokens' true positions
+(`flax_mha.parallel.seqmods`), so every strategy x layout computes the function of
 `flax_mha.dot_product_attention` on one device (tests/multidevice/check_ring.py).
 """
 
@@ -32,12 +32,12 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from flax_mha import call_options
 from flax_mha import checks
 from flax_mha import mods as mods_lib
-from flax_mha.kernels import layouts
-from flax_mha.kernels import seqmods
+from flax_mha.parallel import layouts
+from flax_mha.parallel import seqmods
 from flax_mha.kernels import chunked
-from flax_mha.kernels import gather
-from flax_mha.kernels import ring
-from flax_mha.sharding import DATA_AXIS, MODEL_AXIS, SEQ_AXIS
+from flax_mha.parallel import gather
+from flax_mha.parallel import ring
+from flax_mha.parallel.sharding import DATA_AXIS, MODEL_AXIS, SEQ_AXIS
 from flax_mha.kernels import registry
 
 
@@ -78,7 +78,7 @@ def sequence_parallel_attention(query, key, value, mask=None, *, mesh: Mesh | Ab
       the abstract mesh of `jax.set_mesh`.
     strategy: static, "ring", "all_gather", "ulysses" or "auto" (see the module docstring).
     layout: static, "contiguous", "zigzag" or "striped": which tokens each device holds
-      (`flax_mha.kernels.layouts`). T and S must be multiples of n (2n for zigzag).
+      (`flax_mha.parallel.layouts`). T and S must be multiples of n (2n for zigzag).
     axis_name: the mesh axis the sequence is split over.
     is_causal: static; query t sees keys s <= t (global positions, top-left aligned).
     scale: static logits multiplier, default 1/sqrt(K).
@@ -297,7 +297,7 @@ def _check_axes(mesh, axis_name, batch_axis, head_axis):
   names = tuple(mesh.axis_names)
   if axis_name not in names:
     raise ValueError(f"axis_name={axis_name!r} must be an axis of the mesh {names}: pass one of "
-                     "them, or build the mesh with flax_mha.sharding.make_mesh(seq=n)")
+                     "them, or build the mesh with flax_mha.parallel.sharding.make_mesh(seq=n)")
   for arg, axis in (("batch_axis", batch_axis), ("head_axis", head_axis)):
     if axis is not None and axis not in names:
       raise ValueError(f"{arg}={axis!r} must be None or an axis of the mesh {names}")
@@ -348,7 +348,7 @@ class SequenceParallel:
   `flax_mha.dot_product_attention` (build it with `flax_mha.sequence_parallel_implementation`;
   `flax_mha.ring_implementation` is the ring over contiguous shards):
 
-    with jax.set_mesh(flax_mha.sharding.make_mesh(seq=4)):
+    with jax.set_mesh(flax_mha.parallel.sharding.make_mesh(seq=4)):
       out = flax_mha.dot_product_attention(
           q, k, v, is_causal=True, q_segment_ids=ids,
           implementation=flax_mha.sequence_parallel_implementation("all_gather", "zigzag"))
@@ -374,7 +374,7 @@ class SequenceParallel:
     mesh = jax.sharding.get_abstract_mesh()
     if SEQ_AXIS not in mesh.axis_names:
       raise ValueError(f"sequence-parallel attention needs a mesh with a {SEQ_AXIS!r} axis in "
-                       "context: call it under `with jax.set_mesh(flax_mha.sharding.make_mesh("
+                       "context: call it under `with jax.set_mesh(flax_mha.parallel.sharding.make_mesh("
                        f"seq=n))`, got {mesh}")
     batch_axis, head_axis = _context_axes(mesh, query, key, mods)
     return sequence_parallel_attention(
@@ -451,7 +451,7 @@ def refuses(call: registry.Call) -> str | None:
   reason = unsupported_reason(call.bias, call.dropout_rate, call.mods)
   if reason is None and SEQ_AXIS not in jax.sharding.get_abstract_mesh().axis_names:
     reason = (f"it needs a mesh with a {SEQ_AXIS!r} axis in context (`with "
-              "jax.set_mesh(flax_mha.sharding.make_mesh(seq=n))`), and there is none")
+              "jax.set_mesh(flax_mha.parallel.sharding.make_mesh(seq=n))`), and there is none")
   return reason
 
 

@@ -9,11 +9,11 @@ caches hold G heads, not H), the absolute position of the token in each slot [B,
 and each row's next position [B]: rows advance independently, so a batch of prompts of
 different lengths needs no left padding. Attention over the cache is attention with
 `q_positions`/`kv_positions`: causality and windows compare positions and empty slots are
-hidden. This module holds the caches and their writers; reading is `flax_mha.steps`'s: a step
+hidden. This module holds the caches and their writers; reading is `flax_mha.cache.steps`'s: a step
 of a few tokens runs the kernel `flax_mha.dispatch` chooses for it ("xla" over the smallest
 power-of-two prefix of slots that holds every filled one, so it costs what is filled, not the
 capacity; on 'cuda' the Triton decode kernel, which reads each row's filled blocks in place;
-`flax_mha.steps.explain` says which and why), and a long prefill goes through
+`flax_mha.cache.explain` says which and why), and a long prefill goes through
 `dot_product_attention`'s dispatch (chunked skips empty tiles).
 
 Two layouts, by what a layer attends to:
@@ -59,11 +59,7 @@ import jax.numpy as jnp
 from jax._src import config as jax_config
 
 from flax_mha import checks
-from flax_mha import paged
 from flax_mha import quant
-from flax_mha import steps
-from flax_mha.kernels import triton_decode
-from flax_mha.attention import dot_product_attention
 
 
 @jax.tree_util.register_dataclass
@@ -111,30 +107,6 @@ class KVCache:
   @property
   def capacity(self) -> int:
     return self.key.shape[2]
-
-  def chunk_attention(self, query_BTHK, key_BTGK, value_BTGV, positions_BT, kernel, options):
-    """(out, updated cache) of `attend`: a full cache is written first (it then holds every
-    key the chunk may see); a rolling one is read with the chunk after its slots, then
-    written (it keeps what the window needs)."""
-    if self.window is None:
-      cache = update(self, key_BTGK, value_BTGV, positions_BT)
-      out = _read(query_BTHK, cache.key, cache.value, cache.positions, positions_BT,
-                  prefixes=True, kernel=kernel, options=options, kv_scales=cache.scales)
-      return out, cache
-    options = dict(options, local_window_size=(self.window, 0), sink_tokens=self.sink_tokens)
-    chunk_pos = jnp.where(positions_BT >= 0, positions_BT, -1)
-    # The chunk as it will be stored (an int8 cache's: quantized), after the slots.
-    (key, k_scale), (value, v_scale) = (_stored(self.key, x) for x in (key_BTGK, value_BTGV))
-    join = lambda slots, chunk, axis: None if slots is None else jnp.concatenate(
-        [slots, chunk], axis=axis)
-    scales = None if self.key_scale is None else (
-        join(self.key_scale, k_scale.transpose(0, 2, 1), 2),
-        join(self.value_scale, v_scale.transpose(0, 2, 1), 2))
-    out = _read(query_BTHK, join(self.key, _head_major(key), 2),
-                join(self.value, _head_major(value), 2),
-                jnp.concatenate([self.positions, chunk_pos], axis=1), positions_BT,
-                prefixes=False, kernel=kernel, options=options, kv_scales=scales)
-    return out, update(self, key_BTGK, value_BTGV, positions_BT)
 
   @property
   def scales(self):
@@ -236,24 +208,13 @@ def caller_makes_room(fn):
 
 def _check_room(cache, positions_BT) -> None:
   """A full or paged cache refuses concrete positions at or beyond its capacity (an eager
-  write) with a ValueError; traced ones are judged by `_overflow_is_nan` after the write."""
+  write) with a ValueError; traced ones are judged by `flax_mha.cache.attend` after the write."""
   if getattr(cache, "window", None) is not None or isinstance(positions_BT, jax.core.Tracer):
     return
   last, c = int(jnp.max(positions_BT)), cache.capacity
   if last >= c:
     raise ValueError(f"KV cache overflow: writing position {last} into a cache of capacity "
                      f"{c}; make the cache larger (capacity >= prompt + new tokens)")
-
-
-def _overflow_is_nan(out_BTHV, cache):
-  """`out` with NaN in every row whose length has passed the capacity (a traced write beyond
-  it was dropped), unless traced inside `room_made_by_caller()`: the check survives export."""
-  if getattr(cache, "window", None) is not None or ROOM_MADE_BY_CALLER.value:
-    return out_BTHV
-  if isinstance(out_BTHV, tuple):  # with return_residual: (out, lse)
-    return (_overflow_is_nan(out_BTHV[0], cache), *out_BTHV[1:])
-  over_B = cache.length > cache.capacity
-  return jnp.where(over_B[:, None, None, None], jnp.nan, out_BTHV)
 
 
 def update(cache: KVCache, key_BTGK, value_BTGV, positions_BT) -> KVCache:
@@ -266,7 +227,7 @@ def update(cache: KVCache, key_BTGK, value_BTGV, positions_BT) -> KVCache:
   # (and [B, G, C] scales': [B, T, G]).
   write = lambda buf, new: None if buf is None else jnp.asarray(buf).at[rows, :, slots].set(
       new, mode="drop")
-  (key, k_scale), (value, v_scale) = (_stored(cache.key, x) for x in (key_BTGK, value_BTGV))
+  (key, k_scale), (value, v_scale) = (stored(cache.key, x) for x in (key_BTGK, value_BTGV))
   positions = jnp.asarray(cache.positions).at[rows, slots].set(
       jnp.where(positions_BT >= 0, positions_BT, -1), mode="drop")
   length = jnp.maximum(cache.length, jnp.max(positions_BT, axis=1) + 1)
@@ -276,7 +237,7 @@ def update(cache: KVCache, key_BTGK, value_BTGV, positions_BT) -> KVCache:
                              value_scale=write(cache.value_scale, v_scale))
 
 
-def _stored(buffer, x_BTGK):
+def stored(buffer, x_BTGK):
   """(x as `buffer` stores it, its scales [B, T, G] or None): an int8 buffer's quantized
   (`flax_mha.quant`), a floating one's cast to its dtype."""
   if quant.is_quantized(buffer.dtype):
@@ -284,72 +245,14 @@ def _stored(buffer, x_BTGK):
   return x_BTGK.astype(buffer.dtype), None
 
 
-def _head_major(x_BTGK):
+def head_major(x_BTGK):
   return x_BTGK.transpose(0, 2, 1, 3)
-
-
-def _api_layout(x_BGCK):
-  return x_BGCK.transpose(0, 2, 1, 3)
-
-
-def _read(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, positions_BT, *, prefixes, kernel,
-          options, kv_scales=None):
-  """The T queries over head-major keys: a step with the kernel `dispatch` chooses
-  (`flax_mha.steps`), or, past a step's size, `dot_product_attention` over them. With
-  `kv_scales` (an int8 cache's) a step's kernel dequantizes the blocks it reads, and the keys
-  handed to `dot_product_attention` are dequantized first."""
-  dtype = query_BTHK.dtype
-  keys, values = keys_BGSK, values_BGSV
-  if kv_scales is None:
-    keys, values = keys.astype(dtype), values.astype(dtype)
-  implementation = options.get("implementation")
-  if kernel is not None or (implementation in (None, "decode")
-                            and not options.get("return_residual", False)):
-    step_options = {k: v for k, v in options.items() if k != "implementation"}
-    out = steps.cache_step(query_BTHK, keys, values, kv_pos_BS, positions_BT,
-                           prefixes=prefixes, kernel=kernel, kv_scales=kv_scales,
-                           forced="decode" if implementation == "decode" else None,
-                           **step_options)
-    if out is not None:
-      return out
-  if kv_scales is not None:
-    keys, values = (quant.dequantize(x, s, dtype) for x, s in zip((keys, values), kv_scales))
-  return dot_product_attention(query_BTHK, _api_layout(keys), _api_layout(values),
-                               is_causal=True, q_positions=positions_BT, kv_positions=kv_pos_BS,
-                               **options)
-
-
-def attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT=None, **options):
-  """(out [B, T, H, V], updated cache): the T new tokens attend causally to everything the
-  cache holds and to themselves (by position), then are written.
-
-  `positions_BT` default to the rows' next positions; a negative one marks padding (a shorter
-  prompt in the batch): not written, seeing and seen by nothing. `options` are
-  `dot_product_attention`'s (scale, logit_soft_cap, sinks, local_window_size for a full cache,
-  implementation, ...); a rolling cache brings its own window (cache.window, 0) and sink tokens.
-  With `implementation=None` a step of a few tokens runs the kernel `flax_mha.dispatch`
-  chooses for it (`flax_mha.steps`; `flax_mha.steps.explain` says which); `implementation` may
-  also name the Triton decode kernel for the step: "triton_decode" (compiled: 'cuda' only) or
-  `flax_mha.kernels.triton_decode.make_attention(interpret=True)` (Pallas interpret mode, any
-  platform); a step it cannot take is refused by name. "decode" runs the decode kernel over
-  the slots in place whatever T (where it takes the call: no dense mask, no dropout); any
-  other name, `dot_product_attention`'s kernel of that name over the keys (an int8 cache's
-  dequantized). A `PagedKVCache` writes into its rows'
-  pages and reads them in place (`flax_mha.paged`). Both cache kinds answer the same
-  `chunk_attention`, which this calls.
-  """
-  if positions_BT is None:
-    positions_BT = next_positions(cache, query_BTHK.shape[1])
-  out, cache = cache.chunk_attention(query_BTHK, key_BTGK, value_BTGV, positions_BT,
-                                     triton_decode.named(options.get("implementation")),
-                                     options)
-  return _overflow_is_nan(out, cache), cache
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-  """One layer's cache in pages of a shared pool (`flax_mha.paged`): row b's position p lives in
+  """One layer's cache in pages of a shared pool (`flax_mha.cache.paged`): row b's position p lives in
   page page_indices[b, p // page], slot p % page. The host decides which pages a row owns (a
   continuous-batching loop hands a finished row's pages to the next prompt)."""
   k_pages: Any  # [P, page, G, K]
@@ -385,19 +288,6 @@ class PagedKVCache:
   def capacity(self) -> int:
     """Tokens a row can hold: its pages times the page size."""
     return self.page_indices.shape[1] * self.k_pages.shape[1]
-
-  def chunk_attention(self, query_BTHK, key_BTGK, value_BTGV, positions_BT, kernel, options):
-    """(out, updated cache) of `attend`: written first, then each row's pages read in place."""
-    if kernel is not None:
-      options = dict(options, implementation=kernel)
-    cache = update_pages(self, key_BTGK, value_BTGV, positions_BT)
-    k_pages, v_pages = cache.k_pages, cache.v_pages
-    if cache.scales is None:
-      k_pages, v_pages = (x.astype(query_BTHK.dtype) for x in (k_pages, v_pages))
-    out = paged.positioned_paged_attention(query_BTHK, k_pages, v_pages, cache.page_indices,
-                                           positions_BT, jnp.minimum(cache.length, cache.capacity),
-                                           kv_scales=cache.scales, **options)
-    return out, cache
 
   # The rows and the page table, as a serving loop handles them (one protocol for both kinds).
 
@@ -446,7 +336,7 @@ def update_pages(cache: PagedKVCache, key_BTGK, value_BTGV, positions_BT) -> Pag
   # [P, page, G, K] (and [P, page, G] scales) indexed [pages, slots]: [B, T, G, K] ([B, T, G]).
   write = lambda pool, new: None if pool is None else pool.at[pages, safe % page].set(
       new, mode="drop")
-  (key, k_scale), (value, v_scale) = (_stored(cache.k_pages, x) for x in (key_BTGK, value_BTGV))
+  (key, k_scale), (value, v_scale) = (stored(cache.k_pages, x) for x in (key_BTGK, value_BTGV))
   length = jnp.maximum(cache.length, jnp.max(positions_BT, axis=1) + 1)
   return dataclasses.replace(cache, k_pages=write(cache.k_pages, key),
                              v_pages=write(cache.v_pages, value), length=length,
