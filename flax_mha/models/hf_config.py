@@ -11,7 +11,7 @@ Conventions, where the two libraries say one thing two ways:
   reads it.
 
 Anything a family's config sets that this decoder does not implement is refused by name: never
-approximated.
+approximated. A key the family needs that the config lacks is a `MissingKey` naming it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,34 @@ FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # hidden_act -> (LMConfig.mlp, for the gated families).
 _GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
+
+
+class MissingKey(KeyError, ValueError):
+  """A key that the config's family needs and the config lacks: a ValueError (the config is
+  wrong), and a KeyError, so that `in` and `.get` on a `_Required` config answer as a dict's."""
+
+  def __str__(self) -> str:  # KeyError's would quote the message
+    return str(self.args[0])
+
+
+class _Required(Mapping):
+  """A config dict whose missing keys raise `MissingKey` naming the key and the family."""
+
+  def __init__(self, config: Mapping, fam: str):
+    self._config, self._family = config, fam
+
+  def __getitem__(self, key):
+    try:
+      return self._config[key]
+    except KeyError:
+      raise MissingKey(f"the config lacks the key {key!r}, which a {self._family} config "
+                       "needs") from None
+
+  def __iter__(self):
+    return iter(self._config)
+
+  def __len__(self) -> int:
+    return len(self._config)
 
 
 def family(config: Mapping) -> str:
@@ -53,9 +81,14 @@ def checkpoint_dtype(config: Mapping):
 
 def config_from_hf(config: Mapping, *, dtype: Any = None, **overrides) -> LMConfig:
   """The `LMConfig` of a Hugging Face config dict. `dtype` (default: the checkpoint's) is the
-  parameters' and the computation's; `overrides` set other fields (e.g. attention_implementation)."""
+  parameters' and the computation's; `overrides` set other fields (e.g. attention_implementation).
+
+  Raises MissingKey (a ValueError) for a key the family needs that the config lacks; ValueError
+  for anything else the config says that the decoder does not implement.
+  """
   fam = family(config)
   dtype = checkpoint_dtype(config) if dtype is None else jnp.dtype(dtype).type
+  config = _Required(config, fam)
   fields = _GPT2(config) if fam == "gpt2" else _rotary_family(config, fam)
   return LMConfig(**{"dtype": dtype, "param_dtype": dtype, "dropout_rate": 0.0,
                      "learned_sinks": False, "sink_tokens": 0, **fields, **overrides})
