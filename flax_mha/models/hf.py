@@ -151,15 +151,17 @@ _PREFIX = {"gpt2": "transformer."}
 def load(directory, *, dtype=None, mesh=None, **overrides):
   """(the linen `DecoderLM`, its variables {'params': ...}) of the checkpoint in `directory`.
 
-  dtype: the parameters' and the computation's (default: the checkpoint's, so a bfloat16 one
-    stays bfloat16). mesh: a `jax.sharding.Mesh` (`flax_mha.sharding.make_mesh`): each
-    parameter is placed as the model's sharding rules say as it is read. overrides: other
-    `LMConfig` fields (e.g. attention_implementation).
+  dtype: the parameters' and the computation's, one of `hf_config.LOAD_DTYPES` (default: the
+    checkpoint's, so a bfloat16 one stays bfloat16; float64 only under jax_enable_x64). mesh: a
+    `jax.sharding.Mesh` (`flax_mha.sharding.make_mesh`): each parameter is placed as the model's
+    sharding rules say as it is read. overrides: other `LMConfig` fields (e.g.
+    attention_implementation).
 
-  Raises FileNotFoundError for a missing config.json, weights file or shard; `CheckpointError`
-  (a ValueError) naming the file for one that cannot be read (cut short, not JSON) and for a
-  config.json the decoder cannot take (a missing key, an unsupported setting); ValueError naming
-  the tensor for weights that do not fit the config.
+  Raises FileNotFoundError for a missing config.json, weights file or shard;
+  `hf_config.UnsupportedDtype` (a TypeError) for another dtype; `CheckpointError` (a ValueError)
+  naming the file for one that cannot be read (cut short, not JSON) and for a config.json the
+  decoder cannot take (a missing key, an unsupported setting); ValueError naming the tensor for
+  weights that do not fit the config.
   """
   directory = pathlib.Path(directory)
   config = read_config(directory)

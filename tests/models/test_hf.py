@@ -2,7 +2,7 @@
 tensor table's transforms on a hand-written Llama checkpoint (safetensors written with NumPy),
 and every refusal by name: an unknown model_type, an unsupported rope scaling or activation, a
 missing tensor, a tensor of the wrong shape, an unexpected extra one, a file cut short or not
-JSON (named, with its shard), a missing config key.
+JSON (named, with its shard), a missing config key, a dtype the decoder does not compute in.
 Against transformers' own models: tests/models/test_hf_integration.py.
 
 Dimension key: D d_model, H heads, G kv heads, K head dim, F MLP width, C vocabulary.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,6 +74,8 @@ def test_the_dtype_is_the_checkpoints_or_the_one_asked(llama):
   assert variables["params"]["embed"]["embedding"].dtype == jnp.bfloat16
   _, variables = hf.load(directory, dtype=jnp.float32)
   assert variables["params"]["embed"]["embedding"].dtype == jnp.float32
+  _, variables = hf.load(directory, dtype="float16")  # as docs/hf.md and --dtype say
+  assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {np.dtype(np.float16)}
 
 
 @pytest.mark.parametrize("change, match", [
@@ -220,6 +223,37 @@ def test_the_tokenizer_and_generation_config_are_named_when_unreadable(tmp_path)
     hf.stop_tokens(tmp_path)
   generation.write_text(json.dumps({"eos_token_id": [2, 7]}))
   assert hf.stop_tokens(tmp_path) == (2, 7)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, "int8", bool, jnp.complex64, jnp.float8_e4m3fn,
+                                   "no such type"])
+def test_a_dtype_the_decoder_does_not_compute_in_is_refused_by_name(llama, dtype):
+  directory, _ = llama
+  with pytest.raises(TypeError, match=r"^dtype must be one of \['float32', 'bfloat16', "
+                                      r"'float16', 'float64'\] \(float64 with jax_enable_x64\), "
+                                      r"got "):
+    hf.load(directory, dtype=dtype)
+
+
+def test_float64_loads_only_under_x64(llama):
+  """Refused by name without jax_enable_x64 (jax would compute float32); with it, float64
+  parameters and computation (the logits are float32 in every dtype: `lm.output_logits`),
+  equal to the float32 model's to float32's precision."""
+  directory, _ = llama
+  assert not jax.config.jax_enable_x64
+  for dtype in (np.float64, "float64", jnp.float64):
+    with pytest.raises(TypeError, match=r"^dtype .* \(float64\) needs jax_enable_x64, which is "
+                                        r"off: jax would compute in float32"):
+      hf.load(directory, dtype=dtype)
+  tokens = np.arange(5)[None]
+  model32, variables32 = hf.load(directory, dtype="float32")
+  want = np.asarray(model32.apply(variables32, tokens))
+  with jax.enable_x64(True):
+    model, variables = hf.load(directory, dtype="float64")
+    assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {np.dtype(np.float64)}
+    assert model.config.dtype == model.config.param_dtype == np.float64
+    logits = model.apply(variables, jnp.asarray(tokens))
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4)
 
 
 def test_the_presets_read_each_familys_conventions():
