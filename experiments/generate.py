@@ -15,6 +15,10 @@ A Hugging Face checkpoint directory generates text the same way (experiments/gen
 
   python -m experiments.generate --checkpoint path/to/llama --prompt "Once upon a time" \
       --max_new_tokens 64 [--serve --batch_size 4] [--dtype bfloat16]
+
+--dtype takes what `flax_mha.models.hf.load` takes: float32, bfloat16, float16, and float64 when
+jax_enable_x64 is on (JAX_ENABLE_X64=1). An error in the workdir, the checkpoint or the prompts
+prints one line, `error: <why>`, to stderr and exits with status 1.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from absl import app, flags, logging
 
 from experiments import checkpoints, generate_hf, run_config, train
 from experiments.tasks import EOS
-from flax_mha.models import decoding
+from flax_mha.models import decoding, hf_config
 
 
 def sampler_from(temperature: float, top_k: int | None, top_p: float | None):
@@ -100,7 +104,9 @@ def main(argv, flag_values=flags.FLAGS):
       return
     generate(f.workdir, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens,
              temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed)
-  except (run_config.ConfigMismatch, ValueError, FileNotFoundError) as e:  # PromptError too
+  # ValueError: PromptError, hf.CheckpointError; UnsupportedDtype: --dtype float64 without x64.
+  except (run_config.ConfigMismatch, ValueError, FileNotFoundError,
+          hf_config.UnsupportedDtype) as e:
     sys.exit(f"error: {e}")  # the reason alone: no traceback to read it in
 
 
@@ -115,12 +121,13 @@ def define_flags(flag_values=flags.FLAGS) -> None:
                        "instead of one batch (decoding.generate)", **d)
   flags.DEFINE_integer("batch_size", 4, "with --serve: rows decoded at once", lower_bound=1, **d)
   flags.DEFINE_integer("page_size", 16, "with --serve: tokens per cache page", lower_bound=1, **d)
-  flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "with --checkpoint: the parameters' "
-                    "and computation's dtype (default: the checkpoint's)", **d)
+  flags.DEFINE_enum("dtype", None, list(hf_config.LOAD_DTYPES), "with --checkpoint: the "
+                    "parameters' and computation's dtype (default: the checkpoint's; float64 "
+                    "needs JAX_ENABLE_X64=1)", **d)
   flags.DEFINE_multi_string("prompt", None, "text to answer; repeat for several", **d)
   flags.DEFINE_integer("samples", 1, "continuations per prompt", lower_bound=1, **d)
   flags.DEFINE_integer("max_new_tokens", None, "tokens at most per continuation (default: the "
-                       "run's held-out answers' length)", lower_bound=1, **d)
+                       "run's held-out answers' length; 32 with --checkpoint)", lower_bound=1, **d)
   flags.DEFINE_float("temperature", 0.0, "0: greedy (unless top_k / top_p); else sampling",
                      lower_bound=0.0, **d)
   flags.DEFINE_integer("top_k", None, "sample among the k most likely tokens", lower_bound=1, **d)

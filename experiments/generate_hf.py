@@ -22,9 +22,11 @@ from flax_mha.models import decoding, hf, serving
 
 def generate(directory: str, prompts, *, max_new_tokens: int = 32, sampler=decoding.Greedy(),
              seed: int = 0, serve: bool = False, batch_size: int = 4, page_size: int = 16,
-             dtype=None, out=sys.stdout) -> list[str]:
-  """Print each prompt with its continuation, then the new tokens per second (compilation
-  included: one run of the command); return the continuations' texts."""
+             dtype=None, out=None) -> list[str]:
+  """Print each prompt with its continuation to `out` (default: sys.stdout when called), then
+  the new tokens per second (compilation included: one run of the command); return the
+  continuations' texts. Raises what `hf.load` raises for the checkpoint."""
+  out = sys.stdout if out is None else out
   model, variables = hf.load(directory, dtype=dtype)
   tokenizer = hf.load_tokenizer(directory)
   stops = hf.stop_tokens(directory)
