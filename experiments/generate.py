@@ -14,7 +14,7 @@ A checkpoint saved with another model, task or seed than config.json says is ref
 A Hugging Face checkpoint directory generates text the same way (experiments/generate_hf.py):
 
   python -m experiments.generate --checkpoint path/to/llama --prompt "Once upon a time" \
-      --max_new_tokens 64 [--serve --batch_size 4] [--dtype bfloat16]
+      --max_new_tokens 64 [--serve --batch_size 4] [--dtype bfloat16] [--samples 3 --top_p 0.9]
 
 --dtype takes what `flax_mha.models.hf.load` takes: float32, bfloat16, float16, and float64 when
 jax_enable_x64 is on (JAX_ENABLE_X64=1). An error in the workdir, the checkpoint or the prompts
@@ -98,7 +98,7 @@ def main(argv, flag_values=flags.FLAGS):
   try:
     if f.checkpoint is not None:
       generate_hf.generate(
-          f.checkpoint, f.prompt, max_new_tokens=f.max_new_tokens or 32,
+          f.checkpoint, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens or 32,
           sampler=sampler_from(f.temperature, f.top_k, f.top_p), seed=f.seed, serve=f.serve,
           batch_size=f.batch_size, page_size=f.page_size, dtype=f.dtype)
       return

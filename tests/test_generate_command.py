@@ -1,11 +1,12 @@
 """`python -m experiments.generate`: what it refuses before anything trains, and a Hugging Face
 checkpoint written with NumPy through its main() in-process: each loader error one line (the
-`error: ...` that Python prints to stderr, status 1) and every --dtype the loader takes. The
-trained workdirs answering prompts are in tests/test_generate_command_integration.py.
+`error: ...` that Python prints to stderr, status 1), --samples and every --dtype the loader
+takes. The trained workdirs answering prompts are in tests/test_generate_command_integration.py.
 """
 
 from __future__ import annotations
 
+import io
 import json
 
 import jax
@@ -14,8 +15,8 @@ import pytest
 from absl import flags
 
 import hf_checkpoints as hc
-from experiments import generate
-from flax_mha.models import hf
+from experiments import generate, generate_hf
+from flax_mha.models import decoding, hf
 
 
 def test_a_directory_without_a_run_is_named(tmp_path):
@@ -88,3 +89,18 @@ def test_dtype_takes_what_the_loader_takes(checkpoint, capsys, monkeypatch):
         "--dtype", "float16")
   assert loaded == [{np.dtype(np.float16)}]
   assert capsys.readouterr().out.startswith("the cat")
+
+
+def test_samples_with_a_checkpoint_are_each_a_draw_of_their_own(checkpoint, capsys):
+  """--samples 3 --temperature 1.0 prints three sampled continuations of the prompt, those of
+  generate_hf.generate with the same seed, each row its own draws (three different texts)."""
+  _main("--checkpoint", str(checkpoint), "--prompt", "the cat", "--samples", "3",
+        "--temperature", "1.0", "--max_new_tokens", "6", "--seed", "1")
+  printed = capsys.readouterr().out
+  assert "\n18 new tokens in " in printed, printed  # 3 rows of 6
+  texts = generate_hf.generate(str(checkpoint), ["the cat"], samples=3, max_new_tokens=6,
+                               sampler=decoding.Sampling(temperature=1.0), seed=1,
+                               out=io.StringIO())
+  assert len(texts) == 3 and len(set(texts)) == 3, texts
+  lines = "".join(f"the cat{text}\n" for text in texts)
+  assert printed.startswith(lines) and printed[len(lines):].startswith("18 new tokens in "), printed
