@@ -14,7 +14,11 @@ A checkpoint saved with another model, task or seed than config.json says is ref
 A Hugging Face checkpoint directory generates text the same way (experiments/generate_hf.py):
 
   python -m experiments.generate --checkpoint path/to/llama --prompt "Once upon a time" \
-      --max_new_tokens 64 [--serve --batch_size 4] [--dtype bfloat16]
+      --max_new_tokens 64 [--serve --batch_size 4] [--dtype bfloat16] [--samples 3 --top_p 0.9]
+
+--dtype takes what `flax_mha.models.hf.load` takes: float32, bfloat16, float16, and float64 when
+jax_enable_x64 is on (JAX_ENABLE_X64=1). An error in the workdir, the checkpoint or the prompts
+prints one line, `error: <why>`, to stderr and exits with status 1.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from absl import app, flags, logging
 
 from experiments import checkpoints, generate_hf, run_config, train
 from experiments.tasks import EOS
-from flax_mha.models import decoding
+from flax_mha.models import decoding, hf_config
 
 
 def sampler_from(temperature: float, top_k: int | None, top_p: float | None):
@@ -82,46 +86,57 @@ def generate(workdir: str, prompts, *, samples: int = 1, max_new_tokens: int | N
   return texts
 
 
-def main(argv):
+def main(argv, flag_values=flags.FLAGS):
+  """The command line (`define_flags`'s flags, parsed into `flag_values`)."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
-  f = flags.FLAGS
+  f = flag_values
   if (f.workdir is None) == (f.checkpoint is None):
     raise app.UsageError("give one of --workdir (a training run) and --checkpoint (a Hugging "
                          "Face checkpoint directory)")
   try:
     if f.checkpoint is not None:
       generate_hf.generate(
-          f.checkpoint, f.prompt, max_new_tokens=f.max_new_tokens or 32,
+          f.checkpoint, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens or 32,
           sampler=sampler_from(f.temperature, f.top_k, f.top_p), seed=f.seed, serve=f.serve,
           batch_size=f.batch_size, page_size=f.page_size, dtype=f.dtype)
       return
     generate(f.workdir, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens,
              temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed)
-  except (run_config.ConfigMismatch, ValueError, FileNotFoundError) as e:  # PromptError too
+  # ValueError: PromptError, hf.CheckpointError; UnsupportedDtype: --dtype float64 without x64.
+  except (run_config.ConfigMismatch, ValueError, FileNotFoundError,
+          hf_config.UnsupportedDtype) as e:
     sys.exit(f"error: {e}")  # the reason alone: no traceback to read it in
 
 
-if __name__ == "__main__":  # flags only here: importing this module defines none
-  flags.DEFINE_string("workdir", None, "a training run's workdir (experiments.train)")
+def define_flags(flag_values=flags.FLAGS) -> None:
+  """The command line's flags, on `flag_values` (a test passes a fresh `flags.FlagValues()`):
+  importing this module defines none."""
+  d = dict(flag_values=flag_values)
+  flags.DEFINE_string("workdir", None, "a training run's workdir (experiments.train)", **d)
   flags.DEFINE_string("checkpoint", None, "a Hugging Face checkpoint directory (config.json, "
-                      "safetensors, tokenizer.json) instead of a workdir")
+                      "safetensors, tokenizer.json) instead of a workdir", **d)
   flags.DEFINE_boolean("serve", False, "with --checkpoint: continuous batching (serving.serve) "
-                       "instead of one batch (decoding.generate)")
-  flags.DEFINE_integer("batch_size", 4, "with --serve: rows decoded at once", lower_bound=1)
-  flags.DEFINE_integer("page_size", 16, "with --serve: tokens per cache page", lower_bound=1)
-  flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "with --checkpoint: the parameters' "
-                    "and computation's dtype (default: the checkpoint's)")
-  flags.DEFINE_multi_string("prompt", None, "text to answer; repeat for several")
-  flags.DEFINE_integer("samples", 1, "continuations per prompt", lower_bound=1)
+                       "instead of one batch (decoding.generate)", **d)
+  flags.DEFINE_integer("batch_size", 4, "with --serve: rows decoded at once", lower_bound=1, **d)
+  flags.DEFINE_integer("page_size", 16, "with --serve: tokens per cache page", lower_bound=1, **d)
+  flags.DEFINE_enum("dtype", None, list(hf_config.LOAD_DTYPES), "with --checkpoint: the "
+                    "parameters' and computation's dtype (default: the checkpoint's; float64 "
+                    "needs JAX_ENABLE_X64=1)", **d)
+  flags.DEFINE_multi_string("prompt", None, "text to answer; repeat for several", **d)
+  flags.DEFINE_integer("samples", 1, "continuations per prompt", lower_bound=1, **d)
   flags.DEFINE_integer("max_new_tokens", None, "tokens at most per continuation (default: the "
-                       "run's held-out answers' length)", lower_bound=1)
+                       "run's held-out answers' length; 32 with --checkpoint)", lower_bound=1, **d)
   flags.DEFINE_float("temperature", 0.0, "0: greedy (unless top_k / top_p); else sampling",
-                     lower_bound=0.0)
-  flags.DEFINE_integer("top_k", None, "sample among the k most likely tokens", lower_bound=1)
+                     lower_bound=0.0, **d)
+  flags.DEFINE_integer("top_k", None, "sample among the k most likely tokens", lower_bound=1, **d)
   flags.DEFINE_float("top_p", None, "sample from the nucleus of this probability", lower_bound=0.0,
-                     upper_bound=1.0)
-  flags.DEFINE_integer("seed", 0, "the sampling seed (same seed, same samples)")
-  flags.mark_flags_as_required(["prompt"])
+                     upper_bound=1.0, **d)
+  flags.DEFINE_integer("seed", 0, "the sampling seed (same seed, same samples)", **d)
+  flags.mark_flags_as_required(["prompt"], flag_values=flag_values)
+
+
+if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -6,7 +6,9 @@ The directory holds config.json, the safetensors weights and tokenizer.json
 it is configured (its post-processor adds a BOS token where the family's does), decoded
 greedily or by sampling through `flax_mha.models.decoding.generate` (all prompts in one batch),
 or with `serve=True` by continuous batching (`flax_mha.serving.serve`); a row stops at
-the checkpoint's end-of-sequence ids (generation_config.json, else config.json).
+the checkpoint's end-of-sequence ids (generation_config.json, else config.json). With
+`samples=n` each prompt takes n rows of the batch (n requests when serving), each sampled with
+its own draws.
 """
 
 from __future__ import annotations
@@ -17,15 +19,23 @@ import time
 import jax
 import numpy as np
 
+from flax_mha import checks
 from flax_mha import serving
 from flax_mha.models import decoding, hf
 
 
-def generate(directory: str, prompts, *, max_new_tokens: int = 32, sampler=decoding.Greedy(),
-             seed: int = 0, serve: bool = False, batch_size: int = 4, page_size: int = 16,
-             dtype=None, out=sys.stdout) -> list[str]:
-  """Print each prompt with its continuation, then the new tokens per second (compilation
-  included: one run of the command); return the continuations' texts."""
+def generate(directory: str, prompts, *, samples: int = 1, max_new_tokens: int = 32,
+             sampler=decoding.Greedy(), seed: int = 0, serve: bool = False, batch_size: int = 4,
+             page_size: int = 16, dtype=None, out=None) -> list[str]:
+  """Print each prompt with each of its `samples` continuations (a line each), then the new
+  tokens per second (compilation included: one run of the command); return the continuations'
+  texts, a prompt's samples side by side. out: a text stream (default: sys.stdout when called).
+
+  Raises what `hf.load` raises for the checkpoint; ValueError for a prompt that encodes to no
+  tokens; TypeError or ValueError naming `samples` when it is not a positive int.
+  """
+  checks.check_int("samples", samples)
+  out = sys.stdout if out is None else out
   model, variables = hf.load(directory, dtype=dtype)
   tokenizer = hf.load_tokenizer(directory)
   stops = hf.stop_tokens(directory)
@@ -33,6 +43,7 @@ def generate(directory: str, prompts, *, max_new_tokens: int = 32, sampler=decod
   for text, row in zip(prompts, ids):
     if not row:
       raise ValueError(f"--prompt {text!r} encodes to no tokens")
+  ids = [row for row in ids for _ in range(samples)]  # a row (a request) per sample
   rng = jax.random.key(seed)
   start = time.perf_counter()
   if serve:
@@ -45,8 +56,8 @@ def generate(directory: str, prompts, *, max_new_tokens: int = 32, sampler=decod
     new = _batch(model, variables, ids, max_new_tokens, sampler, stops, rng)
   seconds = time.perf_counter() - start
   texts = [tokenizer.decode(row, skip_special_tokens=True) for row in new]
-  for text, continuation in zip(prompts, texts):
-    out.write(f"{text}{continuation}\n")
+  for row, continuation in enumerate(texts):
+    out.write(f"{prompts[row // samples]}{continuation}\n")
   count = sum(map(len, new))
   out.write(f"{count} new tokens in {seconds:.2f} s ({count / seconds:.1f} tokens/s, "
             f"compilation included)\n")

@@ -7,14 +7,17 @@ other side's own model on the same weights, in float32 with eager attention.
 
 Dimension key: B batch, L padded length, C vocabulary. Token arrays here are NumPy int32.
 
-torch, transformers and tokenizers are imported inside the functions, so this module imports
-without them (a test that needs them calls pytest.importorskip first).
+`llama_tensors` and `write_checkpoint` write a Llama checkpoint with NumPy alone (safetensors).
+
+torch, transformers, tokenizers and safetensors are imported inside the functions, so this module
+imports without them (a test that needs them calls pytest.importorskip first).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import pathlib
 import random
 from typing import TYPE_CHECKING
@@ -283,3 +286,42 @@ def right_padded(prompts):
     mask[b, :len(p)] = 1
   positions = np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape).copy()
   return tokens, mask, positions
+
+
+def llama_tensors(config: dict, rng) -> dict:
+  """Every tensor of a Llama config dict (untied, without biases) in torch's layouts, drawn
+  from N(0, 1) as float32: a checkpoint written without torch."""
+  c, d, f = config["vocab_size"], config["hidden_size"], config["intermediate_size"]
+  h, g = config["num_attention_heads"], config["num_key_value_heads"]
+  k = config.get("head_dim") or d // h
+  t = {"model.embed_tokens.weight": (c, d), "model.norm.weight": (d,), "lm_head.weight": (c, d)}
+  for i in range(config["num_hidden_layers"]):
+    p = f"model.layers.{i}."
+    t.update({p + "self_attn.q_proj.weight": (h * k, d), p + "self_attn.k_proj.weight": (g * k, d),
+              p + "self_attn.v_proj.weight": (g * k, d), p + "self_attn.o_proj.weight": (d, h * k),
+              p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+              p + "mlp.down_proj.weight": (d, f), p + "input_layernorm.weight": (d,),
+              p + "post_attention_layernorm.weight": (d,)})
+  return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in t.items()}
+
+
+def write_checkpoint(directory, config: dict, tensors: dict, *, shards: int = 1) -> pathlib.Path:
+  """Writes config.json and `tensors` (safetensors, with NumPy) into `directory`: one
+  model.safetensors, or `shards` files model-0000i-of-0000n.safetensors (the tensors dealt out
+  in turn) and model.safetensors.index.json. Returns the directory."""
+  from safetensors.numpy import save_file
+
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  (directory / "config.json").write_text(json.dumps(config))
+  if shards == 1:
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+  names, weight_map = sorted(tensors), {}
+  for i in range(shards):
+    file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+    save_file({name: tensors[name] for name in names[i::shards]}, str(directory / file))
+    weight_map.update({name: file for name in names[i::shards]})
+  (directory / "model.safetensors.index.json").write_text(
+      json.dumps({"metadata": {}, "weight_map": weight_map}))
+  return directory

@@ -1,6 +1,7 @@
 """`python -m experiments.generate` on the tiny configs: a trained workdir answers prompts,
-greedily (as the runner's own greedy decoding does) or by sampling (reproducible by seed).
-Integration: each case trains a model first. The unit part is tests/test_generate_command.py."""
+greedily (as the runner's own greedy decoding does) or by sampling (reproducible by seed);
+a cut Hugging Face checkpoint is one line of stderr. Integration: each case but the last trains
+a model first. The unit part is tests/test_generate_command.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 
+import hf_checkpoints as hc
 from configs import dates as dates_config
 from configs import lm as lm_config
 from experiments import generate, train
@@ -80,3 +82,21 @@ def _assert_another_model_is_refused(workdir):
     json.dump(config, f)
   with pytest.raises(ValueError, match=re.escape("model.d_ff: 64 (saved) != 128 (given)")):
     generate.restore_params(str(workdir))
+
+
+def test_a_cut_checkpoint_is_one_line_of_stderr(tmp_path, rng):
+  """--checkpoint with its model.safetensors cut in half: status 1 and the file named in one
+  line, no traceback (the unit tests call main() in-process for each loader error)."""
+  pytest.importorskip("safetensors")
+  config = dict(model_type="llama", vocab_size=11, hidden_size=8, num_attention_heads=2,
+                num_key_value_heads=1, num_hidden_layers=1, intermediate_size=12)
+  directory = hc.write_checkpoint(tmp_path, config, hc.llama_tensors(config, rng))
+  weights = directory / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.generate", "--checkpoint", str(directory), "--prompt",
+       "the cat"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      f"error: {weights} cannot be read as safetensors"), result.stderr[-2000:]

@@ -12,7 +12,9 @@ a time from the memory-mapped files, each mapped by its family's table below (th
 name, our parameter paths, a transform as data), cast, and placed (on a mesh by the model's
 sharding rules, `flax_mha.models.lm.PARAM_AXES`), so the host holds about one tensor beyond
 what is placed. A tensor that no rule matches, a parameter that no tensor fills, and a tensor
-of the wrong shape are refused by name: nothing is guessed.
+of the wrong shape are refused by name: nothing is guessed. A file that cannot be read (cut
+short, not JSON, lacking a key) is a `CheckpointError`, a ValueError naming the file, and the
+shard where there are several.
 
 Needs the `hf` extra (safetensors; tokenizers for `load_tokenizer`). Dimension key: D d_model,
 H heads, G kv heads, K head dim, F MLP width, C vocabulary.
@@ -20,6 +22,7 @@ H heads, G kv heads, K head dim, F MLP width, C vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -35,6 +38,11 @@ from flax_mha.parallel import sharding as sharding_lib
 from flax_mha.models import lm
 from flax_mha.models import lm_nnx
 from flax_mha.models.hf_config import config_from_hf, family
+
+
+class CheckpointError(ValueError):
+  """A checkpoint file that cannot be read, or whose config the decoder cannot take: the
+  message names the file (and the shard of a sharded checkpoint)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,14 +151,25 @@ _PREFIX = {"gpt2": "transformer."}
 def load(directory, *, dtype=None, mesh=None, **overrides):
   """(the linen `DecoderLM`, its variables {'params': ...}) of the checkpoint in `directory`.
 
-  dtype: the parameters' and the computation's (default: the checkpoint's, so a bfloat16 one
-    stays bfloat16). mesh: a `jax.sharding.Mesh` (`flax_mha.parallel.sharding.make_mesh`): each
-    parameter is placed as the model's sharding rules say as it is read. overrides: other
-    `LMConfig` fields (e.g. attention_implementation).
+  dtype: the parameters' and the computation's, one of `hf_config.LOAD_DTYPES` (default: the
+    checkpoint's, so a bfloat16 one stays bfloat16; float64 only under jax_enable_x64). mesh: a
+    `jax.sharding.Mesh` (`flax_mha.parallel.sharding.make_mesh`): each parameter is placed as the model's
+    sharding rules say as it is read. overrides: other `LMConfig` fields (e.g.
+    attention_implementation).
+
+  Raises FileNotFoundError for a missing config.json, weights file or shard;
+  `hf_config.UnsupportedDtype` (a TypeError) for another dtype; `CheckpointError` (a ValueError)
+  naming the file for one that cannot be read (cut short, not JSON) and for a config.json the
+  decoder cannot take (a missing key, an unsupported setting); ValueError naming the tensor for
+  weights that do not fit the config.
   """
   directory = pathlib.Path(directory)
   config = read_config(directory)
-  cfg = config_from_hf(config, dtype=dtype, **overrides)
+  try:
+    cfg = config_from_hf(config, dtype=dtype)
+  except ValueError as e:  # what config.json says (or lacks), not the overrides
+    raise CheckpointError(f"{directory / 'config.json'}: {e}") from None
+  cfg = dataclasses.replace(cfg, **overrides)
   model = lm.DecoderLM(cfg)
   abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
   want = traverse_util.flatten_dict(abstract["params"], sep="/")
@@ -174,21 +193,51 @@ def load_nnx(directory, *, dtype=None, mesh=None, **overrides) -> lm_nnx.Decoder
 
 
 def read_config(directory) -> dict:
-  """config.json of a checkpoint directory, as a dict."""
+  """config.json of a checkpoint directory, as a dict. Raises FileNotFoundError when it is
+  absent, CheckpointError naming it when it is not a JSON object."""
   path = pathlib.Path(directory) / "config.json"
   if not path.is_file():
     raise FileNotFoundError(f"no config.json in {directory}: a checkpoint directory holds "
                             "config.json and model.safetensors (or its shards and index)")
-  return json.loads(path.read_text(encoding="utf-8"))
+  return _read_json(path)
+
+
+def _read_json(path: pathlib.Path) -> dict:
+  """The JSON object in the file `path`; CheckpointError naming the file (and the line and
+  column of a syntax error) when it holds anything else."""
+  try:
+    value = json.loads(path.read_text(encoding="utf-8"))
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column "
+                          f"{e.colno} (a file cut short or edited by hand?)") from None
+  except UnicodeDecodeError as e:
+    raise CheckpointError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}): "
+                          "expected JSON") from None
+  if not isinstance(value, dict):
+    raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, expected an object")
+  return value
 
 
 def tensor_files(directory) -> list[pathlib.Path]:
-  """The safetensors files of a checkpoint: the shards its index names, or model.safetensors."""
+  """The safetensors files of a checkpoint: the shards its index names, or model.safetensors.
+
+  Raises FileNotFoundError for no weights or a shard the index names that is absent (naming it);
+  CheckpointError naming the index when it is not JSON or lacks its weight_map.
+  """
   directory = pathlib.Path(directory)
   index = directory / "model.safetensors.index.json"
   if index.is_file():
-    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    return [directory / name for name in sorted(set(weight_map.values()))]
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str)
+                                                   for name in weight_map.values()):
+      raise CheckpointError(f"{index}: expected the key 'weight_map', a mapping of tensor names "
+                            f"to shard files, got {weight_map!r:.80}")
+    files = [directory / name for name in sorted(set(weight_map.values()))]
+    for number, path in enumerate(files, 1):
+      if not path.is_file():
+        raise FileNotFoundError(f"{_shard(number, len(files), path)}, named by {index}, is "
+                                "missing")
+    return files
   single = directory / "model.safetensors"
   if not single.is_file():
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in "
@@ -199,13 +248,13 @@ def tensor_files(directory) -> list[pathlib.Path]:
 def read_params(directory, fam: str, cfg: lm.LMConfig, want: dict, places: dict) -> dict:
   """{our path: array} for every path of `want` (path -> ShapeDtypeStruct), read tensor by
   tensor through the family's table and placed by `places` (path -> sharding; default device
-  otherwise)."""
-  from safetensors import safe_open  # the `hf` extra: imported where it is used
-
+  otherwise). A file that safetensors cannot read is a CheckpointError naming it and its shard."""
   rules = [(_pattern(rule.name), rule) for rule in TABLES[fam]]
   got = {}
-  for path in tensor_files(directory):
-    with safe_open(str(path), framework="numpy") as f:
+  files = tensor_files(directory)
+  for number, path in enumerate(files, 1):
+    where = _shard(number, len(files), path)
+    with _safetensors(path, where) as f:
       names = list(f.keys())
     for name in names:
       short = name.removeprefix(_PREFIX.get(fam, ""))
@@ -215,7 +264,7 @@ def read_params(directory, fam: str, cfg: lm.LMConfig, want: dict, places: dict)
       targets = [target.replace("{i}", layer) for target in rule.targets]
       # The file mapped for one tensor at a time: the pages read count in the resident set
       # while mapped, so a mapping held across the load would add the whole checkpoint.
-      with safe_open(str(path), framework="numpy") as f:
+      with _safetensors(path, where) as f:
         tensor = f.get_tensor(name)
       for target, array in zip(targets, _transform(rule, tensor, name, targets, cfg, want)):
         _place(got, target, array, name, want, places)
@@ -226,6 +275,25 @@ def read_params(directory, fam: str, cfg: lm.LMConfig, want: dict, places: dict)
                      f"parameters of its {fam} config, e.g. {missing[:6]} (each filled by "
                      f"{_filled_by(missing[0], fam)})")
   return got
+
+
+def _shard(number: int, count: int, path: pathlib.Path) -> str:
+  """How messages name a weights file: 'shard 2 of 3, <path>' when there are several."""
+  return f"shard {number} of {count}, {path}" if count > 1 else str(path)
+
+
+@contextlib.contextmanager
+def _safetensors(path: pathlib.Path, where: str):
+  """The safetensors file `path` opened for NumPy; what safetensors refuses to read in it
+  (at opening or at a tensor) raised as a CheckpointError naming `where`."""
+  from safetensors import SafetensorError, safe_open  # the `hf` extra: imported where used
+
+  try:
+    with safe_open(str(path), framework="numpy") as f:
+      yield f
+  except SafetensorError as e:
+    raise CheckpointError(f"{where} cannot be read as safetensors ({e}): expected a complete "
+                          "safetensors file, found a truncated or corrupt one") from None
 
 
 def _pattern(name: str) -> re.Pattern:
@@ -281,23 +349,33 @@ def _filled_by(path: str, fam: str) -> str:
 
 
 def load_tokenizer(directory):
-  """The `tokenizers.Tokenizer` of the checkpoint's tokenizer.json (the `hf` extra)."""
+  """The `tokenizers.Tokenizer` of the checkpoint's tokenizer.json (the `hf` extra). Raises
+  FileNotFoundError when it is absent, CheckpointError naming it when tokenizers cannot read it."""
   from tokenizers import Tokenizer  # the `hf` extra: imported where it is used
 
   path = pathlib.Path(directory) / "tokenizer.json"
   if not path.is_file():
     raise FileNotFoundError(f"no tokenizer.json in {directory}")
-  return Tokenizer.from_file(str(path))
+  try:
+    return Tokenizer.from_file(str(path))
+  except Exception as e:  # pylint: disable=broad-except  (tokenizers raises a bare Exception)
+    raise CheckpointError(f"{path} cannot be read as a tokenizer ({e}): expected the "
+                          "tokenizer.json that transformers saves") from None
 
 
 def stop_tokens(directory) -> tuple[int, ...]:
   """The end-of-sequence ids of generation_config.json, else config.json (eos_token_id: an int,
-  a list or absent)."""
+  a list of ints or absent). Raises CheckpointError naming the file when it is not a JSON
+  object or its eos_token_id is anything else."""
   directory = pathlib.Path(directory)
   for name in ("generation_config.json", "config.json"):
     path = directory / name
     if path.is_file():
-      eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+      eos = _read_json(path).get("eos_token_id")
       if eos is not None:
-        return tuple(eos) if isinstance(eos, list) else (eos,)
+        ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+          raise CheckpointError(f"{path}: eos_token_id must be an int or a list of ints, got "
+                                f"{eos!r}")
+        return ids
   return ()

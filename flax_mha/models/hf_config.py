@@ -11,7 +11,8 @@ Conventions, where the two libraries say one thing two ways:
   reads it.
 
 Anything a family's config sets that this decoder does not implement is refused by name: never
-approximated.
+approximated. A key the family needs that the config lacks is a `MissingKey` naming it; a dtype
+the decoder does not compute in is an `UnsupportedDtype` naming `dtype`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from flax_mha.models.lm import LMConfig
@@ -29,8 +31,43 @@ from flax_mha.rotary import Rope
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen2",
             "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# What `config_from_hf(dtype=...)` (and so `hf.load`) takes: float64 only under jax_enable_x64,
+# without which jax computes it in float32.
+LOAD_DTYPES = (*DTYPES, "float64")
 # hidden_act -> (LMConfig.mlp, for the gated families).
 _GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
+
+
+class MissingKey(KeyError, ValueError):
+  """A key that the config's family needs and the config lacks: a ValueError (the config is
+  wrong), and a KeyError, so that `in` and `.get` on a `_Required` config answer as a dict's."""
+
+  def __str__(self) -> str:  # KeyError's would quote the message
+    return str(self.args[0])
+
+
+class UnsupportedDtype(TypeError):
+  """A dtype the decoder does not load and compute in (LOAD_DTYPES)."""
+
+
+class _Required(Mapping):
+  """A config dict whose missing keys raise `MissingKey` naming the key and the family."""
+
+  def __init__(self, config: Mapping, fam: str):
+    self._config, self._family = config, fam
+
+  def __getitem__(self, key):
+    try:
+      return self._config[key]
+    except KeyError:
+      raise MissingKey(f"the config lacks the key {key!r}, which a {self._family} config "
+                       "needs") from None
+
+  def __iter__(self):
+    return iter(self._config)
+
+  def __len__(self) -> int:
+    return len(self._config)
 
 
 def family(config: Mapping) -> str:
@@ -51,11 +88,38 @@ def checkpoint_dtype(config: Mapping):
   return DTYPES[name]
 
 
+def load_dtype(dtype: Any):
+  """The NumPy scalar type of `dtype` (a name, a dtype or a scalar type), one of LOAD_DTYPES.
+
+  Raises UnsupportedDtype (a TypeError) naming `dtype` for any other (an integer, complex or
+  8-bit float type), and for float64 while jax_enable_x64 is off (jax would compute float32).
+  """
+  try:
+    name = jnp.dtype(dtype).name
+  except TypeError:
+    name = None
+  if name not in LOAD_DTYPES:
+    raise UnsupportedDtype(f"dtype must be one of {list(LOAD_DTYPES)} (float64 with "
+                           f"jax_enable_x64), got {dtype!r}")
+  if name == "float64" and not jax.config.jax_enable_x64:
+    raise UnsupportedDtype(f"dtype {dtype!r} (float64) needs jax_enable_x64, which is off: jax "
+                           "would compute in float32 (set JAX_ENABLE_X64=1 or "
+                           "jax.config.update('jax_enable_x64', True))")
+  return jnp.dtype(name).type
+
+
 def config_from_hf(config: Mapping, *, dtype: Any = None, **overrides) -> LMConfig:
   """The `LMConfig` of a Hugging Face config dict. `dtype` (default: the checkpoint's) is the
-  parameters' and the computation's; `overrides` set other fields (e.g. attention_implementation)."""
+  parameters' and the computation's (`load_dtype`); `overrides` set other fields (e.g.
+  attention_implementation).
+
+  Raises UnsupportedDtype (a TypeError) for a dtype outside LOAD_DTYPES; MissingKey (a ValueError)
+  for a key the family needs that the config lacks; ValueError for anything else the config says
+  that the decoder does not implement.
+  """
   fam = family(config)
-  dtype = checkpoint_dtype(config) if dtype is None else jnp.dtype(dtype).type
+  dtype = checkpoint_dtype(config) if dtype is None else load_dtype(dtype)
+  config = _Required(config, fam)
   fields = _GPT2(config) if fam == "gpt2" else _rotary_family(config, fam)
   return LMConfig(**{"dtype": dtype, "param_dtype": dtype, "dropout_rate": 0.0,
                      "learned_sinks": False, "sink_tokens": 0, **fields, **overrides})

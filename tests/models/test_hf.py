@@ -1,8 +1,9 @@
 """`flax_mha.models.hf` without transformers: the family presets read from config dicts, the
 tensor table's transforms on a hand-written Llama checkpoint (safetensors written with NumPy),
 and every refusal by name: an unknown model_type, an unsupported rope scaling or activation, a
-missing tensor, a tensor of the wrong shape, an unexpected extra one. Against transformers'
-own models: tests/models/test_hf_integration.py.
+missing tensor, a tensor of the wrong shape, an unexpected extra one, a file cut short or not
+JSON (named, with its shard), a missing config key, a dtype the decoder does not compute in.
+Against transformers' own models: tests/models/test_hf_integration.py.
 
 Dimension key: D d_model, H heads, G kv heads, K head dim, F MLP width, C vocabulary.
 """
@@ -11,15 +12,17 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hf_checkpoints as hc
 from flax_mha.models import hf, hf_config
 from flax_mha.nn.options import Norm
 from flax_mha.rotary import Llama3Scaling, LinearScaling
 
-safetensors_numpy = pytest.importorskip("safetensors.numpy")
+pytest.importorskip("safetensors")
 
 C, D, H, G, K, F, LAYERS = 37, 24, 4, 2, 6, 40, 2
 LLAMA = dict(model_type="llama", vocab_size=C, hidden_size=D, num_attention_heads=H,
@@ -30,29 +33,14 @@ LLAMA = dict(model_type="llama", vocab_size=C, hidden_size=D, num_attention_head
 
 def _llama_tensors(rng) -> dict:
   """Every tensor of the LLAMA config, in torch's layouts, random."""
-  t = {"model.embed_tokens.weight": (C, D), "model.norm.weight": (D,), "lm_head.weight": (C, D)}
-  for i in range(LAYERS):
-    p = f"model.layers.{i}."
-    t.update({p + "self_attn.q_proj.weight": (H * K, D), p + "self_attn.k_proj.weight": (G * K, D),
-              p + "self_attn.v_proj.weight": (G * K, D), p + "self_attn.o_proj.weight": (D, H * K),
-              p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-              p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
-              p + "post_attention_layernorm.weight": (D,)})
-  return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in t.items()}
-
-
-def _write(directory, config: dict, tensors: dict):
-  directory.mkdir(parents=True, exist_ok=True)
-  (directory / "config.json").write_text(json.dumps(config))
-  safetensors_numpy.save_file(tensors, str(directory / "model.safetensors"))
-  return directory
+  return hc.llama_tensors({**LLAMA, "head_dim": K}, rng)
 
 
 @pytest.fixture
 def llama(tmp_path, rng):
   """(directory, tensors) of a hand-written Llama checkpoint with head_dim K != D / H."""
   tensors = _llama_tensors(rng)
-  return _write(tmp_path / "llama", {**LLAMA, "head_dim": K}, tensors), tensors
+  return hc.write_checkpoint(tmp_path / "llama", {**LLAMA, "head_dim": K}, tensors), tensors
 
 
 def test_the_table_maps_torch_layouts_to_ours(llama):
@@ -86,6 +74,8 @@ def test_the_dtype_is_the_checkpoints_or_the_one_asked(llama):
   assert variables["params"]["embed"]["embedding"].dtype == jnp.bfloat16
   _, variables = hf.load(directory, dtype=jnp.float32)
   assert variables["params"]["embed"]["embedding"].dtype == jnp.float32
+  _, variables = hf.load(directory, dtype="float16")  # as docs/hf.md and --dtype say
+  assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {np.dtype(np.float16)}
 
 
 @pytest.mark.parametrize("change, match", [
@@ -111,13 +101,13 @@ def test_a_checkpoint_that_does_not_fit_its_config_is_refused_by_name(tmp_path, 
                                                                      match):
   tensors = _llama_tensors(rng)
   change(tensors)
-  directory = _write(tmp_path / "bad", {**LLAMA, "head_dim": K}, tensors)
+  directory = hc.write_checkpoint(tmp_path / "bad", {**LLAMA, "head_dim": K}, tensors)
   with pytest.raises(ValueError, match=match):
     hf.load(directory)
 
 
 def test_a_tied_config_refuses_a_saved_lm_head(tmp_path, rng):
-  directory = _write(tmp_path / "tied", {**LLAMA, "head_dim": K, "tie_word_embeddings": True},
+  directory = hc.write_checkpoint(tmp_path / "tied", {**LLAMA, "head_dim": K, "tie_word_embeddings": True},
                      _llama_tensors(rng))
   with pytest.raises(ValueError, match=r"'lm_head.weight' fills parameter 'lm_head/kernel', "
                                        r"which its config does not have"):
@@ -148,6 +138,122 @@ def test_missing_files_are_named(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(LLAMA))
   with pytest.raises(FileNotFoundError, match="no model.safetensors"):
     hf.load(tmp_path)
+
+
+def _cut(path):
+  """Keep the first half of the file `path`, as an interrupted download leaves it."""
+  data = path.read_bytes()
+  path.write_bytes(data[:len(data) // 2])
+
+
+_UNREADABLE = {
+    "a cut model.safetensors": (1, "model.safetensors", _cut, (
+        r"model\.safetensors cannot be read as safetensors \(.*incomplete metadata.*\): "
+        r"expected a complete safetensors file, found a truncated or corrupt one")),
+    "a cut shard": (3, "model-00002-of-00003.safetensors", _cut,
+                    r"^shard 2 of 3, .*model-00002-of-00003\.safetensors cannot be read"),
+    "config.json not JSON": (
+        1, "config.json", lambda p: p.write_text('{"model_type": "llama",\n "vocab_size": }'),
+        r"config\.json is not valid JSON: Expecting value at line 2, column 16"),
+    "config.json a list": (1, "config.json", lambda p: p.write_text("[1, 2]"),
+                           r"config\.json holds a JSON list, expected an object"),
+    "config.json without a key": (
+        1, "config.json", lambda p: p.write_text(json.dumps(
+            {k: v for k, v in LLAMA.items() if k != "num_attention_heads"})),
+        r"config\.json: the config lacks the key 'num_attention_heads', which a llama config "
+        r"needs"),
+    "an index not JSON": (3, "model.safetensors.index.json", _cut,
+                          r"model\.safetensors\.index\.json is not valid JSON: .* at line 1"),
+    "an index without weight_map": (
+        3, "model.safetensors.index.json", lambda p: p.write_text(json.dumps({"metadata": {}})),
+        r"model\.safetensors\.index\.json: expected the key 'weight_map', a mapping of tensor "
+        r"names to shard files, got None"),
+}
+
+
+@pytest.mark.parametrize("case", _UNREADABLE)
+def test_an_unreadable_file_is_named(tmp_path, rng, case):
+  """A CheckpointError (a ValueError) naming the file by its path, its shard where there are
+  several, and what was expected of it."""
+  shards, name, damage, match = _UNREADABLE[case]
+  directory = hc.write_checkpoint(tmp_path / "llama", {**LLAMA, "head_dim": K},
+                                  _llama_tensors(rng), shards=shards)
+  hf.load(directory)  # whole, it loads
+  damage(directory / name)
+  with pytest.raises(ValueError, match=match) as error:
+    hf.load(directory)
+  assert isinstance(error.value, hf.CheckpointError) and str(directory / name) in str(error.value)
+
+
+def test_a_missing_shard_is_named(tmp_path, rng):
+  directory = hc.write_checkpoint(tmp_path / "llama", LLAMA, _llama_tensors(rng), shards=3)
+  (directory / "model-00003-of-00003.safetensors").unlink()
+  with pytest.raises(FileNotFoundError, match=r"^shard 3 of 3, .*model-00003-of-00003"
+                                              r"\.safetensors, named by .*index\.json, is missing"):
+    hf.load(directory)
+
+
+def test_a_missing_config_key_is_a_value_error_and_a_key_error():
+  """config_from_hf alone (no file to name): the key and the family."""
+  for config, key, fam in ((LLAMA, "vocab_size", "llama"),
+                           (dict(model_type="gpt2", vocab_size=C, n_head=H, n_layer=1,
+                                 n_positions=8, activation_function="gelu_new"), "n_embd",
+                            "gpt2")):
+    config = {k: v for k, v in config.items() if k != key}
+    with pytest.raises(ValueError) as error:
+      hf_config.config_from_hf(config)
+    assert str(error.value) == f"the config lacks the key {key!r}, which a {fam} config needs"
+    assert isinstance(error.value, hf_config.MissingKey) and isinstance(error.value, KeyError)
+
+
+def test_the_tokenizer_and_generation_config_are_named_when_unreadable(tmp_path):
+  pytest.importorskip("tokenizers")
+  (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+  with pytest.raises(ValueError, match=r"tokenizer\.json cannot be read as a tokenizer "
+                                      r"\(.*\): expected the tokenizer\.json"):
+    hf.load_tokenizer(tmp_path)
+  generation = tmp_path / "generation_config.json"
+  generation.write_text("{'eos_token_id': 2}")  # Python's repr, not JSON
+  with pytest.raises(ValueError, match=r"generation_config\.json is not valid JSON: "
+                                      r"Expecting property name .* line 1, column 2"):
+    hf.stop_tokens(tmp_path)
+  generation.write_text(json.dumps({"eos_token_id": "</s>"}))
+  with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id must be an int "
+                                      r"or a list of ints, got '</s>'"):
+    hf.stop_tokens(tmp_path)
+  generation.write_text(json.dumps({"eos_token_id": [2, 7]}))
+  assert hf.stop_tokens(tmp_path) == (2, 7)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, "int8", bool, jnp.complex64, jnp.float8_e4m3fn,
+                                   "no such type"])
+def test_a_dtype_the_decoder_does_not_compute_in_is_refused_by_name(llama, dtype):
+  directory, _ = llama
+  with pytest.raises(TypeError, match=r"^dtype must be one of \['float32', 'bfloat16', "
+                                      r"'float16', 'float64'\] \(float64 with jax_enable_x64\), "
+                                      r"got "):
+    hf.load(directory, dtype=dtype)
+
+
+def test_float64_loads_only_under_x64(llama):
+  """Refused by name without jax_enable_x64 (jax would compute float32); with it, float64
+  parameters and computation (the logits are float32 in every dtype: `lm.output_logits`),
+  equal to the float32 model's to float32's precision."""
+  directory, _ = llama
+  assert not jax.config.jax_enable_x64
+  for dtype in (np.float64, "float64", jnp.float64):
+    with pytest.raises(TypeError, match=r"^dtype .* \(float64\) needs jax_enable_x64, which is "
+                                        r"off: jax would compute in float32"):
+      hf.load(directory, dtype=dtype)
+  tokens = np.arange(5)[None]
+  model32, variables32 = hf.load(directory, dtype="float32")
+  want = np.asarray(model32.apply(variables32, tokens))
+  with jax.enable_x64(True):
+    model, variables = hf.load(directory, dtype="float64")
+    assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {np.dtype(np.float64)}
+    assert model.config.dtype == model.config.param_dtype == np.float64
+    logits = model.apply(variables, jnp.asarray(tokens))
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4)
 
 
 def test_the_presets_read_each_familys_conventions():
