@@ -14,7 +14,7 @@ the same command resumes from its last complete checkpoint.
 If a process dies, the others stop when the runtime's heartbeat misses it (after
 --heartbeat-seconds) and the launcher exits with 1, naming each process's end; any still
 running after a grace period are killed. SIGTERM or SIGINT (Ctrl-C) sent to the launcher goes on
-to every process: on SIGTERM they stop together after one step and save it (a preemption,
+to every process: they stop together after one step and save it (a preemption,
 experiments.preemption); the launcher waits for them, kills any left after the grace period, and
 exits with 128 + the signal's number (143, 130). On a cluster this launcher is not needed: run
 `python -m experiments.train --distributed ...` on every host and JAX finds its coordinator
@@ -107,10 +107,12 @@ def supervise(procs: list[subprocess.Popen], heartbeat: int, forward: Forward) -
 def conclude(codes: list[int | None], first_failure: int | None, signum: int | None) -> int:
   """The launcher's exit code from its processes' `codes` (None: killed while running) and the
   signal it got, printing how each process ended unless all succeeded: 128 + the signal's
-  number if signalled, or 143 if every process stopped on a SIGTERM of its own (a scheduler may
-  signal them, not the launcher); 0 if all succeeded; else 1, naming the first that failed."""
-  if signum is None and all(code == preemption.EXIT_CODE for code in codes):
-    signum = signal.SIGTERM
+  number if signalled, or 143 (130) if every process stopped on a SIGTERM (SIGINT) of its own (a
+  scheduler may signal them, not the launcher); 0 if all succeeded; else 1, naming the first
+  that failed."""
+  for own in preemption.SIGNALS:
+    if signum is None and all(code == preemption.exit_code(own) for code in codes):
+      signum = own
   if signum is None and all(code == 0 for code in codes):
     return 0
   if first_failure is None:  # all ended between two polls

@@ -14,8 +14,9 @@ dropout key of step k is fold_in(state.rng, k). A checkpoint that cannot be read
 a truncated folder) is skipped for the one before it (experiments.checkpoints). A restart whose
 model, task or seed differ from the run's is refused, naming them, before anything is written
 (experiments.run_config); train.steps (to extend a run), logging and evaluation may change.
-SIGTERM (a scheduler's preemption) stops the run after the current step with that step's
-checkpoint saved, and the process exits with 143 (experiments.preemption); rerun it to resume.
+SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) stops the run after the current step with
+that step's checkpoint saved, and the process exits with 143 or 130 (experiments.preemption);
+rerun it to resume.
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   Raises run_config.ConfigMismatch, with the workdir as it was, if <workdir> holds a run whose
   model, task or seed differ from `config`'s (experiments.run_config), and preemption.Preempted
-  after a SIGTERM during training, the step it stopped after saved.
+  after a SIGTERM or SIGINT during training, the step it stopped after saved.
   """
   check_config(config)
   runner = make_runner(config)
@@ -385,7 +386,7 @@ def main(argv):
   except preemption.Preempted as e:
     if distributed.is_primary():
       print(e, file=sys.stderr, flush=True)
-    sys.exit(preemption.EXIT_CODE)
+    sys.exit(e.exit_code)
   if distributed.is_primary():
     print(json.dumps(summary, indent=2))
 

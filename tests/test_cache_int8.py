@@ -258,3 +258,48 @@ def test_pool_bytes():
   table = jnp.zeros((1, 2), jnp.int32)
   make = lambda dtype: cache_lib.PagedKVCache.create(4, 16, table, G, 128, dtype=dtype)
   assert nbytes(make(jnp.int8)) / nbytes(make(jnp.float32)) == (128 + 4) / (4 * 128)
+
+
+def check_non_finite_value(kind, implementations):
+  """One value entry written as inf through an int8 cache of `kind` (flax_mha.quant: stored as
+  -128, read back as NaN, the row's scale from its finite entries): a step by each of
+  `implementations` gives a non-finite output at that dim alone, for the heads of its
+  key/value head in the row that holds it, as the float cache's step does; every other output
+  equals the oracle over the dequantized cache (an inf scale made the whole row's values NaN)."""
+  row, position, head, dim = 1, 3, 0, 2
+  options = KINDS[kind][1]
+
+  def fill(cache):
+    k, v = _arrays(0, (B, 27, G, K), (B, 27, G, V))
+    v = v.at[row, position, head, dim].set(jnp.inf)
+    positions = jnp.where(jnp.arange(27) < FILL, jnp.arange(27), -1)
+    write = cache_lib.update_pages if hasattr(cache, "k_pages") else cache_lib.update
+    return write(cache, k, v, positions)
+
+  @jax.jit  # one compile for everything: the test stays fast
+  def run(cache, float_cache, q, k, v):
+    cache, float_cache = fill(cache), fill(float_cache)
+    outs = [_step(cache, q, k, v, dict(options, implementation=implementation))[0]
+            for implementation in implementations]
+    return (_step(float_cache, q, k, v, options)[0], _oracle_graph(cache, q, k, v, options, True),
+            outs)
+
+  float_out, oracle, outs = run(_empty(kind, jnp.int8), _empty(kind, jnp.float32),
+                                *_step_inputs(t=1))
+  bad = np.zeros(float_out.shape, bool)  # [B, T, H, V]
+  bad[row, :, head * (H // G):(head + 1) * (H // G), dim] = True
+  np.testing.assert_array_equal(~np.isfinite(float_out), bad)
+  for implementation, out in zip(implementations, outs):
+    np.testing.assert_array_equal(~np.isfinite(out), bad, err_msg=str(implementation))
+    np.testing.assert_allclose(np.where(bad, 0, out), np.where(bad, 0, oracle), atol=2e-5,
+                               err_msg=str(implementation))
+
+
+@pytest.mark.parametrize("kind,implementations", [
+    ("full", (None, "decode", "xla")),  # the XLA step, "decode", the dense path
+    ("paged", (None, "xla")),  # "decode" over pages, the gathered path
+])
+def test_a_non_finite_value_entry_reaches_its_own_dim_only(kind, implementations):
+  """Every CPU reader of an int8 cache (`check_non_finite_value`); the Triton decode kernel
+  interpreted is in tests/test_cache_int8_integration.py."""
+  check_non_finite_value(kind, implementations)

@@ -41,12 +41,14 @@ def test_int8_step_equals_the_dequantized_oracle_and_nears_the_float_cache(kind)
 
 @pytest.mark.parametrize("kind", ["full", "paged"])
 def test_triton_decode_interpreted_reads_int8(kind):
-  """The Triton decode kernel (Pallas interpret mode) loads int8 blocks and their scales."""
+  """The Triton decode kernel (Pallas interpret mode) loads int8 blocks and their scales, and
+  dequantizes a non-finite entry's code as `quant.dequantize` does."""
   options = KINDS[kind][1]
   q, k, v = _step_inputs(t=1)
   cache = _filled(kind, jnp.int8)
   got = _jit_step(dict(options, implementation=INTERPRETED))(cache, q, k, v)[0]
   chex.assert_trees_all_close(got, _oracle(cache, q, k, v, options), atol=2e-5)
+  unit.check_non_finite_value(kind, [INTERPRETED])  # an inf entry stays where it was
 
 
 def test_a_prefill_and_a_named_implementation():

@@ -82,3 +82,31 @@ def test_no_silent_gradient():
   q, scale = jax.jit(quant.quantize)(x)
   grad = jax.jit(jax.grad(lambda s: jnp.sum(quant.dequantize(q, s))))(scale)
   np.testing.assert_allclose(grad, np.asarray(q, np.float32).sum(-1))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_non_finite_entry_stays_where_it_was(dtype):
+  """inf, -inf and NaN entries are stored as NONFINITE (-128) and read back as NaN, only where
+  they were: the scale comes from the row's finite entries (the NumPy reference over them),
+  which keep their bound; a row with no finite entry gets scale 0; the scale's gradient takes
+  nothing from them."""
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((4, 13)).astype(np.float32) * 5
+  x[0, 2], x[1, [0, 7]], x[2, 5] = np.inf, (-np.inf, np.nan), np.nan
+  x[3] = [np.inf, -np.inf, np.nan] * 4 + [np.inf]
+  bad = ~np.isfinite(x)
+  q, scale = jax.jit(quant.quantize)(jnp.asarray(x, dtype))
+  assert quant.NONFINITE == -128
+  np.testing.assert_array_equal(np.asarray(q) == quant.NONFINITE, bad)
+  finite = np.asarray(jnp.asarray(x, dtype), np.float64)
+  want_q, want_scale = _np_quantize(np.where(bad, 0.0, finite))
+  np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
+  assert scale[3] == 0 and np.isfinite(np.asarray(scale)).all()
+  assert np.abs(np.asarray(q, np.int32) - want_q)[~bad].max() <= 1
+  back = np.asarray(jax.jit(quant.dequantize, static_argnums=2)(q, scale, dtype), np.float64)
+  assert np.isnan(back[bad]).all() and np.isfinite(back[~bad]).all()
+  err = np.abs(back - finite)[~bad]
+  assert (err <= np.broadcast_to(want_scale[:, None], x.shape)[~bad] / 2 * (1 + 1e-5)
+          + (0.0 if dtype == jnp.float32 else 4e-3 * np.abs(finite[~bad]))).all()
+  grad = jax.grad(lambda s: jnp.nansum(quant.dequantize(q, s)))(scale)
+  np.testing.assert_allclose(grad, np.where(bad, 0, np.asarray(q, np.float32)).sum(-1))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax_mha import platforms
 from flax_mha import selftest
 from flax_mha.selftest import cases
 from flax_mha.kernels import reference
@@ -66,8 +67,22 @@ def test_a_refusing_kernel_reads_refused_with_its_reason(register, monkeypatch):
   rows = selftest.run(_tiny(name))
   assert [(r.options, r.result, r.note) for r in rows] == [
       (selftest.EVERY_OPTION, "refused", "it refuses (a test)")]
-  monkeypatch.setattr(selftest, "settings_for", lambda args: _tiny(name))
+  right = register("selftest_right", _scaled(1.0))  # a refusal beside a pass fails nothing
+  monkeypatch.setattr(selftest, "settings_for", lambda args: _tiny(name, right))
   assert selftest.main([]) == 0
+
+
+def test_a_run_that_tests_nothing_says_so_and_exits_1(register, monkeypatch, capsys):
+  """Every row refused or skipped (as `--implementations triton,cudnn` on a CPU): no row
+  passed, so the run reads "nothing tested", never "ok", and exits 1."""
+  refuses = register("selftest_refuses", _scaled(1.0), refuses=lambda call: "it refuses (a test)")
+  elsewhere = register("selftest_elsewhere", _scaled(1.0),
+                       platform="tpu" if platforms.backend_platform() != "tpu" else "cuda")
+  monkeypatch.setattr(selftest, "settings_for", lambda args: _tiny(refuses, elsewhere))
+  assert selftest.main([]) == 1
+  assert capsys.readouterr().out.splitlines()[-1].startswith(
+      "nothing tested: 0 pass, 0 fail, 1 refused, 1 skipped (2 rows, ")
+  assert selftest.exit_status([selftest.Row("xla", "plain", "-", "float32", "pass")]) == 0
 
 
 def test_an_error_while_compiling_is_a_failure_that_names_it(register):
@@ -121,6 +136,42 @@ def test_the_table_and_its_summary():
       (lines[2], "skipped", "result")))
   assert selftest.counts(rows) == {"pass": 1, "fail": 0, "refused": 1, "skipped": 1}
   assert selftest.summary(rows, 12.3) == "ok: 1 pass, 0 fail, 1 refused, 1 skipped (3 rows, 12 s)"
+
+
+LONG_NOTE = ("it needs a mesh with a 'seq' axis in context (`with jax.set_mesh("
+             "flax_mha.sharding.make_mesh(seq=n))`), and there is none")
+
+
+def test_every_printed_line_fits_100_columns_and_keeps_every_cell(register, monkeypatch,
+                                                                  capsys):
+  """The longest cells of the real matrix (an interpreted step kernel, a step's options and
+  medium shape, a long refusal, a slow row) wrap within their columns: no line is wider than
+  100, no word of a cell or a note is lost, only a row's first line starts in the first column;
+  a run's title, legend and long refusal fit too."""
+  step, dense = cases.STEP_SHAPES[-1].label, cases.SHAPES[-1].label
+  cases_ = (  # (row, every cell as printed, the note after its result)
+      (selftest.Row("paged: triton_decode (interpret)", "3 tokens, window, soft cap", step,
+                    "bfloat16", "pass", 1.23e-3, 4.56e-3, 123456.7),
+       ["1.2e-03", "4.6e-03", "123457", "pass"]),
+      (selftest.Row("ring", selftest.EVERY_OPTION, "-", "float32", "refused", note=LONG_NOTE),
+       ["-", "-", "-", "refused", "refused: " + LONG_NOTE]),
+      (selftest.Row("None (xla)", "gqa causal", dense, "float32", "fail", 1e-7, 2e-7, 1234.5,
+                    note="over the tolerance 0.0001"),
+       ["1.0e-07", "2.0e-07", "1234", "fail", "fail: over the tolerance 0.0001"]))
+  for row, rest in cases_:
+    lines = selftest.format_row(row).splitlines()
+    assert max(map(len, lines)) <= selftest.WIDTH == 100, lines
+    assert [line[0] != " " for line in lines] == [True] + [False] * (len(lines) - 1), lines
+    cells = [row.implementation, row.options, row.shape, row.dtype, *rest]
+    assert sorted(" ".join(lines).split()) == sorted(" ".join(cells).split())
+    assert lines[0].split()[-1] == row.result
+  name = register("selftest_refuses_long", _scaled(1.0), refuses=lambda call: LONG_NOTE)
+  monkeypatch.setattr(selftest, "settings_for", lambda args: _tiny(name))
+  selftest.main([])
+  out = capsys.readouterr().out
+  assert max(map(len, out.splitlines())) <= 100, out
+  assert ("refused: " + LONG_NOTE) in " ".join(out.split())
+  assert "max |error| / max |oracle|" in out and "tolerance float32 " in out
 
 
 def test_the_command_line_is_checked():

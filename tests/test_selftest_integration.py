@@ -41,7 +41,10 @@ def test_quick_passes_on_cpu_with_every_kernel_in_the_table(tmp_path):
   lines, table = _selftest(tmp_path, "--quick")
   rows = table["rows"]
   assert lines[1] == selftest.header() and lines[-1].startswith("ok: ")
-  assert len(lines) == len(rows) + 3  # the title, the header, a line per row, the summary
+  # the title, the header, a row's first line per row, the legend, the summary: all else (a
+  # wrapped cell, a note) is indented below its row; every line fits 100 columns
+  assert sum(not line.startswith(" ") for line in lines) == len(rows) + 4
+  assert max(map(len, lines)) <= selftest.WIDTH
   assert table["counts"]["fail"] == 0 and table["counts"]["pass"] >= 20
   dense = [row for row in rows if ":" not in row["implementation"]]
   assert _kernels(dense) == (set(registry.names()) - {"reference"}) | {"None"}

@@ -269,7 +269,8 @@ def keys_bwd(cfg_bwd, query, keys_BSGK, values_BSGV, kv_scales_BSG, mods, out, l
              cotangents):
   """The chunked backward over keys and values in the API layout, dequantized first when int8
   (`kv_scales_BSG`: their scales [B, S, G]): (dq, dk, dv, dscales, dmods); int8 keys and values
-  get None, their scales the gradient Σ d(dequantized) · int8 over the head dim."""
+  get None, their scales the gradient Σ d(dequantized) · int8 over the head dim (by
+  `quant.dequantize`'s own derivative: a non-finite entry adds nothing)."""
   keys, values = keys_BSGK, values_BSGV
   if kv_scales_BSG is not None:
     keys, values = (quant.dequantize(x, scale, query.dtype)
@@ -278,8 +279,7 @@ def keys_bwd(cfg_bwd, query, keys_BSGK, values_BSGV, kv_scales_BSG, mods, out, l
       cfg_bwd, (query, keys, values, None, None, None, mods, out, lse), cotangents)
   if kv_scales_BSG is None:
     return dq, dk, dv, None, dmods
-  dscale = lambda d, x, scale: jnp.sum(d.astype(jnp.float32) * x.astype(jnp.float32),
-                                       axis=-1).astype(scale.dtype)
+  dscale = lambda d, x, scale: jax.vjp(lambda s: quant.dequantize(x, s, d.dtype), scale)[1](d)[0]
   dscales = tuple(dscale(d, x, scale) for d, x, scale in zip(
       (dk, dv), (keys_BSGK, values_BSGV), kv_scales_BSG))
   return dq, None, None, dscales, dmods

@@ -11,8 +11,9 @@ keys are read in place in either layout:
   - a contiguous cache, head-major [B, G, S, K]: blocks of BLOCK slots of the row's head;
   - pages [P, page, G, K] with a page table [B, n]: one page per block, found in the table.
 An int8 cache (`flax_mha.quant`) is read as int8 blocks and their scales, dequantized in the
-kernel. Visibility compares positions (one `mods.Positions` term: causality, a window, sink
-tokens; an empty slot holds -1 and is hidden, its value read as 0); the logit soft cap and the
+kernel by `quant.dequantize` (the one rule, a non-finite entry's code included). Visibility
+compares positions (one `mods.Positions` term: causality, a window, sink tokens; an empty slot
+holds -1 and is hidden, its value read as 0); the logit soft cap and the
 sinks are applied too. Anything else (a dense mask, `mask_mod`/`score_mod`, segment ids, dropout)
 is refused by `reason`, and the caller keeps its XLA step.
 
@@ -37,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from flax_mha import mods as mods_lib
 from flax_mha import platforms
+from flax_mha import quant
 from flax_mha.kernels import triton_tiles as tiles
 from flax_mha.kernels import common
 from flax_mha.kernels import decode
@@ -112,8 +114,8 @@ def _kernel(*refs, spec: Spec):
     k, v = block(k_ref, j), block(v_ref, j)
     if scale_refs is None:
       return k, v
-    dequantize = lambda x, ref: (x.astype(jnp.float32) * block(ref, j)[:, None]).astype(q.dtype)
-    return dequantize(k, scale_refs[0]), dequantize(v, scale_refs[1])
+    return (quant.dequantize(k, block(scale_refs[0], j), q.dtype),
+            quant.dequantize(v, block(scale_refs[1], j), q.dtype))
 
   def step(j, carry):
     acc, m, l = carry

@@ -23,7 +23,13 @@ A row reads "pass", "fail" (a mismatch, a NaN, or an error while compiling or ru
 to report), "refused" (the kernel declines the call, by its registry `refuses`, and says why:
 no failure) or "skipped" (a kernel for another platform; `--interpret` runs the Pallas ones in
 interpret mode, slowly, which checks their semantics on a CPU but not their compilation). The
-exit status is 1 when any row fails, 0 otherwise.
+exit status is 1 when any row fails, and 1 too when no row passes: a run that tested nothing
+(every row refused or skipped, as `--implementations triton` on a CPU) says "nothing tested",
+never "ok". 0 otherwise.
+
+The table fits a terminal of WIDTH (100) columns: a cell longer than its column wraps within it
+and a row's note (a refusal's reason, an error) goes on indented lines below the row; the JSON
+table (`--json`) holds every row's cells whole.
 
   python -m flax_mha.selftest                 # everything, on this machine's default backend
   python -m flax_mha.selftest --quick         # the small shape, a few options (CI, on a CPU)
@@ -41,6 +47,7 @@ import inspect
 import json
 import statistics
 import sys
+import textwrap
 import time
 from typing import Any, Callable, Sequence
 
@@ -354,20 +361,43 @@ def run(settings: Settings = Settings(), report: Callable[[Row], None] | None = 
 
 # ---- the table ----
 
-COLUMNS = (("implementation", 34), ("options", 28), ("shape", 38), ("dtype", 9),
-           ("values", 8), ("grads", 8), ("ms", 9), ("result", 0))
+WIDTH = 100  # columns of the terminal the table fits
+# (name, width): a longer cell wraps within its column. The widths fit the dense rows' cells on
+# one line (a step's longer options and shape wrap) and every result word by column WIDTH.
+COLUMNS = (("implementation", 18), ("options", 14), ("shape", 26), ("dtype", 8),
+           ("values", 7), ("grads", 7), ("ms", 6), ("result", 7))
+INDENT = "    "  # of a row's note, on lines of its own below the row
 
 
 def _number(x: float | None, form: str) -> str:
   return "-" if x is None else format(x, form)
 
 
+def _milliseconds(ms: float | None) -> str:
+  """Two decimals below 100 ms, fewer above: at most 6 characters up to 10^6 ms."""
+  return _number(ms, ".2f" if ms is None or ms < 100 else ".1f" if ms < 1000 else ".0f")
+
+
+def _fit(text: str, indent: str = "", first: str = "") -> list[str]:
+  """`text` wrapped to WIDTH columns, its first line after `first`, the others after `indent`."""
+  return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=indent,
+                       break_on_hyphens=False) or [first.rstrip()]
+
+
 def format_row(row: Row) -> str:
-  """One line of the table."""
-  result = row.result + (f": {row.note}" if row.note else "")
+  """The lines of one row of the table ("\n"-joined): each cell in its column, wrapped within it
+  when longer (its further lines indented by two); then, with a note, `result: note` on lines of
+  their own below, indented by INDENT. Only a row's first line starts in the first column."""
   cells = (row.implementation, row.options, row.shape, row.dtype, _number(row.values, ".1e"),
-           _number(row.grads, ".1e"), _number(row.ms, ".2f"), result)
-  return " ".join(cell.ljust(width) for cell, (_, width) in zip(cells, COLUMNS)).rstrip()
+           _number(row.grads, ".1e"), _milliseconds(row.ms), row.result)
+  wrapped = [textwrap.wrap(cell, width, subsequent_indent="  ", break_on_hyphens=False) or [""]
+             for cell, (_, width) in zip(cells, COLUMNS)]
+  lines = [" ".join(cell[i].ljust(width) if i < len(cell) else " " * width
+                    for cell, (_, width) in zip(wrapped, COLUMNS)).rstrip()
+           for i in range(max(map(len, wrapped)))]
+  if row.note:  # the result column ends at WIDTH: no room beside it
+    lines += _fit(f"{row.result}: {row.note}", INDENT, INDENT)
+  return "\n".join(lines)
 
 
 def header() -> str:
@@ -381,10 +411,17 @@ def counts(rows: Sequence[Row]) -> dict[str, int]:
 
 
 def summary(rows: Sequence[Row], seconds: float) -> str:
+  """The last line: "FAILED" when a row fails, "nothing tested" when none passes, else "ok"."""
   c = counts(rows)
-  verdict = "FAILED" if c["fail"] else "ok"
+  verdict = "FAILED" if c["fail"] else "nothing tested" if not c["pass"] else "ok"
   return (f"{verdict}: {c['pass']} pass, {c['fail']} fail, {c['refused']} refused, "
           f"{c['skipped']} skipped ({len(rows)} rows, {seconds:.0f} s)")
+
+
+def exit_status(rows: Sequence[Row]) -> int:
+  """1 when a row fails or none passes (nothing was tested), else 0."""
+  c = counts(rows)
+  return 1 if c["fail"] or not c["pass"] else 0
 
 
 def _device() -> str:
@@ -438,19 +475,21 @@ def settings_for(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """The command line: print the table and a summary; 1 when any row fails."""
+  """The command line: print the table and a summary; 1 when any row fails or none passes."""
   args = parse_args(argv)
   start = time.perf_counter()
-  print(f"flax_mha self-test on {_device()}, jax {jax.__version__}; error = max |error| / "
-        "max |oracle| (float32 oracle); tolerance " + ", ".join(
-            f"{d} {cases.tolerance(d, platforms.backend_platform()):g}" for d in args.dtypes))
+  tolerances = ", ".join(f"{d} {cases.tolerance(d, platforms.backend_platform()):g}"
+                         for d in args.dtypes)
+  print("\n".join(_fit(f"flax_mha self-test on {_device()}, jax {jax.__version__}", "  ")))
   print(header())
   rows = run(settings_for(args), report=lambda row: print(format_row(row), flush=True))
   seconds = time.perf_counter() - start
+  print("\n".join(_fit(f"values, grads: max |error| / max |oracle| (float32 oracle); tolerance "
+                       f"{tolerances}", "  ")))
   print(summary(rows, seconds))
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(dict(device=_device(), jax=jax.__version__, quick=args.quick,
                      interpret=args.interpret, seconds=seconds, counts=counts(rows),
                      rows=[dataclasses.asdict(row) for row in rows]), f, indent=1)
-  return 1 if counts(rows)["fail"] else 0
+  return exit_status(rows)
