@@ -87,7 +87,8 @@ def test_every_benchmark_is_cited():
   bench = {f"experiments.bench.{p.stem}" for p in (REPO / "experiments" / "bench").glob("*.py")}
   helpers = {"experiments.bench.__init__", "experiments.bench.timing",
              "experiments.bench.hlo_bytes", "experiments.bench.attention_report",
-             "experiments.bench.serving_parts", "experiments.bench.module_pieces"}
+             "experiments.bench.serving_parts", "experiments.bench.module_pieces",
+             "experiments.bench.module_cases", "experiments.bench.static_batching"}
   missing = bench - helpers - set(MODULES)
   assert not missing, f"no command cited in README.md, docs/ or flax_mha/: {sorted(missing)}"
 
