@@ -15,7 +15,7 @@ from experiments.losses import cross_entropy
 from experiments.runner import Runner
 from experiments.tasks import BOS, EOS, PAD, Task
 from flax_mha.models import transformer
-from flax_mha.models.decoding import greedy_decode
+from flax_mha.models.transformer import greedy_decode
 from flax_mha.models.transformer import Transformer, TransformerConfig
 
 

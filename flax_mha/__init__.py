@@ -105,9 +105,9 @@ _LAZY = {
     "Transformer": ("flax_mha.models.transformer", "Transformer"),
     "TransformerConfig": ("flax_mha.models.transformer", "TransformerConfig"),
     "DecoderLM": ("flax_mha.models.lm", "DecoderLM"),
-    "LMConfig": ("flax_mha.models.lm", "LMConfig"),
-    "beam_search": ("flax_mha.models.decoding", "beam_search"),
-    "greedy_decode": ("flax_mha.models.decoding", "greedy_decode"),
+    "LMConfig": ("flax_mha.models.lm_config", "LMConfig"),
+    "beam_search": ("flax_mha.models.transformer", "beam_search"),
+    "greedy_decode": ("flax_mha.models.transformer", "greedy_decode"),
 }
 
 

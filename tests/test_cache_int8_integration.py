@@ -24,6 +24,7 @@ from flax_mha.kernels import decode
 from flax_mha.models import decoding
 from flax_mha.models import lm_nnx
 from flax_mha.models.lm import DecoderLM, LMConfig
+from flax_mha.models import transformer
 from flax_mha.models.transformer import Transformer, TransformerConfig
 
 import test_cache_int8 as unit
@@ -215,5 +216,5 @@ def test_the_encoder_decoder_decodes_over_int8_caches():
                           max_len=12)
   src = jnp.asarray(np.random.default_rng(0).integers(3, 11, (3, 6)), jnp.int32)
   params = Transformer(cfg).init(jax.random.key(0), src, src[:, :2])["params"]
-  int8 = decoding.greedy_decode(cfg, params, src, max_len=8, cache_dtype=jnp.int8)
-  np.testing.assert_array_equal(int8, decoding.greedy_decode(cfg, params, src, max_len=8))
+  int8 = transformer.greedy_decode(cfg, params, src, max_len=8, cache_dtype=jnp.int8)
+  np.testing.assert_array_equal(int8, transformer.greedy_decode(cfg, params, src, max_len=8))

@@ -3,7 +3,9 @@ shows; the runtime dependencies are what flax_mha imports. The fresh interpreter
 are in tests/test_package_integration.py."""
 
 import ast
+import pathlib
 import re
+import subprocess
 import sys
 import tomllib
 
@@ -15,7 +17,7 @@ from tests.multidevice.run import ROOT
 
 def test_lazy_names_are_the_front_ends_and_models():
   """The names that load on first access are the objects of the modules that define them."""
-  from flax_mha.models import decoding, lm, transformer  # pylint: disable=import-outside-toplevel
+  from flax_mha.models import lm, transformer  # pylint: disable=import-outside-toplevel
   from flax_mha.nn import linen, nnx  # pylint: disable=import-outside-toplevel
   assert flax_mha.nnx is nnx and flax_mha.linen is linen
   assert flax_mha.MultiHeadAttention is linen.MultiHeadAttention
@@ -23,8 +25,8 @@ def test_lazy_names_are_the_front_ends_and_models():
   assert flax_mha.Transformer is transformer.Transformer
   assert flax_mha.TransformerConfig is transformer.TransformerConfig
   assert flax_mha.DecoderLM is lm.DecoderLM and flax_mha.LMConfig is lm.LMConfig
-  assert flax_mha.greedy_decode is decoding.greedy_decode
-  assert flax_mha.beam_search is decoding.beam_search
+  assert flax_mha.greedy_decode is transformer.greedy_decode
+  assert flax_mha.beam_search is transformer.beam_search
   assert {"MultiHeadAttention", "nnx", "Transformer"} <= set(dir(flax_mha))
   with pytest.raises(AttributeError, match="module 'flax_mha' has no attribute 'Nope'"):
     flax_mha.Nope  # pylint: disable=pointless-statement
@@ -55,3 +57,18 @@ def test_the_dependencies_are_what_the_library_imports():
     assert third_party <= allowed, (path, third_party - allowed)
     everything |= third_party
   assert everything == {"jax", "flax", "numpy"} | hf_extra, everything
+
+
+@pytest.mark.parametrize("module, absent", [
+    ("flax_mha.models.lm_config", ("flax", "flax_mha.models.lm", "flax_mha.nn.linen")),
+    ("flax_mha.models.hf_config", ("flax", "flax_mha.models.lm", "flax_mha.nn.linen")),
+    # flax.nnx itself loads flax.linen; the NNX LM loads none of flax_mha's linen modules.
+    ("flax_mha.models.lm_nnx", ("flax_mha.models.lm", "flax_mha.nn.linen")),
+])
+def test_the_config_and_the_nnx_model_load_no_linen_model(module, absent):
+  """In a fresh interpreter: a config reader loads no flax at all, the NNX LM none of the
+  linen modules (LMConfig once lived beside the linen model and loaded it)."""
+  code = (f"import sys, {module}; print([m for m in {list(absent)!r} if m in sys.modules])")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert result.stdout.strip() == "[]", result.stdout

@@ -44,7 +44,7 @@ from flax import nnx
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha import quant
-from flax_mha.models.transformer import Transformer, TransformerConfig
+from flax_mha.models.sampling import Greedy, Sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,50 +165,6 @@ def prompt_rows(prompts) -> list[np.ndarray]:
 
 def _list_arrays(context):
   return tuple(np.asarray(x, np.int32) if isinstance(x, (list, tuple)) else x for x in context)
-
-
-@dataclasses.dataclass(frozen=True)
-class Greedy:
-  """The most likely token."""
-
-  def __call__(self, logits_BC, rng):
-    del rng
-    return jnp.argmax(logits_BC, axis=-1).astype(jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-  """A token drawn from softmax(logits / temperature), restricted to the `top_k` most likely
-  tokens and to the smallest set whose probability reaches `top_p` (nucleus), when given."""
-  temperature: float = 1.0
-  top_k: int | None = None
-  top_p: float | None = None
-
-  def __post_init__(self):
-    checks.check_positive_real("temperature", self.temperature)
-    if self.top_k is not None:
-      checks.check_int("top_k", self.top_k)
-    if self.top_p is not None:
-      checks.check_real("top_p", self.top_p, above=0, highest=1)
-
-  def __call__(self, logits_BC, rng):
-    return jax.random.categorical(rng, self.restrict(logits_BC), axis=-1).astype(jnp.int32)
-
-  def restrict(self, logits_BC):
-    """The logits the draw sees: scaled, and -inf outside the top-k / top-p set."""
-    logits_BC = logits_BC / self.temperature
-    if self.top_k is not None:
-      kth = jax.lax.top_k(logits_BC, min(self.top_k, logits_BC.shape[-1]))[0][:, -1:]
-      logits_BC = jnp.where(logits_BC < kth, -jnp.inf, logits_BC)
-    if self.top_p is not None:
-      order = jnp.argsort(-logits_BC, axis=-1)
-      probs = jax.nn.softmax(jnp.take_along_axis(logits_BC, order, axis=-1), axis=-1)
-      before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-      cut_sorted = before >= self.top_p  # the most likely token always stays
-      cut = jnp.zeros_like(cut_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(
-          cut_sorted)
-      logits_BC = jnp.where(cut, -jnp.inf, logits_BC)
-    return logits_BC
 
 
 def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_tokens: int,
@@ -433,46 +389,3 @@ def _gather_beams(beam_BW, x):
   x = x.reshape(batch, w, *x.shape[1:])
   idx = beam_BW.reshape(batch, w, *([1] * (x.ndim - 2)))
   return jnp.take_along_axis(x, idx, axis=1).reshape(batch * w, *x.shape[2:])
-
-
-# The encoder-decoder's conveniences: decode from its bos token, stop at its eos.
-
-def greedy_decode(config: TransformerConfig | Transformer, params, src, *, max_len: int,
-                  cache_dtype=None):
-  """Greedy decoding: src [B, S] int -> tokens [B, max_len] int32. `config` may be the model;
-  `cache_dtype` as in `generate`."""
-  model, src = _transformer(config, src, max_len)
-  return generate(model, {"params": params}, (src,), _bos(model, src), max_new_tokens=max_len,
-                  stop_tokens=(model.config.eos_id,), pad_id=model.config.pad_id,
-                  cache_dtype=cache_dtype)
-
-
-def beam_search(config: TransformerConfig | Transformer, params, src, *, max_len: int,
-                beam_size: int = 4, alpha: float = 0.6, cache_dtype=None):
-  """Beam search with the GNMT length penalty ((5 + len) / 6)^alpha; returns the best beam.
-
-  src [B, S] int -> tokens [B, max_len] int32. `beam_size=1` is greedy decoding; `cache_dtype`
-  as in `generate`.
-  """
-  model, src = _transformer(config, src, max_len)
-  return generate_beam(model, {"params": params}, (src,), _bos(model, src),
-                       max_new_tokens=max_len, beam_size=beam_size, alpha=alpha,
-                       stop_tokens=(model.config.eos_id,), pad_id=model.config.pad_id,
-                       cache_dtype=cache_dtype)
-
-
-def _transformer(config, src, max_len):
-  """The inference model (no dropout) for `config` (or a model), after checking the arguments."""
-  config = config.config if isinstance(config, Transformer) else config
-  if not isinstance(config, TransformerConfig):
-    raise TypeError(
-        f"config must be a TransformerConfig or Transformer, got {type(config).__name__}")
-  checks.check_tokens("src", src)
-  if not isinstance(src, jax.core.Tracer):  # under jit the ids are traced: the caller's job
-    checks.check_token_ids("src", src, config.vocab_size)
-  checks.check_int("max_len", max_len, highest=config.max_len)
-  return Transformer(config.replace(dropout_rate=0.0, attention_dropout_rate=0.0)), src
-
-
-def _bos(model: Transformer, src):
-  return jnp.full((src.shape[0], 1), model.config.bos_id, jnp.int32)

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flax_mha.models.lm import LMConfig
+from flax_mha.models.lm_config import LMConfig
 from flax_mha.nn.options import Norm
 from flax_mha.rotary import Rope
 

@@ -1,6 +1,6 @@
 """`DecoderLM` as an NNX module, built on `flax_mha.nnx.SelfAttention`.
 
-The linen model's architecture (`flax_mha.models.lm`: rotary positions, GQA, local and global
+The linen model's architecture (`flax_mha.models.lm`, never imported here: rotary positions, GQA, local and global
 layers, soft-capped logits, sinks) and its parameter tree, path for path: `load_linen_params`
 takes a linen `DecoderLM`'s variables. It is decodable (`init_cache`, `init_paged_cache`,
 `logits`): `flax_mha.models.decoding` and `serving` take it with `params` None. Dropout and
@@ -15,9 +15,8 @@ import functools
 from flax import nnx
 
 from flax_mha import checks
-from flax_mha.models import tokens as tokens_lib
-from flax_mha.models import lm
-from flax_mha.models.lm import LMConfig
+from flax_mha.models import lm_shared
+from flax_mha.models.lm_config import LMConfig
 from flax_mha.nn.nnx import SelfAttention, make_norm
 
 
@@ -66,7 +65,7 @@ class Block(nnx.Module):
     return x + post("post_mlp_norm", self.mlp(self.mlp_norm(x))), cache
 
 
-class DecoderLM(lm.Decodable, nnx.Module):
+class DecoderLM(lm_shared.Decodable, nnx.Module):
   """`__call__(tokens [B, L], segment_ids=None, positions=None) -> logits [B, L, C]`, the
   arguments and methods of `flax_mha.models.DecoderLM` (see there), ids unchecked inside `jit`
   likewise."""
@@ -95,8 +94,8 @@ class DecoderLM(lm.Decodable, nnx.Module):
     checks.check_tokens("tokens", tokens)
     checks.check_concrete_token_ids("tokens", tokens, cfg.vocab_size)
     if cache is None:
-      segment_ids, positions = lm.one_document(tokens, segment_ids, positions)
-    x = lm.embed_tokens(cfg, self.embed, tokens, positions,
+      segment_ids, positions = lm_shared.one_document(tokens, segment_ids, positions)
+    x = lm_shared.embed_tokens(cfg, self.embed, tokens, positions,
                         getattr(self, "position_embed", None))
     caches = []
     for i in range(cfg.num_layers):
@@ -104,7 +103,7 @@ class DecoderLM(lm.Decodable, nnx.Module):
           x, segment_ids, positions, None if cache is None else cache[i])
       caches.append(layer_cache)
     x = self.final_norm(x)
-    logits_BLC = lm.output_logits(
+    logits_BLC = lm_shared.output_logits(
         cfg, self.embed.attend(x) if cfg.tie_embeddings else self.lm_head(x))
     return logits_BLC if cache is None else (logits_BLC, tuple(caches))
 

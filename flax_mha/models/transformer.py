@@ -20,6 +20,7 @@ import functools
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,6 +28,7 @@ from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha import masks as masks_lib
 from flax_mha import remat as remat_lib
+from flax_mha.models import decoding
 from flax_mha.models import tokens as tokens_lib
 from flax_mha.nn import PARAM_AXES as ATTENTION_PARAM_AXES
 from flax_mha.nn.linen import MultiHeadAttention
@@ -317,3 +319,47 @@ class Transformer(nn.Module):
     logits_BTC = (self.tgt_embed.attend(x_BTD) if self.config.share_embeddings
                   else self.logits_dense(x_BTD))
     return logits_BTC.astype(jnp.float32)
+
+
+# Decoding's conveniences for this model (`flax_mha.models.decoding`): from its bos token, to
+# its eos.
+
+def greedy_decode(config: TransformerConfig | Transformer, params, src, *, max_len: int,
+                  cache_dtype=None):
+  """Greedy decoding: src [B, S] int -> tokens [B, max_len] int32. `config` may be the model;
+  `cache_dtype` as in `generate`."""
+  model, src = _transformer(config, src, max_len)
+  return decoding.generate(model, {"params": params}, (src,), _bos(model, src), max_new_tokens=max_len,
+                  stop_tokens=(model.config.eos_id,), pad_id=model.config.pad_id,
+                  cache_dtype=cache_dtype)
+
+
+def beam_search(config: TransformerConfig | Transformer, params, src, *, max_len: int,
+                beam_size: int = 4, alpha: float = 0.6, cache_dtype=None):
+  """Beam search with the GNMT length penalty ((5 + len) / 6)^alpha; returns the best beam.
+
+  src [B, S] int -> tokens [B, max_len] int32. `beam_size=1` is greedy decoding; `cache_dtype`
+  as in `generate`.
+  """
+  model, src = _transformer(config, src, max_len)
+  return decoding.generate_beam(model, {"params": params}, (src,), _bos(model, src),
+                       max_new_tokens=max_len, beam_size=beam_size, alpha=alpha,
+                       stop_tokens=(model.config.eos_id,), pad_id=model.config.pad_id,
+                       cache_dtype=cache_dtype)
+
+
+def _transformer(config, src, max_len):
+  """The inference model (no dropout) for `config` (or a model), after checking the arguments."""
+  config = config.config if isinstance(config, Transformer) else config
+  if not isinstance(config, TransformerConfig):
+    raise TypeError(
+        f"config must be a TransformerConfig or Transformer, got {type(config).__name__}")
+  checks.check_tokens("src", src)
+  if not isinstance(src, jax.core.Tracer):  # under jit the ids are traced: the caller's job
+    checks.check_token_ids("src", src, config.vocab_size)
+  checks.check_int("max_len", max_len, highest=config.max_len)
+  return Transformer(config.replace(dropout_rate=0.0, attention_dropout_rate=0.0)), src
+
+
+def _bos(model: Transformer, src):
+  return jnp.full((src.shape[0], 1), model.config.bos_id, jnp.int32)

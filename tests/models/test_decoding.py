@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_mha.models.decoding import beam_search, generate, greedy_decode
+from flax_mha.models.decoding import generate
+from flax_mha.models.transformer import beam_search, greedy_decode
 from flax_mha.models.transformer import Transformer, TransformerConfig
 
 B, S = 3, 6

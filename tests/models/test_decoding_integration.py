@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_mha.models.decoding import beam_search, greedy_decode, length_penalty
+from flax_mha.models.decoding import length_penalty
+from flax_mha.models.transformer import beam_search, greedy_decode
 from flax_mha.models.transformer import Transformer
 from test_decoding import B, _init, _make, make
 

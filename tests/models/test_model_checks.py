@@ -27,7 +27,7 @@ from experiments.lm import LMRunner
 from experiments.seq2seq import Seq2SeqRunner
 from experiments.tasks import PAD, get_task
 from flax_mha.parallel import sharding
-from flax_mha.models.decoding import beam_search, greedy_decode
+from flax_mha.models.transformer import beam_search, greedy_decode
 from flax_mha.models import lm as lm_model
 from flax_mha.models import tokens as tokens_lib
 from flax_mha.models import lm_nnx

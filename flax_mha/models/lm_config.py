@@ -1,0 +1,137 @@
+"""`LMConfig`: the architecture of the one configurable decoder (`flax_mha.models.lm`, linen;
+`flax_mha.models.lm_nnx`, NNX), a family's description. Importing it loads no flax, so the NNX
+model and the Hugging Face config reader (`flax_mha.models.hf_config`) read a config without
+the linen model. Shapes: D d_model, F d_ff, C vocabulary, K head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from flax_mha import checks
+from flax_mha import remat as remat_lib
+from flax_mha.nn.options import AttentionOptions, Norm
+from flax_mha.rotary import Rope
+
+
+MLPS = ("gelu", "swiglu", "geglu")
+POSITIONS = ("rotary", "learned")
+LAYER_TYPES = ("local", "global")
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+  """Architecture only; training settings live in the experiment configs. The defaults are
+  this repository's own LM; `flax_mha.models.hf.config_from_hf` fills the rest for a family."""
+  vocab_size: int                     # C, special ids included
+  d_model: int = 128                  # residual width D
+  num_heads: int = 4                  # query heads H
+  num_kv_heads: int = 2               # key/value heads G (GQA: H / G queries share one)
+  num_layers: int = 4                 # blocks
+  d_ff: int = 512                     # MLP width F
+  local_window: int | None = 16       # keys a local layer sees before the query (None: all global)
+  global_every: int = 2               # every n-th block is global, the others local (Gemma 2: 2)
+  rotary_max_wavelength: float = 10_000.0  # RoPE base
+  logit_soft_cap: float | None = 50.0  # attention logits capped as in Gemma 2
+  normalize_qk: bool | Norm = False   # qk-norm: True for LayerNorm (flax's), or a Norm (Qwen3)
+  learned_sinks: bool = False         # a learned sink logit per head joins each softmax (gpt-oss)
+  sink_tokens: int = 0                # local layers keep the first n tokens visible (StreamingLLM)
+  dropout_rate: float = 0.0           # on block outputs
+  dtype: Any = jnp.float32            # computation dtype
+  attention_implementation: Any = None  # see flax_mha.dot_product_attention
+  remat: str = "none"                 # recomputed in training's backward: flax_mha.remat.POLICIES
+  # The fields below describe other families (Hugging Face's); their defaults are this LM's.
+  param_dtype: Any = jnp.float32      # parameters' dtype (a bfloat16 checkpoint's stay bfloat16)
+  head_dim: int | None = None         # K (None: d_model / num_heads; Gemma's is larger)
+  norm: Norm = Norm("layer", 1e-6)    # the blocks' and the final norm
+  post_norms: bool = False            # norms on the attention's and the MLP's outputs (Gemma 2, 3)
+  mlp: str = "gelu"                   # MLPS: gelu(x·in)·out, or gated silu / gelu (SwiGLU, GeGLU)
+  mlp_bias: bool = True               # biases in the MLP
+  qkv_bias: bool = False              # biases in the query, key and value projections (Qwen2)
+  out_bias: bool = False              # a bias in the attention's output projection
+  tie_embeddings: bool = True         # the output projection is the embedding's transpose
+  scale_embeddings: bool = True       # embeddings times sqrt(D) on the way in (Gemma)
+  scale_logits: bool = True           # logits divided by sqrt(D) on the way out (this LM only)
+  final_logit_soft_cap: float | None = None  # cap·tanh(logits / cap) on the logits (Gemma 2)
+  positions: str = "rotary"           # POSITIONS: rotary, or learned absolute ones (GPT-2)
+  max_positions: int = 0              # learned positions' table size (positions >= it are NaN)
+  rope: Rope | None = None            # the global layers' rotary (None: rotary_max_wavelength's)
+  local_rope: Rope | None = None      # the local layers' rotary (None: the global layers')
+  layer_types: tuple[str, ...] | None = None  # LAYER_TYPES per layer (None: global_every's)
+  attention_scale: float | None = None  # the logits' scale (None: 1/sqrt(K))
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "d_ff", "global_every"):
+      checks.check_int(f"LMConfig.{name}", getattr(self, name))
+    checks.check_heads(self.num_heads, self.num_kv_heads,
+                        names=("LMConfig.num_heads", "LMConfig.num_kv_heads"))
+    if self.head_dim is None and self.d_model % self.num_heads:
+      raise ValueError(f"LMConfig.d_model={self.d_model} must be divisible by "
+                       f"num_heads={self.num_heads} (or give head_dim)")
+    if self.head_dim is not None:
+      checks.check_int("LMConfig.head_dim", self.head_dim)
+    if self.local_window is not None:
+      checks.check_int("LMConfig.local_window", self.local_window, lowest=0)
+    checks.check_int("LMConfig.sink_tokens", self.sink_tokens, lowest=0)
+    checks.check_rate("LMConfig.dropout_rate", self.dropout_rate)
+    remat_lib.check_policy("LMConfig.remat", self.remat)
+    self._check_family_fields()
+
+  def _check_family_fields(self):
+    for name, value, allowed in (("mlp", self.mlp, MLPS), ("positions", self.positions, POSITIONS)):
+      if value not in allowed:
+        raise ValueError(f"LMConfig.{name} must be one of {allowed}, got {value!r}")
+    if not isinstance(self.norm, Norm):
+      raise TypeError(f"LMConfig.norm must be a flax_mha.Norm, got {type(self.norm).__name__}")
+    for name in ("rope", "local_rope"):
+      if getattr(self, name) is not None and not isinstance(getattr(self, name), Rope):
+        raise TypeError(f"LMConfig.{name} must be a flax_mha.rotary.Rope or None, got "
+                        f"{type(getattr(self, name)).__name__}")
+    if self.positions == "learned":
+      checks.check_int("LMConfig.max_positions (learned positions' table)", self.max_positions)
+    if self.layer_types is not None:
+      if (not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers
+          or any(t not in LAYER_TYPES for t in self.layer_types)):
+        raise ValueError(f"LMConfig.layer_types must be a tuple of num_layers={self.num_layers} "
+                         f"entries of {LAYER_TYPES}, got {self.layer_types!r}")
+      if "local" in self.layer_types and self.local_window is None:
+        raise ValueError("LMConfig.layer_types has local layers: give local_window")
+    for name in ("final_logit_soft_cap", "attention_scale"):
+      checks.check_positive_real(f"LMConfig.{name}", getattr(self, name), optional=True)
+
+  @property
+  def k_dim(self) -> int:
+    """The head dim K of queries, keys and values."""
+    return self.head_dim or self.d_model // self.num_heads
+
+  def attention_options(self, local: bool) -> AttentionOptions:
+    """The options of a local (window and sink tokens) or global layer's attention."""
+    rope = None
+    if self.positions == "rotary":
+      rope = self.rope or Rope(self.rotary_max_wavelength)
+      rope = self.local_rope or rope if local else rope
+    return AttentionOptions(
+        logit_soft_cap=self.logit_soft_cap, rope=rope,
+        local_window_size=(self.local_window, 0) if local else None,
+        sink_tokens=self.sink_tokens if local else 0, learned_sinks=self.learned_sinks,
+        scale=self.attention_scale)
+
+  @property
+  def position_limit(self) -> int | None:
+    """How many positions the model embeds: the learned table's size, None for rotary (any)."""
+    return self.max_positions if self.positions == "learned" else None
+
+  def attention_positions(self, positions, cache):
+    """The positions a layer's attention takes: rotary angles, or a cache's slots (learned
+    positions are added to the embeddings and the attention has no use for them otherwise)."""
+    return positions if self.positions == "rotary" or cache is not None else None
+
+  def is_local(self, layer: int) -> bool:
+    """`layer_types[layer]` when given; else layers global_every - 1, 2·global_every - 1, ...
+    are global and the rest local."""
+    if self.layer_types is not None:
+      return self.layer_types[layer] == "local"
+    return self.local_window is not None and (layer + 1) % self.global_every != 0
