@@ -6,6 +6,7 @@ Everything here reads shapes only (jax.ShapeDtypeStruct): nothing is compiled.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -72,18 +73,40 @@ def test_explains_the_cpu_choice(t, s, k, options, picked, says):
   assert all(f"  {name}: " in str(got) for name in got.alternatives)
 
 
-def test_one_decision_with_the_dispatch():
-  """explain's answer is default_implementation's for each platform, arrays or shapes."""
-  rng = np.random.default_rng(0)
-  for t, causal in ((64, False), (256, True), (640, False)):
-    q, k, v = shapes(t)
-    arrays = [jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in (q, k, v)]
-    for platform in dispatch.PLATFORMS:
-      want = flax_mha.attention.default_implementation(q, k, v, None, None, is_causal=causal,
-                                                       dropout_rate=0.0, platform=platform)
-      for args in ((q, k, v), arrays):
-        assert flax_mha.explain(*args, is_causal=causal,
-                                platform=platform).implementation == want
+def _traced_kernels(monkeypatch, fn, *args) -> set[str]:
+  """The registered kernels whose function `fn(*args)` traces (each registry entry wrapped to
+  record its name; `lax.platform_dependent` traces every platform's branch)."""
+  ran = set()
+  for name in registry.names():
+    kernel = registry.get(name)
+
+    def recording(*a, kernel=kernel, **kw):
+      ran.add(kernel.name)
+      return kernel.attention(*a, **kw)
+    monkeypatch.setitem(registry._KERNELS, name,  # pylint: disable=protected-access
+                        dataclasses.replace(kernel, attention=recording))
+  jax.eval_shape(fn, *args)
+  return ran
+
+
+@pytest.mark.parametrize("t, s, causal, options", [
+    (64, 64, False, {}), (256, 256, True, {}), (640, 640, False, {}),
+    (1, 4096, False, {}), (256, 256, True, dict(local_window_size=(32, 0))),
+    (512, 512, True, dict(logit_soft_cap=30.0)),
+])
+def test_explain_names_the_kernel_a_traced_call_runs(monkeypatch, t, s, causal, options):
+  """What a traced `dot_product_attention` actually calls is what `explain` says for each
+  platform (its program stages one branch per platform where the choices differ); a planted
+  wrong answer of the rule is caught."""
+  q, k, v = shapes(t, s)
+  call = lambda q, k, v: flax_mha.dot_product_attention(q, k, v, is_causal=causal, **options)
+  said = {flax_mha.explain(q, k, v, is_causal=causal, platform=platform, **options).implementation
+          for platform in dispatch.PLATFORMS}
+  assert _traced_kernels(monkeypatch, call, q, k, v) == said
+  wrong = lambda call, choose=dispatch.choose: (
+      dispatch.Choice("reference", "planted") if call.platform == "cpu" else choose(call))
+  monkeypatch.setattr(dispatch, "choose", wrong)
+  assert _traced_kernels(monkeypatch, call, q, k, v) != said
 
 
 def test_refusals_name_the_option():

@@ -310,3 +310,33 @@ def test_a_violation_is_caught(module, source, check):
 def test_what_is_allowed_passes(module, source, check):
   path = _path(module)
   assert not check(module, path, source)
+
+
+TESTS = ROOT / "tests"
+
+
+def taken_from_test_files(source: str, test_files: set[str]) -> list[str]:
+  """The underscore names a test file's `source` takes from another test file: imported (`from
+  test_x import _y`) or reached (`import test_x as unit; unit._y`)."""
+  tree = ast.parse(source)
+  bad, aliases = [], {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module in test_files:
+      bad += [f"{node.module}.{a.name}" for a in node.names if _private(a.name)]
+    elif isinstance(node, ast.Import):
+      aliases.update({a.asname or a.name: a.name for a in node.names if a.name in test_files})
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in aliases and _private(node.attr)):
+      bad.append(f"{aliases[node.value.id]}.{node.attr}")
+  return bad
+
+
+def test_no_test_file_takes_another_s_underscore_names():
+  """What several test files share is public in the file that defines it (or in helpers.py)."""
+  test_files = {p.stem for p in TESTS.rglob("test_*.py")}
+  bad = {str(p.relative_to(ROOT)): taken_from_test_files(p.read_text(), test_files)
+         for p in TESTS.rglob("*.py")}
+  assert not {k: v for k, v in bad.items() if v}
+  planted = ("from test_serving import _lm\n", "import test_cache as unit\nunit._front_end\n")
+  assert all(taken_from_test_files(source, test_files) for source in planted)

@@ -15,7 +15,7 @@ from flax_mha.models.lm import DecoderLM, LMConfig
 TASK = get_task("reverse", heldout_percent=10, min_len=1, max_len=9)
 
 
-def _model(implementation=None, **kwargs):
+def shared_model(implementation=None, **kwargs):
   kwargs = dict(dict(d_model=32, num_heads=4, num_kv_heads=2, num_layers=3, d_ff=48,
                      local_window=3), **kwargs)
   return DecoderLM(LMConfig(vocab_size=TASK.vocab.size, attention_implementation=implementation,
@@ -50,7 +50,7 @@ def test_batches_are_a_pure_function_of_seed_and_step():
 def test_one_document_needs_no_segment_ids_or_positions():
   """Without segment_ids and positions a row is one document at positions 0..L-1: the logits
   (and the parameters init makes) equal those of passing them explicitly."""
-  model = _model()
+  model = shared_model()
   tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 7), 0, TASK.vocab.size))
   segments, positions = np.ones_like(tokens), np.broadcast_to(np.arange(7), tokens.shape)
   params = model.init(jax.random.key(1), tokens)
@@ -67,10 +67,10 @@ def test_one_document_needs_no_segment_ids_or_positions():
 ])
 def test_bad_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    _model(**kwargs)
+    shared_model(**kwargs)
 
 
 def test_local_and_global_layers_alternate():
-  cfg = _model().config
+  cfg = shared_model().config
   assert [cfg.is_local(i) for i in range(4)] == [True, False, True, False]
   assert not LMConfig(vocab_size=9, local_window=None).is_local(0)

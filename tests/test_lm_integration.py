@@ -20,7 +20,7 @@ from experiments import lm, lm_data, metrics, train
 from experiments.lm import LMRunner
 from experiments.tasks import BOS, PAD, get_task
 from flax_mha.models import decoding
-from test_lm import TASK, _model
+from test_lm import TASK, shared_model
 from test_train import step_clock
 from test_train_integration import (assert_resume_refused, assert_tokens_per_second,
                                     spy_on_evaluate)
@@ -33,7 +33,7 @@ def test_a_document_sees_only_itself_wherever_it_is_packed(implementation):
   """Logits of a document are the same alone at the start of a row and packed after another
   one (segment ids isolate it, positions restart, rotary is relative), and do not change when
   the other document does."""
-  model = _model(implementation)
+  model = shared_model(implementation)
   doc, other = lm_data.document(TASK, "abcd", "dcba"), lm_data.document(TASK, "xyz", "zyx")
   alone = lm_data.pack([doc], 1, 24)
   packed = lm_data.pack([other, doc], 1, 24)
@@ -50,7 +50,7 @@ def test_a_document_sees_only_itself_wherever_it_is_packed(implementation):
 def test_recompute_generation_equals_the_cached_one():
   """The benchmark's baseline (the whole prefix recomputed each step) and the KV-cache
   decoding give the same greedy tokens."""
-  model = _model()
+  model = shared_model()
   pairs = [("abc", "cba"), ("hello", "olleh")]
   prompts, lengths = lm_data.prompts(TASK, pairs, 16)
   params = model.init(jax.random.key(1), prompts, np.ones_like(prompts), prompts * 0)["params"]

@@ -26,7 +26,7 @@ SMALL = chunked.make_attention(block_q=8, block_k=4)
 IMPLS = {"reference": "reference", "xla": "xla", "chunked": "chunked", "chunked_small": SMALL}
 
 
-def _impl_params(impls):
+def impl_params(impls):
   """The names of `impls` but "chunked": at these lengths it picks one tile (default blocks are
   >= 128), chunked_small's kernel with a single trip; the unit suite keeps chunked_small (many
   tiles and padding), and a chunked compile costs seconds (chunked: test_mods_integration.py,
@@ -72,7 +72,7 @@ OPTION_CASES = {  # name -> (keyword arguments, the same as a NumPy visibility)
 }
 
 
-@pytest.mark.parametrize("impl", _impl_params(IMPLS))
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 @pytest.mark.parametrize("case", sorted(OPTION_CASES))
 def test_options_match_numpy_and_the_oracle_gradients(impl, case):
   kwargs, np_kwargs = OPTION_CASES[case]
@@ -93,7 +93,7 @@ JAX_NN_OPTIONS = {
     "kv_lengths_causal": dict(key_value_seq_lengths=LENGTHS, is_causal=True)}
 
 
-@pytest.mark.parametrize("impl", _impl_params(IMPLS))
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 @pytest.mark.parametrize("kwargs", JAX_NN_OPTIONS.values(), ids=JAX_NN_OPTIONS.keys())
 def test_matches_jax_nn(impl, kwargs):
   """jax.nn.dot_product_attention's own options: equal outputs and gradients on the query rows
@@ -156,7 +156,7 @@ FLEX_CASES = ["sliding_window", "document", "soft_cap", "alibi"]
 LATER_FLEX_CASES = ["soft_cap_builtin", "relative_bias"]  # in the integration part
 
 
-@pytest.mark.parametrize("impl", _impl_params(IMPLS))
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 @pytest.mark.parametrize("case", FLEX_CASES)
 def test_matches_torch_flex_attention(impl, case):
   pytest.importorskip("torch")
@@ -167,7 +167,7 @@ def test_matches_torch_flex_attention(impl, case):
                              rtol=2e-5)
 
 
-@pytest.mark.parametrize("impl", _impl_params(["xla", "chunked", "chunked_small"]))
+@pytest.mark.parametrize("impl", impl_params(["xla", "chunked", "chunked_small"]))
 def test_score_mod_arrays_get_gradients(impl):
   """A learned relative-position table closed over by score_mod: its gradient through every
   implementation equals the oracle's, and the oracle's equals finite differences in float64."""

@@ -27,7 +27,7 @@ def test_matches_jax_nn(impl, kwargs):
 
 
 @pytest.mark.parametrize("case,impl", [
-    *((case, impl) for case in unit.LATER_FLEX_CASES for impl in unit._impl_params(unit.IMPLS)),
+    *((case, impl) for case in unit.LATER_FLEX_CASES for impl in unit.impl_params(unit.IMPLS)),
     *(pytest.param(case, "chunked", marks=pytest.mark.slow)
       for case in unit.FLEX_CASES + unit.LATER_FLEX_CASES)])
 def test_matches_torch_flex_attention(case, impl):

@@ -31,7 +31,7 @@ TIMING = ("train_seconds", "steps_per_second", "train/tokens_per_second")
 HEARTBEAT = 5
 
 
-def _env():
+def shared_env():
   return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
               XLA_FLAGS="--xla_force_host_platform_device_count=1")
 
@@ -39,7 +39,7 @@ def _env():
 def train_once(workdir, *args, timeout=600):
   """One process on one device: the reference run."""
   result = subprocess.run([sys.executable, "-m", "experiments.train", *args, "--workdir",
-                           str(workdir)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                           str(workdir)], cwd=ROOT, env=shared_env(), capture_output=True, text=True,
                           timeout=timeout)
   assert result.returncode == 0, result.stderr[-3000:]
   return result
@@ -53,7 +53,7 @@ def launch_command(workdir, *args, processes=2, devices=2):
 
 def launch(workdir, *args, check=True, timeout=900, processes=2, devices=2):
   result = subprocess.run(launch_command(workdir, *args, processes=processes, devices=devices),
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env=shared_env(), capture_output=True, text=True, timeout=timeout)
   if check:
     assert result.returncode == 0, result.stderr[-3000:]
   return result
@@ -135,7 +135,7 @@ def test_lm_with_the_sequence_or_fsdp_across_processes(processes, mesh, lm_refer
   assert_same_params(tmp_path, lm_reference, lm.get_config("tiny"))
 
 
-def _children(pid: int) -> list[int]:
+def shared_children(pid: int) -> list[int]:
   with open(f"/proc/{pid}/task/{pid}/children") as f:
     return [int(x) for x in f.read().split()]
 
@@ -145,14 +145,14 @@ def test_a_killed_process_ends_the_run_and_a_restart_resumes_it(dates_reference,
   runtime names the silent peer), the launcher names both ends; the same command then resumes
   from the checkpoint and ends equal to the uninterrupted one-device run."""
   args = (*DATES, "--config.mesh.data=2", "--config.mesh.model=2")
-  launcher = subprocess.Popen(launch_command(tmp_path, *args), cwd=ROOT, env=_env(),
+  launcher = subprocess.Popen(launch_command(tmp_path, *args), cwd=ROOT, env=shared_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   checkpoint = tmp_path / checkpoints.CHECKPOINT_DIR / "10"
   deadline = time.monotonic() + 400
   while not checkpoint.exists() and launcher.poll() is None and time.monotonic() < deadline:
     time.sleep(0.2)
   assert checkpoint.exists(), launcher.communicate(timeout=60)
-  os.kill(_children(launcher.pid)[1], signal.SIGKILL)
+  os.kill(shared_children(launcher.pid)[1], signal.SIGKILL)
   killed = time.monotonic()
   _, stderr = launcher.communicate(timeout=HEARTBEAT + 120)
   assert launcher.returncode == 1
@@ -168,7 +168,7 @@ def test_a_killed_process_ends_the_run_and_a_restart_resumes_it(dates_reference,
 def test_a_wrong_process_id_or_a_port_in_use_is_named(tmp_path):
   """From the command line: the training entry point says which variable is wrong, and the
   launcher and process 0 which address is taken, each in one line, before any training."""
-  env = _env() | {distributed.COORDINATOR: "127.0.0.1:1234", distributed.NUM_PROCESSES: "2",
+  env = shared_env() | {distributed.COORDINATOR: "127.0.0.1:1234", distributed.NUM_PROCESSES: "2",
                   distributed.PROCESS_ID: "2"}
   run = lambda cmd, env: subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                                         timeout=120)
@@ -187,6 +187,6 @@ def test_a_wrong_process_id_or_a_port_in_use_is_named(tmp_path):
     assert f"error: the coordinator address 127.0.0.1:{port} cannot be used" in result.stderr
     launcher = [sys.executable, "-m", "experiments.launch", "--port", str(port), "--", *DATES,
                 "--workdir", str(tmp_path)]
-    result = run(launcher, _env())
+    result = run(launcher, shared_env())
     assert result.returncode == 2 and f"127.0.0.1:{port} cannot be used" in result.stderr
   assert not any(tmp_path.iterdir())  # nothing written

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from experiments import checkpoints, launch, preemption
-from test_multiprocess_integration import (ROOT, TIMING, _children, _env, assert_same_rows,
+from test_multiprocess_integration import (ROOT, TIMING, shared_children, shared_env, assert_same_rows,
                                            launch_command, rows)
 
 pytestmark = pytest.mark.integration  # training subprocesses, signalled
@@ -43,7 +43,7 @@ STOPPED = (r"stopped by {} after step (\d+), saved as checkpoint \1; "
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
   """The subprocesses' environment: one CPU device, a compilation cache shared by every run."""
-  return _env() | {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+  return shared_env() | {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
@@ -93,7 +93,7 @@ def signal_once_training(command, workdir, env, checkpoint: int, signum=signal.S
   saved, deadline = workdir / checkpoints.CHECKPOINT_DIR / str(checkpoint), time.monotonic() + 300
   while not saved.exists() and proc.poll() is None and time.monotonic() < deadline:
     time.sleep(0.02)
-  children = _children(proc.pid) if proc.poll() is None else []
+  children = shared_children(proc.pid) if proc.poll() is None else []
   if not saved.exists():
     kill_left([*children, proc.pid])
     pytest.fail(f"no checkpoint {checkpoint}: {(workdir / 'stderr.txt').read_text()[-3000:]}")

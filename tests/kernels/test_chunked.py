@@ -159,7 +159,7 @@ def test_segment_ids_memory_is_linear():
 # ---- memory ----
 
 
-def _fwd_bwd(fn, n, h=8, k_dim=64):
+def fwd_bwd(fn, n, h=8, k_dim=64):
   x = jax.ShapeDtypeStruct((1, n, h, k_dim), jnp.float32)
   loss = lambda q, k, v: jnp.sum(fn(q, k, v, None, None, is_causal=True, scale=k_dim**-0.5,
                                     dropout_rate=0.0, dropout_rng=None))
@@ -169,6 +169,6 @@ def _fwd_bwd(fn, n, h=8, k_dim=64):
 def test_beyond_plain_memory():
   """Forward+backward at N=8192, H=8, D=64 (compiled, not run): plain attention needs > 4 GiB of
   temp memory, the chunked kernel < 256 MiB."""
-  temp_bytes = lambda fn: _fwd_bwd(fn, 8192, 8, 64).memory_analysis().temp_size_in_bytes
+  temp_bytes = lambda fn: fwd_bwd(fn, 8192, 8, 64).memory_analysis().temp_size_in_bytes
   assert temp_bytes(reference.attention) > 4 * 2**30
   assert temp_bytes(chunked.attention) < 256 * 2**20

@@ -11,7 +11,7 @@ import pytest
 
 from flax_mha.kernels import chunked
 from flax_mha.kernels import reference
-from test_chunked import _fwd_bwd
+from test_chunked import fwd_bwd
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ def test_beyond_plain_memory_equal_to_reference_on_a_slice():
   """At N=8192, H=8, D=64 the chunked kernel runs, and its rows 5000..5063 (output and dquery)
   equal the reference computed on just those rows and the keys they see."""
   n, h, k_dim = 8192, 8, 64
-  grads = _fwd_bwd(chunked.attention, n, h, k_dim)  # (dq, dk, dv) of sum(out), causal
+  grads = fwd_bwd(chunked.attention, n, h, k_dim)  # (dq, dk, dv) of sum(out), causal
   q, k, v = (jax.random.normal(key, (1, n, h, k_dim))
              for key in jax.random.split(jax.random.key(0), 3))
   kw = dict(scale=k_dim**-0.5, dropout_rate=0.0, dropout_rng=None)

@@ -39,13 +39,13 @@ OPTIONS = {
 }
 
 
-def _inputs(s, dtype=jnp.float32, seed=0):
+def shared_inputs(s, dtype=jnp.float32, seed=0):
   rng = np.random.default_rng(seed)
   shapes = ((B, T, H, K), (B, s, G, K), (B, s, G, V))
   return [jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes]
 
 
-def _attention(implementation, return_residual, options):
+def shared_attention(implementation, return_residual, options):
   """(q, k, v[, sinks]) -> out (and lse), through dot_product_attention."""
   def fn(q, k, v, sinks=None):
     extra = {} if sinks is None else dict(sinks=sinks)
@@ -57,8 +57,8 @@ def _attention(implementation, return_residual, options):
 def test_a_row_that_sees_nothing_is_zero_with_lowest_lse():
   """Key lengths of 0 hide every key of the second example: output 0, lse finfo.min (splash
   alone gives such rows the mean of V). One compile, forward only."""
-  q, k, v = _inputs(S)
-  out, lse = jax.jit(_attention(INTERPRETED, True, dict(
+  q, k, v = shared_inputs(S)
+  out, lse = jax.jit(shared_attention(INTERPRETED, True, dict(
       key_value_seq_lengths=jnp.asarray([S, 0]))))(q, k, v)
   np.testing.assert_array_equal(out[1], 0.0)
   np.testing.assert_array_equal(lse[1], jnp.finfo(jnp.float32).min)
@@ -68,12 +68,12 @@ def test_a_row_that_sees_nothing_is_zero_with_lowest_lse():
 def test_kernels_are_built_once_per_static_shape():
   """The splash masks (block sparsity) are built once per static configuration: a second trace
   of the same shapes, with the mask_mod traced anew, builds nothing."""
-  q, k, v = _inputs(S)
+  q, k, v = shared_inputs(S)
   options = dict(mask_mod=lambda b, h, q, kv: (q + kv) % 2 == 0)
-  jax.eval_shape(_attention(INTERPRETED, False, options), q, k, v)
+  jax.eval_shape(shared_attention(INTERPRETED, False, options), q, k, v)
   built = len(splash._KERNELS)  # pylint: disable=protected-access
   options = dict(mask_mod=lambda b, h, q, kv: (q + kv) % 2 == 0)
-  jax.eval_shape(_attention(INTERPRETED, False, options), q, k, v)
+  jax.eval_shape(shared_attention(INTERPRETED, False, options), q, k, v)
   assert len(splash._KERNELS) == built  # pylint: disable=protected-access
 
 

@@ -26,9 +26,9 @@ SEG_Q = jnp.asarray([[0, 0, 1, 1, 1, 2, 2], [3, 3, 3, 3, 5, 5, 5]])
 SEG_KV = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 1, 9, 9, 9], [3, 3, 3, 3, 3, 3, 3, 4, 4, 4, 4]])
 Q_POS = jnp.asarray([[4, 5, 6, 7, 8, 9, 10], [0, 1, 2, -1, -1, -1, -1]])
 KV_POS = jnp.asarray([list(range(S)), [0, 1, 2, 3] + [-1] * (S - 4)])
-_rng = np.random.default_rng(7)
-BIAS = jnp.asarray(_rng.standard_normal((1, H, T, S)), jnp.float32)
-KEY_MASK = jnp.asarray(_rng.random((B, 1, 1, S)) > 0.3)
+shared_rng = np.random.default_rng(7)
+BIAS = jnp.asarray(shared_rng.standard_normal((1, H, T, S)), jnp.float32)
+KEY_MASK = jnp.asarray(shared_rng.random((B, 1, 1, S)) > 0.3)
 # name -> (S, options, array options that get gradients). Lengths of 0, empty cache slots and
 # the mask_mod's row 4 leave rows that see nothing.
 OPTIONS = {
@@ -55,13 +55,13 @@ OPTIONS = {
 }
 
 
-def _inputs(s, dtype=jnp.float32, seed=0, t=T, h=H, g=G):
+def shared_inputs(s, dtype=jnp.float32, seed=0, t=T, h=H, g=G):
   rng = np.random.default_rng(seed)
   shapes = ((B, t, h, K), (B, s, g, K), (B, s, g, V))
   return [jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes]
 
 
-def _attention(implementation, return_residual, options, names=()):
+def shared_attention(implementation, return_residual, options, names=()):
   """(q, k, v, *arrays named `names`) -> out (and lse), through dot_product_attention."""
   def fn(q, k, v, *arrays):
     return flax_mha.dot_product_attention(
@@ -70,15 +70,15 @@ def _attention(implementation, return_residual, options, names=()):
   return fn
 
 
-def _check(implementation, s, options, graded, return_residual=False, dtype=jnp.float32,
+def shared_check(implementation, s, options, graded, return_residual=False, dtype=jnp.float32,
            tol=5e-6, **shape):
   """Values (and the lse) and the gradients of q, k, v and the `graded` arrays, against the
   oracle."""
-  args = [*_inputs(s, dtype, **shape), *graded.values()]
+  args = [*shared_inputs(s, dtype, **shape), *graded.values()]
   reduce = (lambda r: jnp.sin(r[0])) if return_residual else jnp.sin
-  got = output_and_grads(_attention(implementation, return_residual, options, tuple(graded)),
+  got = output_and_grads(shared_attention(implementation, return_residual, options, tuple(graded)),
                          *args, reduce=reduce)
-  want = output_and_grads(_attention("reference", return_residual, options, tuple(graded)),
+  want = output_and_grads(shared_attention("reference", return_residual, options, tuple(graded)),
                           *args, reduce=reduce, jit=False)
   as32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
   chex.assert_trees_all_close(as32(got), as32(want), atol=tol, rtol=tol)
@@ -87,13 +87,13 @@ def _check(implementation, s, options, graded, return_residual=False, dtype=jnp.
 def test_interpreted_gqa_causal_segments_bias_matches_oracle():
   """The unit suite's one interpreted case: GQA, K != V, T != S, causality, segment ids and a
   bias with its gradient, in one compile."""
-  _check(INTERPRETED, S, dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV),
+  shared_check(INTERPRETED, S, dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV),
          dict(bias=BIAS))
 
 
 def test_a_row_that_sees_nothing_is_zero_with_lowest_lse():
-  q, k, v = _inputs(S)
-  out, lse = jax.jit(_attention(INTERPRETED, True, dict(
+  q, k, v = shared_inputs(S)
+  out, lse = jax.jit(shared_attention(INTERPRETED, True, dict(
       key_value_seq_lengths=jnp.asarray([S, 0]))))(q, k, v)
   np.testing.assert_array_equal(out[1], 0.0)
   np.testing.assert_array_equal(lse[1], jnp.finfo(jnp.float32).min)
@@ -203,7 +203,7 @@ def test_upstream_kernels_with_silent_bugs_cannot_be_reached():
         platforms=("tpu",))(*_shapes()).mlir_module()
   assert all(k in cuda for k in KERNELS) and "mha_forward" not in cuda
   assert "splash" in tpu and "tokamax" not in tpu
-  _check(INTERPRETED, S, options, {}, g=1)  # MQA: 6 query heads on one key/value head
+  shared_check(INTERPRETED, S, options, {}, g=1)  # MQA: 6 query heads on one key/value head
 
 
 @pytest.mark.parametrize("options", [

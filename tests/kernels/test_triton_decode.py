@@ -57,10 +57,10 @@ def _step(cache, options):
 
 
 def test_cache_step_equals_the_xla_step_gqa():
-  _check_cache_step("gqa_one_token")
+  check_cache_step("gqa_one_token")
 
 
-def _check_cache_step(name):
+def check_cache_step(name):
   g, t, window, sink_tokens, capacity, options = CACHE_CASES[name]
   cache, *args = _cache_case(g, t, window, sink_tokens, capacity)
   options = dict(options)
@@ -71,7 +71,7 @@ def _check_cache_step(name):
   chex.assert_trees_all_close(got, want, atol=2e-6, rtol=2e-6)
 
 
-def _paged_case(seed=0, t=2, g=2, page=16, n=3, pool=8, dtype=jnp.float32):
+def paged_case(seed=0, t=2, g=2, page=16, n=3, pool=8, dtype=jnp.float32):
   """Query, pools whose slots past every length hold NaN (a reused page), lengths, table."""
   rng = np.random.default_rng(seed)
   arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
@@ -137,7 +137,7 @@ def test_a_decode_step_exports_the_kernel_for_cuda(window):
 
 
 def test_paged_attention_exports_the_kernel_for_cuda():
-  q, k_pages, v_pages, lengths, table = _paged_case()
+  q, k_pages, v_pages, lengths, table = paged_case()
   checks = [jax.export.DisabledSafetyCheck.custom_call(triton.CUSTOM_CALL)]
   fn = jax.jit(lambda q, k, v: flax_mha.paged_attention(q, k, v, lengths, table))
   with flax_mha.stage_accelerator_kernels():

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration  # the kernel compiled in interpret mode: ~
 
 @pytest.mark.parametrize("name", [n for n in unit.CACHE_CASES if n != "gqa_one_token"])
 def test_cache_step_equals_the_xla_step(name):
-  unit._check_cache_step(name)
+  unit.check_cache_step(name)
 
 
 @pytest.mark.parametrize("options", [{}, dict(local_window_size=(20, 0), logit_soft_cap=3.0,
@@ -32,7 +32,7 @@ def test_cache_step_equals_the_xla_step(name):
                          ids=["plain", "window_soft_cap_sinks"])
 def test_paged_attention_equals_the_xla_decode(options):
   """Through paged_attention: pages read in place by the table, NaN past each length unseen."""
-  q, k_pages, v_pages, lengths, table = unit._paged_case()
+  q, k_pages, v_pages, lengths, table = unit.paged_case()
   fn = lambda impl: lambda q, k, v: flax_mha.paged_attention(q, k, v, lengths, table,
                                                              implementation=impl, **options)
   got = output_and_grads(fn(unit.INTERPRETED), q, k_pages, v_pages)
@@ -64,7 +64,7 @@ PAGED_TRANSFORMS = {
 def test_paged_attention_under_transforms(transform):
   """The kernel under vmap (two queries over one pool), a scan over layers (a pool per layer)
   and jax.checkpoint, jitted with gradients: as the XLA decode under the same transform."""
-  q, k_pages, v_pages, lengths, table = unit._paged_case()
+  q, k_pages, v_pages, lengths, table = unit.paged_case()
   wrap, arguments = PAGED_TRANSFORMS[transform]
   fn = lambda impl: wrap(lambda q, k, v: flax_mha.paged_attention(
       q, k, v, lengths, table, local_window_size=(20, 0), implementation=impl))
@@ -76,7 +76,7 @@ def test_paged_attention_under_transforms(transform):
 
 
 def test_bfloat16_pages():
-  q, k_pages, v_pages, lengths, table = unit._paged_case(dtype=jnp.bfloat16, t=1)
+  q, k_pages, v_pages, lengths, table = unit.paged_case(dtype=jnp.bfloat16, t=1)
   v_pages = jnp.nan_to_num(v_pages)
   mods, _ = call_options.build((B,), 1, 48, H, q.dtype, True,
                                     q_positions=lengths[:, None] - 1,

@@ -15,7 +15,7 @@ import flax_mha
 from flax_mha.kernels import triton
 from helpers import output_and_grads
 from test_triton import (BIAS, EXPORTED, INTERPRETED, OPTIONS, SEG_KV, SEG_Q, B, H, K, S,
-                         _attention, _check, _inputs, _rng)
+                         shared_attention, shared_check, shared_inputs, shared_rng)
 import test_triton as unit
 
 pytestmark = pytest.mark.integration  # interpret mode: each case compiles Pallas kernels, 1-4 s
@@ -32,7 +32,7 @@ def test_a_bias_without_gradient_gets_none_computed():
   backward, which still gives the oracle's q, k and v gradients; a graded one gets it."""
   fn = lambda q, k, v, bias=BIAS: INTERPRETED(q, k, v, bias, None, is_causal=True, scale=0.3,
                                                dropout_rate=0.0, dropout_rng=None)
-  args = _inputs(S)
+  args = shared_inputs(S)
   dbias = f"f32[{B},{H},16,16]"  # the padded [B, H, T, S] the kernel would write
   loss = lambda *a: jnp.sum(jnp.sin(fn(*a)))
   assert dbias not in str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
@@ -47,7 +47,7 @@ def test_a_bias_without_gradient_gets_none_computed():
 @pytest.mark.parametrize("name", OPTIONS)
 def test_interpreted_matches_oracle(name, return_residual):
   s, options, graded = OPTIONS[name]
-  _check(INTERPRETED, s, options, graded, return_residual)
+  shared_check(INTERPRETED, s, options, graded, return_residual)
 
 
 # Blocks of 16 over 40 and 56 tokens: the loop bounds of causality and windows skip blocks,
@@ -64,26 +64,26 @@ BLOCKED = triton.make_attention(interpret=True, block_q=16, block_kv=16)
     (56, 40, dict(is_causal=True), True),  # dBias: every tile written, hidden ones as 0
 ])
 def test_interpreted_skipped_blocks_match_oracle(t, s, options, bias):
-  graded = dict(bias=jnp.asarray(_rng.standard_normal((B, 1, t, s)), jnp.float32)) if bias else {}
-  _check(BLOCKED, s, options, graded, t=t)
+  graded = dict(bias=jnp.asarray(shared_rng.standard_normal((B, 1, t, s)), jnp.float32)) if bias else {}
+  shared_check(BLOCKED, s, options, graded, t=t)
 
 
 def test_interpreted_16_bit_matches_oracle():
   """bfloat16 and float16 with GQA, segment ids and causality, to 16-bit accuracy."""
   options = dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV)
   for dtype in (jnp.bfloat16, jnp.float16):
-    _check(INTERPRETED, S, options, {}, dtype=dtype, tol=3e-2, seed=1)
+    shared_check(INTERPRETED, S, options, {}, dtype=dtype, tol=3e-2, seed=1)
 
 
 @pytest.mark.parametrize("transform", ["vmap", "scan", "checkpoint"])
 def test_interpreted_under_transforms_with_grad(transform):
   """Under vmap (over an extra leading axis), lax.scan over two layers and jax.checkpoint,
   values and gradients equal the oracle's under the same transform."""
-  q, k, v = _inputs(S)
+  q, k, v = shared_inputs(S)
   options = dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV)
 
   def composed(implementation):
-    attend = _attention(implementation, False, options)
+    attend = shared_attention(implementation, False, options)
     if transform == "vmap":
       return lambda q, k, v: jax.vmap(attend)(*(jnp.stack([x, -x]) for x in (q, k, v)))
     if transform == "checkpoint":

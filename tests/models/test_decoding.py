@@ -16,11 +16,11 @@ from flax_mha.models.transformer import Transformer, TransformerConfig
 B, S = 3, 6
 
 
-def _init(cfg, seed, src):
+def init(cfg, seed, src):
   return Transformer(cfg).init(jax.random.key(seed), src, src[:, :2])["params"]
 
 
-def _make(vocab=11, max_len=12, seed=0):
+def shared_make(vocab=11, max_len=12, seed=0):
   cfg = TransformerConfig(vocab_size=vocab, d_model=32, num_heads=2, d_ff=48, dropout_rate=0.0,
                           max_len=max_len)
   rng = np.random.default_rng(seed)
@@ -28,11 +28,11 @@ def _make(vocab=11, max_len=12, seed=0):
   src[1, 3:] = 0
   src = jnp.asarray(src, jnp.int32)
   # Larger logits make eos likely at some point, so finished/unfinished beams both occur.
-  params = jax.tree.map(lambda p: p * 1.5, _init(cfg, seed, src))
+  params = jax.tree.map(lambda p: p * 1.5, init(cfg, seed, src))
   return cfg, params, src
 
 
-make = functools.lru_cache(_make)  # (cfg, params, src) of a seed, made once
+make = functools.lru_cache(shared_make)  # (cfg, params, src) of a seed, made once
 
 
 def test_bad_arguments():

@@ -14,7 +14,7 @@ import pytest
 from flax_mha.models.decoding import length_penalty
 from flax_mha.models.transformer import beam_search, greedy_decode
 from flax_mha.models.transformer import Transformer
-from test_decoding import B, _init, _make, make
+from test_decoding import B, init, shared_make, make
 
 pytestmark = pytest.mark.integration  # a whole model end to end: seconds of compiles
 
@@ -78,7 +78,7 @@ def make_eos_prone(step=3, seed=1):
   """
   cfg, _, src = make(seed=seed)
   cfg = cfg.replace(share_embeddings=False, pre_layer_norm=True, learned_positions=True)
-  params = jax.tree.map(lambda p: p * 1.5, _init(cfg, seed, src))
+  params = jax.tree.map(lambda p: p * 1.5, init(cfg, seed, src))
   w_eos = params["logits"]["kernel"][:, cfg.eos_id]
   positions = params["decoder"]["positions"]["pos_embedding"]
   positions = positions.at[step].add(10.0 * w_eos / jnp.linalg.norm(w_eos))
@@ -140,7 +140,7 @@ def test_beam_beats_or_ties_greedy_on_score():
 def test_decoding_under_x64():
   """Regression: with jax_enable_x64 the KV-cache update mixed int64 and int32 start indices."""
   with jax.enable_x64(True):
-    cfg, params, src = _make()  # made under x64, not the cached one
+    cfg, params, src = shared_make()  # made under x64, not the cached one
     tokens = greedy_decode(cfg, params, src, max_len=6)
     np.testing.assert_array_equal(tokens, naive_greedy(cfg, params, src, 6))
     np.testing.assert_array_equal(beam_search(cfg, params, src, max_len=6, beam_size=1), tokens)

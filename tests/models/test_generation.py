@@ -22,7 +22,7 @@ from flax_mha.models.lm import DecoderLM, LMConfig
 VOCAB = 13
 
 
-def _lm(**kwargs):
+def lm(**kwargs):
   cfg = LMConfig(**dict(dict(vocab_size=VOCAB, d_model=32, num_heads=4, num_kv_heads=2,
                              num_layers=3, d_ff=48, local_window=3, logit_soft_cap=5.0),
                         **kwargs))
@@ -59,7 +59,7 @@ def test_sampled_frequencies_match_the_softmax():
     (dict(sampler=decoding.Sampling()), ValueError, "sampling needs rng"),
 ])
 def test_bad_generation_arguments_are_named(kwargs, error, match):
-  model, params = _lm()
+  model, params = lm()
   args = dict(prompt_lengths=LENGTHS, max_new_tokens=3)
   args.update(kwargs)
   with pytest.raises(error, match=match):
@@ -70,7 +70,7 @@ def test_decoding_loops_trace_no_overflow_check(monkeypatch):
   """generate and beam search size their caches for every token they write, so their loops
   trace every cache write inside room_made_by_caller() (no overflow select, no host callback);
   the same cache write of a user's own under jit keeps its check."""
-  model, params = _lm()
+  model, params = lm()
   checked = []
   judge = entry._overflow_is_nan
   monkeypatch.setattr(entry, "_overflow_is_nan", lambda out, cache: (
@@ -119,7 +119,7 @@ def _decoders(model, params, prompts):
 @pytest.mark.parametrize("entry", ["generate", "stream", "generate_beam", "serve",
                                    "serve_static"])
 def test_ids_outside_the_vocabulary_are_refused_by_every_entry_point(entry, bad):
-  model, params = _lm()
+  model, params = lm()
   prompts = np.array([[3, bad]])
   name = r"prompts\[0\]" if entry.startswith("serve") else "prompts"
   where = r"\(1,\)" if entry.startswith("serve") else r"\(0, 1\)"
@@ -132,7 +132,7 @@ def test_ids_outside_the_vocabulary_are_refused_by_every_entry_point(entry, bad)
 def test_padding_past_a_prompts_length_is_not_checked(pad):
   """Nor read: any id there (one outside the vocabulary embeds as NaN in the models) gives
   the tokens of zero padding."""
-  model, params = _lm()
+  model, params = lm()
   padded = PROMPTS.copy()
   padded[1, LENGTHS[1]:] = pad
   np.testing.assert_array_equal(
@@ -142,7 +142,7 @@ def test_padding_past_a_prompts_length_is_not_checked(pad):
 
 @pytest.mark.parametrize("entry", ["serve", "serve_static"])
 def test_serving_refuses_an_empty_prompt_by_name(entry):
-  model, params = _lm()
+  model, params = lm()
   call = dict(serve=lambda: serving.serve(model, params, [[3, 4], []], 3, batch_size=1,
                                           page_size=4, num_pages=4),
               serve_static=lambda: static_batching.serve_static(model, params, [[3, 4], []], 3,
@@ -156,7 +156,7 @@ def test_serving_refuses_an_empty_prompt_by_name(entry):
 def test_serving_no_prompts_gives_no_outputs(front):
   """No requests: an empty list of outputs and stats of nothing, as a run of requests gives a
   list and stats (it was `max() arg is an empty sequence`); the arguments are still checked."""
-  model, params = _lm()
+  model, params = lm()
   if front == "nnx":
     model = lm_nnx.load_linen_params(lm_nnx.DecoderLM(model.config, rngs=nnx.Rngs(1)), params)
     params = None
@@ -176,7 +176,7 @@ def test_serving_no_prompts_gives_no_outputs(front):
 
 def test_serving_says_an_empty_prompt_is_empty_not_its_dtype():
   """NumPy reads `[]` as float64: the message says empty, not "dtype float64"."""
-  model, params = _lm()
+  model, params = lm()
   for call in (lambda: serving.serve(model, params, [[]], 3, batch_size=1, page_size=4,
                                      num_pages=4),
                lambda: decoding.generate(model, params, ([[]],), [[]], max_new_tokens=3)):
@@ -186,7 +186,7 @@ def test_serving_says_an_empty_prompt_is_empty_not_its_dtype():
 
 def test_serve_takes_numpy_integers_as_generate_does():
   """`serve(..., np.int64(3))` (it was `'numpy.int64' object is not iterable`)."""
-  model, params = _lm()
+  model, params = lm()
   for limit in (np.int64(3), np.int32(3), np.array(3)):
     assert serving.serve(model, params, [], limit, batch_size=1, page_size=4,
                          num_pages=4)[0] == []
@@ -196,7 +196,7 @@ def test_serve_takes_numpy_integers_as_generate_does():
 def test_generate_takes_python_lists_as_serve_does():
   """A list of prompts, ragged or not, in the prompts and the context: the tokens of the
   right-padded array with each row's length."""
-  model, params = _lm()
+  model, params = lm()
   rows = [list(PROMPTS[i, :n]) for i, n in enumerate(LENGTHS)]
   want = decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=3)
   got = decoding.generate(model, params, (rows,), rows, max_new_tokens=3)
@@ -209,7 +209,7 @@ def test_generate_takes_python_lists_as_serve_does():
 
 def _learned(front="linen", max_positions=16):
   """A GPT-2-like LM: learned positions, a table of `max_positions`."""
-  model, params = _lm(positions="learned", max_positions=max_positions, local_window=None)
+  model, params = lm(positions="learned", max_positions=max_positions, local_window=None)
   if front == "nnx":
     model = lm_nnx.load_linen_params(lm_nnx.DecoderLM(model.config, rngs=nnx.Rngs(1)), params)
     params = None
@@ -261,7 +261,7 @@ def test_a_model_call_past_learned_positions_is_refused_eagerly_and_nan_inside_j
 
 
 def test_a_rotary_model_has_no_position_limit():
-  model, params = _lm(local_window=None)
+  model, params = lm(local_window=None)
   assert decoding.position_limit(model) is None
   assert decoding.generate(model, params, (PROMPTS,), PROMPTS,
                            max_new_tokens=40).shape == (3, 40)

@@ -18,7 +18,7 @@ from flax import nnx
 from experiments.bench import static_batching
 from flax_mha import serving
 from flax_mha.models import decoding, lm_nnx
-from test_generation import LENGTHS, PROMPTS, VOCAB, _lm
+from test_generation import LENGTHS, PROMPTS, VOCAB, lm
 
 pytestmark = pytest.mark.integration  # a whole model end to end: seconds of compiles
 
@@ -43,7 +43,7 @@ def _recompute_greedy(model, params, prompts, lengths, n):
                                     dict(local_window=None, normalize_qk=True)],
                          ids=["rotary_gqa_window_soft_cap", "sinks", "global_normalize_qk"])
 def test_lm_cached_greedy_equals_recompute_for_prompts_of_different_lengths(kwargs):
-  model, params = _lm(**kwargs)
+  model, params = lm(**kwargs)
   got = decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=7)
   assert np.asarray(got).tolist() == _recompute_greedy(model, params, PROMPTS, LENGTHS, 7)
 
@@ -51,7 +51,7 @@ def test_lm_cached_greedy_equals_recompute_for_prompts_of_different_lengths(kwar
 def test_an_nnx_lm_decodes_as_recompute_and_as_its_linen_twin():
   """The NNX DecoderLM, given the linen one's parameters, through every entry point: greedy
   tokens equal recomputing its whole forward each step, and beam search the linen model's."""
-  model, params = _lm(learned_sinks=True, sink_tokens=1)
+  model, params = lm(learned_sinks=True, sink_tokens=1)
   nnx_lm = lm_nnx.load_linen_params(lm_nnx.DecoderLM(model.config, rngs=nnx.Rngs(1)), params)
   want = _recompute_greedy(*decoding.decodable(nnx_lm), PROMPTS, LENGTHS, 5)
   got = decoding.generate(nnx_lm, None, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=5)
@@ -71,7 +71,7 @@ def test_an_nnx_lm_decodes_as_recompute_and_as_its_linen_twin():
 
 
 def test_lm_beam_search_equals_exhaustive_search():
-  model, params = _lm()
+  model, params = lm()
   prompt, n, alpha = PROMPTS[:1, :3], 3, 0.6
   got = decoding.generate_beam(model, params, (prompt,), prompt, max_new_tokens=n,
                                beam_size=VOCAB ** 2, alpha=alpha)
@@ -86,7 +86,7 @@ def test_lm_beam_search_equals_exhaustive_search():
 
 
 def test_sampling_is_reproducible_and_stays_in_its_set():
-  model, params = _lm()
+  model, params = lm()
   sample = lambda key, **kw: np.asarray(decoding.generate(
       model, params, (PROMPTS,), PROMPTS, LENGTHS, max_new_tokens=9,
       sampler=decoding.Sampling(**kw), rng=jax.random.key(key)))
@@ -103,7 +103,7 @@ def test_sampling_is_reproducible_and_stays_in_its_set():
 
 
 def test_stop_tokens_end_a_row_and_pad_follows():
-  model, params = _lm()
+  model, params = lm()
   free = np.asarray(decoding.generate(model, params, (PROMPTS,), PROMPTS, LENGTHS,
                                       max_new_tokens=6))
   stop = int(free[0, 2])
@@ -115,7 +115,7 @@ def test_stop_tokens_end_a_row_and_pad_follows():
 
 
 def test_continuous_batching_over_pages_equals_static_batching():
-  model, params = _lm(learned_sinks=True)
+  model, params = lm(learned_sinks=True)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, VOCAB, n) for n in (5, 40, 9, 17, 3, 30)]  # 13x apart
   limits = [6, 3, 8, 5, 7, 4]

@@ -49,7 +49,7 @@ def _options(case, window=None):
   return flax_mha.AttentionOptions(**opts)
 
 
-def _linen(case, window=None, **kwargs):
+def shared_linen(case, window=None, **kwargs):
   return flax_mha.SelfAttention(
       num_heads=H, num_kv_heads=G, qkv_features=H * K, out_features=D, use_bias=False,
       normalize_qk=CASES[case].get("normalize_qk", False),
@@ -109,7 +109,7 @@ def np_forward(params, x, case, window=None):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_linen_and_nnx_match_numpy(rng, case):
   x = randn(rng, B, L, D)
-  model = _linen(case)
+  model = shared_linen(case)
   params = random_params(model, x)
   want = np_forward(params, x, case)
   got = jax.jit(functools.partial(model.apply, is_causal=True))(params, x)
@@ -125,9 +125,9 @@ def test_every_implementation_that_takes_positions(rng, implementation):
   x = randn(rng, B, L, D)
   positions = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6], list(range(3, 3 + L))], np.int32)
   segments = np.array([[1] * 4 + [2] * 7, [1] * L], np.int32)
-  run = lambda impl: _linen("all", implementation=impl).apply(
+  run = lambda impl: shared_linen("all", implementation=impl).apply(
       params, x, is_causal=True, positions=positions, segment_ids=segments)
-  params = random_params(_linen("all"), x)
+  params = random_params(shared_linen("all"), x)
   np.testing.assert_allclose(run(implementation), run("reference"), **TOL)
 
 
@@ -146,7 +146,7 @@ def decoded_equals_full(rng, case, kind):
   causal call's output (the NumPy forward)."""
   x = randn(rng, B, L, D)
   window = WINDOW if kind == "rolling" else None
-  model = _linen(case, window)
+  model = shared_linen(case, window)
   params = random_params(model, x)
   want = np_forward(params, x, case, window)
   if kind == "paged":
@@ -171,7 +171,7 @@ def test_bad_options_are_refused_by_name():
   with pytest.raises(ValueError, match="scale"):
     flax_mha.AttentionOptions(scale=-1.0)
   with pytest.raises(TypeError, match="normalize_qk must be a bool or a flax_mha.Norm"):
-    _linen("scale").clone(normalize_qk="rms").init(jax.random.key(0), jnp.ones((B, L, D)))
+    shared_linen("scale").clone(normalize_qk="rms").init(jax.random.key(0), jnp.ones((B, L, D)))
   with pytest.raises(ValueError, match="Norm.kind must be one of"):
     Norm("batch")
   with pytest.raises(ValueError, match="Norm.use_bias is a LayerNorm's"):

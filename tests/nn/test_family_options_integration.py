@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import random_params, randn
-from test_family_options import B, D, L, _linen, decoded_equals_full
+from test_family_options import B, D, L, shared_linen, decoded_equals_full
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ def test_gradients_match_finite_differences(rng, case):
   """In float64: the parameters' and the input's gradients of the linen layer."""
   with jax.enable_x64(True):
     x = randn(rng, B, L, D, dtype=np.float64)
-    model = _linen(case, param_dtype=jnp.float64)
+    model = shared_linen(case, param_dtype=jnp.float64)
     params = jax.tree.map(lambda a: a.astype(np.float64), random_params(model, x))
     loss = lambda p, x: jnp.sum(jnp.sin(model.apply(p, x, is_causal=True)))
     jax.test_util.check_grads(loss, (params, x), order=1, modes=["rev"], atol=1e-5, rtol=1e-5)

@@ -143,7 +143,7 @@ def test_dropout(rng):
   np.testing.assert_allclose(weights[~dropped], want[~dropped] / 0.6, **TOL)
 
 
-def _decode_setup(rng, length=7):
+def decode_setup(rng, length=7):
   x = randn(rng, B, length, DQ)
   full = flax_mha.SelfAttention(num_heads=H, num_kv_heads=G, qkv_features=H * K)
   params = random_params(full, x)
@@ -159,7 +159,7 @@ def _decode_setup(rng, length=7):
 
 @pytest.mark.parametrize("chunks", [[1] * 7, [2, 3, 1, 1]])
 def test_kv_cache_decode_equals_full_causal(rng, chunks):
-  x, decoder, params, cache, want = _decode_setup(rng)
+  x, decoder, params, cache, want = decode_setup(rng)
 
   @jax.jit
   @chex.assert_max_traces(n=len(set(chunks)))  # one trace per chunk size, not per step
@@ -179,7 +179,7 @@ def test_kv_cache_decode_equals_full_causal(rng, chunks):
 
 def test_kv_cache_decode_with_padding_mask(rng):
   """A per-step key mask over the cache (e.g. left padding) combines with the cache's causality."""
-  x, decoder, params, cache, _ = _decode_setup(rng)
+  x, decoder, params, cache, _ = decode_setup(rng)
   key_valid = np.ones((B, 7), bool)
   key_valid[1, :2] = False  # batch 1 is left-padded by two tokens
   step = jax.jit(lambda cache, x_t: decoder.apply(

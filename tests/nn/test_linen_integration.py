@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_linen import _decode_setup
+from test_linen import decode_setup
 
 pytestmark = pytest.mark.integration  # a sequence decoded step by step: seconds of compiles
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration  # a sequence decoded step by step: seconds
 def test_decode_under_x64(rng):
   """Regression: under jax_enable_x64 the cache update mixed int64 zeros with the int32 index."""
   with jax.enable_x64(True):
-    x, decoder, params, cache, want = _decode_setup(rng)
+    x, decoder, params, cache, want = decode_setup(rng)
     outs = []
     for t in range(x.shape[1]):
       out, state = decoder.apply({**params, "cache": cache}, x[:, t:t + 1], mutable=["cache"])

@@ -44,14 +44,14 @@ def _nnx_jit_works() -> bool:
 NNX_JIT_WORKS = _nnx_jit_works()
 
 
-def _random_params(module):
+def random_params(module):
   """Linen-style params of `module`'s shapes, random (biases non-zero), as NumPy."""
   rng = np.random.default_rng(1)
   shapes = fnnx.nnx_to_linen_params(module)["params"]
   return jax.tree.map(lambda a: randn(rng, *a.shape) * 0.3, shapes)
 
 
-def _randomize(module):
+def randomize(module):
   """Give every nnx.Param of `module` random values (flax's biases start at zero)."""
   rng = np.random.default_rng(2)
   state = nnx.state(module, nnx.Param)
@@ -59,16 +59,16 @@ def _randomize(module):
   return module
 
 
-def _pure(state):
+def pure(state):
   """Nested dicts of arrays from an nnx.State (flax 0.12 deprecates State.to_pure_dict)."""
   return nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
 
 
-def _shapes(module, *filters):
-  return jax.tree.map(np.shape, _pure(nnx.state(module, *filters)))
+def shared_shapes(module, *filters):
+  return jax.tree.map(np.shape, pure(nnx.state(module, *filters)))
 
 
-def _call_sowing(module, *args, **kwargs):
+def call_sowing(module, *args, **kwargs):
   """(output, attention weights) of `module(*args, sow_weights=True, **kwargs)`."""
   if hasattr(nnx, "capture"):  # flax 0.12.8 deprecates sow outside nnx.capture
     out, sown = nnx.capture(module, nnx.Intermediate)(*args, sow_weights=True, **kwargs)
@@ -113,7 +113,7 @@ class NnxFrontEnd:
   def __call__(self, xq, xk=None, xv=None, *, dropout_key=None, sow_weights=False, **kw):
     kw = dict(deterministic=dropout_key is None, rngs=dropout_key, **kw)
     if sow_weights:
-      return _call_sowing(self.module, xq, xk, xv, **kw)
+      return call_sowing(self.module, xq, xk, xv, **kw)
     return self.module(xq, xk, xv, **kw), None
 
   def init_cache(self, shape):
@@ -128,7 +128,7 @@ def front_end(kind, in_features=DQ, in_kv_features=None, in_v_features=None, **k
   module = fnnx.MultiHeadAttention(
       in_features=in_features, in_kv_features=in_kv_features, in_v_features=in_v_features,
       rngs=nnx.Rngs(0), **kwargs)
-  params = _random_params(module)
+  params = random_params(module)
   if kind == "linen":
     return LinenFrontEnd(params, **kwargs), params
   return NnxFrontEnd(fnnx.linen_params_to_nnx(params, module)), params
@@ -140,7 +140,7 @@ def make_attention(request):
   return functools.partial(front_end, request.param)
 
 
-def _cross_inputs(rng, batch=(B,)):
+def cross_inputs(rng, batch=(B,)):
   return randn(rng, *batch, T, DQ), randn(rng, *batch, S, DK), randn(rng, *batch, S, DV)
 
 
@@ -160,7 +160,7 @@ def test_gqa_and_k_ne_v(make_attention, rng, g):
   chex.assert_shape([params["query"]["kernel"], params["key"]["kernel"],
                      params["value"]["kernel"], params["out"]["kernel"]],
                     [dims["DHK"], dims["XGK"], dims["YGV"], dims["HVO"]])
-  xq, xk, xv = _cross_inputs(rng)
+  xq, xk, xv = cross_inputs(rng)
   out, _ = attn(xq, xk, xv)
   chex.assert_shape(out, (B, T, DOUT))
   np.testing.assert_allclose(out, np_mha(params, xq, xk, xv), **TOL)
@@ -169,7 +169,7 @@ def test_gqa_and_k_ne_v(make_attention, rng, g):
 @pytest.mark.parametrize("dtype", [bool, np.float32, np.int32])
 def test_masks_bool_and_numeric(make_attention, rng, dtype):
   attn, params = _make_cross(make_attention)
-  xq, xk, xv = _cross_inputs(rng)
+  xq, xk, xv = cross_inputs(rng)
   mask = random_mask(rng, B, 1, T, S)
   mask[0, 0, 1] = False  # a query that sees nothing: output is the out bias alone
   out, _ = attn(xq, xk, xv, mask=mask.astype(dtype))
@@ -182,7 +182,7 @@ def test_additive_float_mask_refused(make_attention, rng):
   """torch's additive attn_mask (0 = attend, -inf = hide) read as flax's nonzero = attend would
   be inverted: refused eagerly, pointing at `bias`, which computes what torch means."""
   attn, params = _make_cross(make_attention)
-  xq, xk, xv = _cross_inputs(rng)
+  xq, xk, xv = cross_inputs(rng)
   keep = random_mask(rng, B, 1, T, S)
   additive = np.where(keep, 0.0, -np.inf).astype(np.float32)
   with pytest.raises(ValueError, match=r"mask must hold only 0 and 1.*-inf.*torch.*`bias`"):
@@ -200,7 +200,7 @@ def test_a_mask_hiding_every_key_is_refused_when_concrete(make_attention, rng, d
   as documented: every query fully masked. A boolean all-False mask says what it means (an
   all-padding batch) and runs."""
   attn, params = _make_cross(make_attention)
-  xq, xk, xv = _cross_inputs(rng)
+  xq, xk, xv = cross_inputs(rng)
   zeros = np.zeros((B, 1, T, S), dtype)
   message = (r"mask hides every key from every query.*True/1 = attend.*torch's additive "
              r"attn_mask means 0 = attend, -inf = hide.*`bias`")
@@ -219,7 +219,7 @@ def test_a_mask_hiding_every_key_is_refused_when_concrete(make_attention, rng, d
 
 def test_bias(make_attention, rng):
   attn, params = _make_cross(make_attention)
-  xq, xk, xv = _cross_inputs(rng)
+  xq, xk, xv = cross_inputs(rng)
   bias = randn(rng, 1, H, T, S) * 2
   out, _ = attn(xq, xk, xv, bias=bias)
   np.testing.assert_allclose(out, np_mha(params, xq, xk, xv, bias=bias), **TOL)
@@ -238,7 +238,7 @@ def test_is_causal_with_mask(make_attention, rng, batch):
 
 def test_sow_weights(make_attention, rng):
   attn, params = _make_cross(make_attention)
-  xq, xk, xv = _cross_inputs(rng)
+  xq, xk, xv = cross_inputs(rng)
   mask = random_mask(rng, B, H, T, S)
   out, weights = attn(xq, xk, xv, mask=mask, sow_weights=True)
   want_out, want_weights = np_mha(params, xq, xk, xv, mask=mask, return_weights=True)
@@ -250,7 +250,7 @@ def test_sow_weights(make_attention, rng):
 def test_dropout_on_weights_per_rng(make_attention, rng):
   rate = 0.3
   attn, params = _make_cross(make_attention, dropout_rate=rate)
-  xq, xk, xv = _cross_inputs(rng)
+  xq, xk, xv = cross_inputs(rng)
   key1, key2 = jax.random.key(1), jax.random.key(2)
   out1, dropped = attn(xq, xk, xv, dropout_key=key1, sow_weights=True)
   np.testing.assert_array_equal(attn(xq, xk, xv, dropout_key=key1)[0], out1)
@@ -288,7 +288,7 @@ MODERN_CONFIGS = {
 }
 
 
-def _np_modern(params, config, x, visible, positions=None):
+def np_modern(params, config, x, visible, positions=None):
   """The float64 forward of self-attention on x [B, L, DQ] under `config`."""
   positions = np.arange(x.shape[-2]) if positions is None else positions
   wavelength = config.get("rotary_max_wavelength")
@@ -298,7 +298,7 @@ def _np_modern(params, config, x, visible, positions=None):
       rotary=None if wavelength is None else (wavelength, positions, positions))
 
 
-def _causal_visible(config, n=L):
+def causal_visible(config, n=L):
   visible = np.tril(np.ones((n, n), bool))
   if "local_window_size" in config:
     visible &= np_window(n, n, config["local_window_size"])
@@ -311,7 +311,7 @@ def test_modern_options(make_attention, rng, name):
   attn, params = make_attention(**{**GQA_KW, "qkv_features": H * KR, **config})
   x = randn(rng, B, L, DQ)
   out, _ = attn(x, is_causal=True)
-  want = _np_modern(params, config, x, _causal_visible(config))
+  want = np_modern(params, config, x, causal_visible(config))
   np.testing.assert_allclose(out, want, **TOL)
 
 
@@ -326,12 +326,12 @@ def test_rotary_positions_and_segment_ids(make_attention, rng):
   out, _ = attn(x, q_segment_ids=ids, kv_segment_ids=ids, q_positions=positions,
                 kv_positions=positions)
   visible = (ids[:, :, None] == ids[:, None, :])[:, None]  # [B, 1, L, L]
-  np.testing.assert_allclose(out, _np_modern(params, config, x, visible, positions), **TOL)
+  np.testing.assert_allclose(out, np_modern(params, config, x, visible, positions), **TOL)
 
 
 def test_cross_segment_ids(make_attention, rng):
   attn, params = _make_cross(make_attention, logit_soft_cap=4.0)
-  xq, xk, xv = _cross_inputs(rng)
+  xq, xk, xv = cross_inputs(rng)
   q_ids = np.array([[0, 0, 1, 1, 2], [0, 1, 1, 1, 1]], np.int32)  # [B, T]
   kv_ids = np.array([[0, 1, 1, 2, 2, 2, 2], [0, 0, 0, 1, 1, 1, 1]], np.int32)  # [B, S]
   out, weights = attn(xq, xk, xv, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
@@ -366,7 +366,7 @@ def test_positions_need_rotary(make_attention, rng):
 def test_dropout_same_key_same_output_in_both_front_ends(rng):
   module = fnnx.MultiHeadAttention(H, DQ, H * K, num_kv_heads=G, dropout_rate=0.4,
                                    rngs=nnx.Rngs(0))
-  params = _random_params(module)
+  params = random_params(module)
   fnnx.linen_params_to_nnx(params, module)
   linen = flax_mha.MultiHeadAttention(num_heads=H, qkv_features=H * K, num_kv_heads=G,
                                       dropout_rate=0.4)
@@ -381,7 +381,7 @@ def test_conversion_round_trip(rng, use_bias):
                                    use_bias=use_bias, rngs=nnx.Rngs(0))
   linen = flax_mha.MultiHeadAttention(num_heads=H, qkv_features=H * K, out_features=DOUT,
                                       num_kv_heads=G, v_features=H * V, use_bias=use_bias)
-  xq, xk, _ = _cross_inputs(rng)
+  xq, xk, _ = cross_inputs(rng)
   want = linen.init(jax.random.key(3), xq, xk)  # linen's own init: its tree, its shapes
   fnnx.linen_params_to_nnx(want, module)
   got = fnnx.nnx_to_linen_params(module)
@@ -393,7 +393,7 @@ def test_conversion_round_trip(rng, use_bias):
 def test_linen_params_to_nnx_takes_nnx_updates_order_too(rng):
   """(module, params), nnx.update's order, loads the same as (params, module)."""
   module = fnnx.MultiHeadAttention(H, DQ, H * K, rngs=nnx.Rngs(0))
-  params = _random_params(module)
+  params = random_params(module)
   assert fnnx.linen_params_to_nnx(module, {"params": params}) is module
   chex.assert_trees_all_equal(fnnx.nnx_to_linen_params(module), {"params": params})
   with pytest.raises(TypeError, match="module must be a flax_mha.nn.nnx.MultiHeadAttention"):
@@ -402,7 +402,7 @@ def test_linen_params_to_nnx_takes_nnx_updates_order_too(rng):
 
 def test_conversion_errors():
   module = fnnx.MultiHeadAttention(H, DQ, H * K, rngs=nnx.Rngs(0))
-  params = _random_params(module)
+  params = random_params(module)
   with pytest.raises(ValueError, match=r"missing \['out/bias'\]"):
     fnnx.linen_params_to_nnx({**params, "out": {"kernel": params["out"]["kernel"]}}, module)
   bad = {**params, "key": {**params["key"], "kernel": params["key"]["kernel"][:, :1]}}

@@ -11,7 +11,7 @@ import flax_mha
 from helpers import randn, random_mask
 from flax_mha.nn import nnx as fnnx
 from test_nnx import (B, DK, DOUT, DQ, DV, FLAX_ARGS, FLAX_HAS_IS_CAUSAL, G, GQA_KW, H, K, L, S,
-                      T, TOL, _call_sowing, _cross_inputs, _pure, _randomize, _shapes)
+                      T, TOL, call_sowing, cross_inputs, pure, randomize, shared_shapes)
 
 FLAX_CONFIGS = [kw for kw in (
     dict(in_features=H * K),  # every width from in_features
@@ -24,7 +24,7 @@ FLAX_CONFIGS = [kw for kw in (
 def _pair(**kwargs):
   """(ours, flax's) with the same constructor args, ours loaded with flax's random params."""
   kwargs = {"in_features": DQ, **kwargs}
-  theirs = _randomize(nnx.MultiHeadAttention(H, rngs=nnx.Rngs(1), **kwargs))
+  theirs = randomize(nnx.MultiHeadAttention(H, rngs=nnx.Rngs(1), **kwargs))
   ours = fnnx.MultiHeadAttention(H, rngs=nnx.Rngs(0), **kwargs)
   nnx.update(ours, nnx.state(theirs, nnx.Param))
   return ours, theirs
@@ -35,8 +35,8 @@ def test_state_tree_equals_flax(kwargs):
   kwargs = {"in_features": DQ, **kwargs}
   ours = fnnx.MultiHeadAttention(H, rngs=nnx.Rngs(0), **kwargs)
   theirs = nnx.MultiHeadAttention(H, rngs=nnx.Rngs(0), **kwargs)
-  assert _shapes(ours) == _shapes(theirs)  # every collection: params, and rngs with dropout
-  assert set(_shapes(ours, nnx.Param)) == {"query", "key", "value", "out"}
+  assert shared_shapes(ours) == shared_shapes(theirs)  # every collection: params, and rngs with dropout
+  assert set(shared_shapes(ours, nnx.Param)) == {"query", "key", "value", "out"}
 
 
 @pytest.mark.parametrize("kwargs", FLAX_CONFIGS)
@@ -47,8 +47,8 @@ def test_outputs_and_grads_equal_flax(rng, kwargs):
   mask = random_mask(rng, B, 1, T, S).astype(np.float32)  # flax's 1/0 convention
   np.testing.assert_allclose(ours(xq, xk, mask=mask), theirs(xq, xk, mask=mask), **TOL)
   loss = lambda m: jnp.sum(jnp.sin(m(xq, xk, mask=mask)))
-  grads_ours = _pure(nnx.grad(loss)(ours))
-  grads_theirs = _pure(nnx.grad(loss)(theirs))
+  grads_ours = pure(nnx.grad(loss)(ours))
+  grads_theirs = pure(nnx.grad(loss)(theirs))
   chex.assert_trees_all_close(grads_ours, grads_theirs, atol=1e-4, rtol=1e-4)
 
 
@@ -62,8 +62,8 @@ def test_is_causal_equals_flax(rng):
 def test_sow_weights_equal_flax(rng):
   ours, theirs = _pair(decode=False, qkv_features=H * K)
   x, mask = randn(rng, B, T, DQ), random_mask(rng, B, H, T, T)
-  out, weights = _call_sowing(ours, x, mask=mask)
-  want_out, want_weights = _call_sowing(theirs, x, mask=mask)
+  out, weights = call_sowing(ours, x, mask=mask)
+  want_out, want_weights = call_sowing(theirs, x, mask=mask)
   np.testing.assert_allclose(weights, want_weights, **TOL)
   np.testing.assert_allclose(out, want_out, **TOL)
 
@@ -71,9 +71,9 @@ def test_sow_weights_equal_flax(rng):
 @pytest.mark.skipif("normalize_qk" not in FLAX_ARGS, reason="this flax has no normalize_qk")
 def test_normalize_qk_state_and_outputs_equal_flax(rng):
   ours, theirs = _pair(decode=False, qkv_features=H * K, normalize_qk=True)
-  assert _shapes(ours, nnx.Param) == _shapes(theirs, nnx.Param)
-  assert _shapes(ours, nnx.Param)["query_ln"] == {"scale": (K,)}
-  assert np.abs(theirs.query_ln.scale[...] - 1).max() > 1e-3  # _randomize reached the scales
+  assert shared_shapes(ours, nnx.Param) == shared_shapes(theirs, nnx.Param)
+  assert shared_shapes(ours, nnx.Param)["query_ln"] == {"scale": (K,)}
+  assert np.abs(theirs.query_ln.scale[...] - 1).max() > 1e-3  # randomize reached the scales
   xq, xk = randn(rng, B, T, DQ), randn(rng, B, S, DQ)
   np.testing.assert_allclose(ours(xq, xk), theirs(xq, xk), **TOL)
   # and the linen tree of the same weights is the linen module's
@@ -96,14 +96,14 @@ def test_decode_equals_flax(rng, g):
 
 
 def test_bridge_to_nnx_equals_native(rng):
-  xq, xk, xv = _cross_inputs(rng)
+  xq, xk, xv = cross_inputs(rng)
   linen = flax_mha.MultiHeadAttention(out_features=DOUT, **GQA_KW)
   bridge = nnx.bridge.ToNNX(linen, rngs=nnx.Rngs(0))
   nnx.bridge.lazy_init(bridge, xq, xk, xv)
-  ours = _randomize(fnnx.MultiHeadAttention(
+  ours = randomize(fnnx.MultiHeadAttention(
       in_features=DQ, in_kv_features=DK, in_v_features=DV, out_features=DOUT,
       rngs=nnx.Rngs(0), **GQA_KW))
-  assert _shapes(bridge, nnx.Param) == _shapes(ours, nnx.Param)
+  assert shared_shapes(bridge, nnx.Param) == shared_shapes(ours, nnx.Param)
   nnx.update(bridge, nnx.state(ours, nnx.Param))
   mask, bias = random_mask(rng, B, 1, T, S), randn(rng, H, T, S)
   np.testing.assert_allclose(bridge(xq, xk, xv, mask=mask, bias=bias),

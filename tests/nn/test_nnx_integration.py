@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from helpers import np_mha, randn
-from test_nnx import (DQ, GQA_KW, KR, MODERN_CONFIGS, TOL, B, G, H, L, _causal_visible,
-                      _np_modern, front_end)
+from test_nnx import (DQ, GQA_KW, KR, MODERN_CONFIGS, TOL, B, G, H, L, causal_visible,
+                      np_modern, front_end)
 
 pytestmark = pytest.mark.integration  # decoding step by step: one compile per step shape
 
@@ -41,5 +41,5 @@ def test_modern_decode_equals_recompute(make_attention, rng, g):
   attn.init_cache((B, L, DQ))
   outs = [attn.step(x[:, a:b]) for a, b in ((0, 2), (2, 3), (3, 6), (6, 7))]  # T = 2, 1, 3, 1
   np.testing.assert_allclose(np.concatenate(outs, axis=1), full, **TOL)
-  np.testing.assert_allclose(full, _np_modern(params, config, x, _causal_visible(config)),
+  np.testing.assert_allclose(full, np_modern(params, config, x, causal_visible(config)),
                              **TOL)

@@ -14,13 +14,13 @@ from jax.sharding import PartitionSpec as P
 import flax_mha
 from helpers import np_mha, randn, random_mask
 from flax_mha.nn import nnx as fnnx
-from test_nnx import (B, DOUT, DQ, G, GQA_KW, H, K, L, NNX_JIT_WORKS, T, TOL, V, _pure,
-                      _random_params)
+from test_nnx import (B, DOUT, DQ, G, GQA_KW, H, K, L, NNX_JIT_WORKS, T, TOL, V, pure,
+                      random_params)
 
 
 def _module_and_params(**kwargs):
   module = fnnx.MultiHeadAttention(in_features=DQ, rngs=nnx.Rngs(0), **{**GQA_KW, **kwargs})
-  params = _random_params(module)
+  params = random_params(module)
   return fnnx.linen_params_to_nnx(params, module), params
 
 
@@ -69,7 +69,7 @@ def test_nnx_grad_equals_linen_grad(rng):
   linen = flax_mha.MultiHeadAttention(out_features=DOUT, **GQA_KW)
   x, mask, bias = randn(rng, B, T, DQ), random_mask(rng, B, 1, T, T), randn(rng, H, T, T)
   loss = lambda out: jnp.sum(jnp.sin(out))
-  got = _pure(nnx.grad(lambda m: loss(m(x, mask=mask, bias=bias)))(module))
+  got = pure(nnx.grad(lambda m: loss(m(x, mask=mask, bias=bias)))(module))
   want = jax.grad(lambda p: loss(linen.apply({"params": p}, x, mask=mask, bias=bias)))(params)
   chex.assert_trees_all_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -80,7 +80,7 @@ def test_split_merge_and_jitted_functional_call(rng):
   module.init_cache(x.shape)
   module(x[:, :3], decode=True)
   graphdef, params, cache = nnx.split(module, nnx.Param, nnx.Cache)
-  assert int(_pure(cache)["cache_index"]) == 3
+  assert int(pure(cache)["cache_index"]) == 3
 
   @jax.jit
   def step(params, cache, x):
@@ -90,7 +90,7 @@ def test_split_merge_and_jitted_functional_call(rng):
 
   out, cache = step(params, cache, x[:, 3:5])
   np.testing.assert_allclose(out, module(x[:, 3:5], decode=True), **TOL)
-  chex.assert_trees_all_close(_pure(cache), _pure(nnx.state(module, nnx.Cache)))
+  chex.assert_trees_all_close(pure(cache), pure(nnx.state(module, nnx.Cache)))
 
 
 def test_dropout_modes_and_stored_stream(rng):
@@ -114,7 +114,7 @@ def test_dropout_modes_and_stored_stream(rng):
 
 def test_partition_specs_are_the_linen_layout():
   module = fnnx.MultiHeadAttention(H, DQ, H * K, num_kv_heads=G, rngs=nnx.Rngs(0))
-  specs = _pure(nnx.get_partition_spec(nnx.state(module, nnx.Param)))
+  specs = pure(nnx.get_partition_spec(nnx.state(module, nnx.Param)))
   qkv = {"kernel": P("embed", "heads", "head_dim"), "bias": P("heads", "head_dim")}
   assert specs == {"query": qkv, "key": qkv, "value": qkv,
                    "out": {"kernel": P("heads", "head_dim", "embed"), "bias": P("embed")}}

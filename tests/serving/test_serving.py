@@ -20,7 +20,7 @@ from flax_mha.models.lm import DecoderLM, LMConfig
 VOCAB = 17
 
 
-def _lm():
+def lm():
   """A small LM with random weights whose greedy tokens vary (a global layer over pages, a local
   one with a rolling cache)."""
   model = DecoderLM(LMConfig(vocab_size=VOCAB, d_model=32, num_heads=4, num_kv_heads=2,
@@ -29,12 +29,12 @@ def _lm():
   return model, random_params(model, x, x, x, seed=3)
 
 
-def _requests(seed=0, lengths=(3, 37, 20, 50, 9), limits=(6, 4, 9, 3, 7)):
+def shared_requests(seed=0, lengths=(3, 37, 20, 50, 9), limits=(6, 4, 9, 3, 7)):
   rng = np.random.default_rng(seed)
   return [rng.integers(1, VOCAB, n) for n in lengths], list(limits)
 
 
-def _global_lm():
+def global_lm():
   """The same without local layers: every layer's cache in pages, so prefixes can be shared."""
   model = DecoderLM(LMConfig(vocab_size=VOCAB, d_model=32, num_heads=4, num_kv_heads=2,
                              num_layers=2, d_ff=48, local_window=None, logit_soft_cap=5.0))
@@ -42,7 +42,7 @@ def _global_lm():
   return model, random_params(model, x, x, x, seed=3)
 
 
-def _shared_prefix_requests(seed=0, tails=(5, 0, 9, 3, 0, 7), limits=(6, 5, 7, 4, 6, 5)):
+def shared_prefix_requests(seed=0, tails=(5, 0, 9, 3, 0, 7), limits=(6, 5, 7, 4, 6, 5)):
   """Prompts of a 12-token prefix (3 pages of 4) and tails of `tails` tokens; two are the prefix
   alone (a whole-prompt match: copy-on-write of its last page)."""
   rng = np.random.default_rng(seed)
@@ -54,8 +54,8 @@ def test_the_loop_is_one_program_without_host_callbacks():
   """A run of the loop is a lax.while_loop in one jitted program (no per-token callback),
   compiled once for servers of the same shapes; shared prefixes give the tokens of serving
   without sharing, and every page is back (free or a prefix entry nobody holds)."""
-  model, params = _global_lm()
-  prompts, limits = _shared_prefix_requests()
+  model, params = global_lm()
+  prompts, limits = shared_prefix_requests()
   run = lambda sharing: serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
                                       num_pages=24, prefill_chunk=16, prefix_caching=sharing)
   (shared, stats), (alone, _) = run(True), run(False)
@@ -84,14 +84,14 @@ def test_prefill_pieces_are_the_chunk_and_smaller_powers_of_4():
 
 
 def test_bad_prefill_chunk_is_named():
-  model, params = _lm()
+  model, params = lm()
   with pytest.raises(ValueError, match="prefill_chunk must be a positive int, got 0"):
     serving.serve(model, params, [[1, 2]], 2, batch_size=1, page_size=4, num_pages=4,
                   prefill_chunk=0)
 
 
 def test_a_request_that_cannot_fit_is_refused_by_submit():
-  model, params = _global_lm()
+  model, params = global_lm()
   server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=3, max_length=16)
   with pytest.raises(ValueError, match="need 17 tokens, more than max_length"):
     server.submit([1] * 9, 8)
@@ -108,7 +108,7 @@ def test_a_request_that_cannot_fit_is_refused_by_submit():
 def test_max_length_rounds_up_to_whole_pages_and_stats_need_no_argument():
   """Server(max_length=10, page_size=4) takes requests of 12 tokens (3 pages) and says so;
   `stats()` reports the seconds spent in the loop (none yet)."""
-  model, params = _global_lm()
+  model, params = global_lm()
   server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=8, max_length=10)
   assert server.max_length == 12
   server.submit([1] * 4, 8)

@@ -14,7 +14,7 @@ import pytest
 from experiments.bench import static_batching
 from flax_mha import serving
 from flax_mha.models import decoding
-from test_serving import _global_lm, _lm, _requests, _shared_prefix_requests
+from test_serving import global_lm, lm, shared_requests, shared_prefix_requests
 
 pytestmark = pytest.mark.integration  # a model compiled several times: ~20 s a case
 
@@ -35,8 +35,8 @@ def _generated(model, params, prompts, limits, **kwargs):
 def test_chunked_prefill_serves_what_generate_gives():
   """Prompts up to 50 tokens fed in pieces of at most 16 (and 4-token pages) between decode
   steps, 5 requests through 2 rows: each request's tokens equal generating it alone."""
-  model, params = _lm()
-  prompts, limits = _requests()
+  model, params = lm()
+  prompts, limits = shared_requests()
   served, stats = serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
                                 num_pages=2 * 15, prefill_chunk=16)
   want = _generated(model, params, prompts, limits)
@@ -49,8 +49,8 @@ def test_chunked_prefill_serves_what_generate_gives():
 def test_stop_tokens_and_pages_given_back_for_the_next_requests():
   """A stop token ends a request early; 7 requests through 2 rows in a pool of exactly 2 rows'
   pages can only all finish right if every finished row puts its pages back."""
-  model, params = _lm()
-  prompts, limits = _requests(1, (5, 30, 12, 30, 7, 26, 3), (8, 8, 8, 8, 8, 8, 8))
+  model, params = lm()
+  prompts, limits = shared_requests(1, (5, 30, 12, 30, 7, 26, 3), (8, 8, 8, 8, 8, 8, 8))
   first = _generated(model, params, prompts[:1], [8])[0]
   stop = (first[2],)
   served, _ = serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
@@ -66,8 +66,8 @@ def test_shared_prefixes_and_copy_on_write_keep_every_request_s_tokens():
   """A prompt that is the shared prefix alone (its last page copied on write) is admitted while
   the request that wrote the prefix still decodes: both, and the rest, get the tokens of
   generating alone; every page comes back."""
-  model, params = _global_lm()
-  prompts, limits = _shared_prefix_requests(1, tails=(6, 0, 0, 9), limits=(12, 5, 3, 6))
+  model, params = global_lm()
+  prompts, limits = shared_prefix_requests(1, tails=(6, 0, 0, 9), limits=(12, 5, 3, 6))
   server = serving.Server(model, params, batch_size=3, page_size=4, num_pages=30,
                           max_length=32, prefill_chunk=16, segment_steps=2)
   requests = [server.submit(p, n) for p, n in zip(prompts, limits)]
@@ -83,8 +83,8 @@ def test_shared_prefixes_and_copy_on_write_keep_every_request_s_tokens():
 def test_online_admission_streaming_and_cancellation():
   """With the server's own thread running: requests submitted while others stream get their
   tokens; a cancelled one stops and gives its pages back; nothing leaks."""
-  model, params = _global_lm()
-  prompts, limits = _requests(3, (5, 30, 12, 21, 7), (9, 8, 30, 6, 8))
+  model, params = global_lm()
+  prompts, limits = shared_requests(3, (5, 30, 12, 21, 7), (9, 8, 30, 6, 8))
   want = _generated(model, params, prompts, limits)
   with serving.Server(model, params, batch_size=2, page_size=4, num_pages=24, max_length=48,
                       prefill_chunk=16, segment_steps=2) as server:
@@ -113,8 +113,8 @@ def test_a_full_pool_makes_requests_wait_and_loses_nothing():
   """A pool that holds one long request at a time, 3 rows and 6 requests: the rows wait for
   pages, every request finishes with the tokens of generating alone, and the pages in use never
   pass the pool."""
-  model, params = _lm()
-  prompts, limits = _requests(4, (30, 6, 28, 9, 25, 3), (8, 5, 9, 4, 7, 6))
+  model, params = lm()
+  prompts, limits = shared_requests(4, (30, 6, 28, 9, 25, 3), (8, 5, 9, 4, 7, 6))
   served, stats = serving.serve(model, params, prompts, limits, batch_size=3, page_size=4,
                                 num_pages=10, prefill_chunk=16)
   assert served == _generated(model, params, prompts, limits)
@@ -124,8 +124,8 @@ def test_a_full_pool_makes_requests_wait_and_loses_nothing():
 def test_an_int8_pool_serves_what_generate_gives_over_an_int8_cache():
   """Pages in int8 (a scale per token and head) and shared prefixes: the tokens of generating
   alone over a contiguous int8 cache, which quantizes the same keys alike."""
-  model, params = _global_lm()
-  prompts, limits = _shared_prefix_requests(2, tails=(6, 0, 9), limits=(8, 5, 6))
+  model, params = global_lm()
+  prompts, limits = shared_prefix_requests(2, tails=(6, 0, 9), limits=(8, 5, 6))
   served, stats = serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
                                 num_pages=24, prefill_chunk=16, cache_dtype=jnp.int8)
   assert served == _generated(model, params, prompts, limits, cache_dtype=jnp.int8)
@@ -163,8 +163,8 @@ def test_sixteen_threads_streaming_with_cancels_get_offline_serve_s_tokens(own_t
   (`with server:`) or without (the clients step it; 7 of 8 once died of a donated buffer):
   every request gets `serve`'s greedy tokens (a cancelled one a prefix of them), `run()` and
   `stream()` inside `with server:` wait for its thread, and every page comes back."""
-  model, params = _global_lm()
-  prompts, limits = _requests(5, tuple(range(3, 35, 2)), tuple(range(4, 20)))
+  model, params = global_lm()
+  prompts, limits = shared_requests(5, tuple(range(3, 35, 2)), tuple(range(4, 20)))
   want, _ = serving.serve(model, params, prompts, limits, batch_size=3, page_size=4,
                           num_pages=40, prefill_chunk=16)
   server = serving.Server(model, params, batch_size=3, page_size=4, num_pages=40,

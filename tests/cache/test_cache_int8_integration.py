@@ -1,4 +1,4 @@
-"""The int8 KV cache at the cases tests/test_cache_int8.py leaves out (each a few compiles): the
+"""The int8 KV cache at the cases tests/cache/test_cache_int8.py leaves out (each a few compiles): the
 rolling and paged caches' steps, the Triton decode kernel in Pallas interpret mode (a cache's
 step and a paged one), a prefill and a named implementation, jit, vmap and gradients; and
 generation with `cache_dtype=jnp.int8` (linen and NNX DecoderLMs, beam search, the paged
@@ -30,7 +30,7 @@ from flax_mha.models.transformer import Transformer, TransformerConfig
 import test_cache_int8 as unit
 from helpers import output_and_grads
 from test_cache_int8 import B, G, H, K, V, INTERPRETED, KINDS
-from test_cache_int8 import _filled, _jit_step, _oracle, _oracle_graph, _step_inputs
+from test_cache_int8 import filled, jit_step, shared_oracle, oracle_graph, step_inputs
 
 pytestmark = pytest.mark.integration  # seconds of compiles per case
 
@@ -45,10 +45,10 @@ def test_triton_decode_interpreted_reads_int8(kind):
   """The Triton decode kernel (Pallas interpret mode) loads int8 blocks and their scales, and
   dequantizes a non-finite entry's code as `quant.dequantize` does."""
   options = KINDS[kind][1]
-  q, k, v = _step_inputs(t=1)
-  cache = _filled(kind, jnp.int8)
-  got = _jit_step(dict(options, implementation=INTERPRETED))(cache, q, k, v)[0]
-  chex.assert_trees_all_close(got, _oracle(cache, q, k, v, options), atol=2e-5)
+  q, k, v = step_inputs(t=1)
+  cache = filled(kind, jnp.int8)
+  got = jit_step(dict(options, implementation=INTERPRETED))(cache, q, k, v)[0]
+  chex.assert_trees_all_close(got, shared_oracle(cache, q, k, v, options), atol=2e-5)
   unit.check_non_finite_value(kind, [INTERPRETED])  # an inf entry stays where it was
 
 
@@ -56,27 +56,27 @@ def test_a_prefill_and_a_named_implementation():
   """Past FEW_QUERIES queries, or with a dense implementation named, the keys handed to
   dot_product_attention are the dequantized cache's; "decode" named reads the slots in place
   whatever T."""
-  cache = _filled("full", jnp.int8)
-  q, k, v = _step_inputs(t=dispatch.FEW_QUERIES + 1, seed=3)
-  want = _oracle(cache, q, k, v, {})
+  cache = filled("full", jnp.int8)
+  q, k, v = step_inputs(t=dispatch.FEW_QUERIES + 1, seed=3)
+  want = shared_oracle(cache, q, k, v, {})
   for options in (dict(), dict(implementation="xla"), dict(implementation="decode")):
-    chex.assert_trees_all_close(_jit_step(options)(cache, q, k, v)[0], want, atol=2e-5)
+    chex.assert_trees_all_close(jit_step(options)(cache, q, k, v)[0], want, atol=2e-5)
 
 
 def test_jit_vmap_and_the_querys_gradient():
   """A step jitted and vmapped over two caches equals it over each alone; its gradient with
   respect to the query equals the oracle's, and through the keys written it raises."""
-  cache = _filled("full", jnp.int8)
-  q, k, v = _step_inputs(t=1)
+  cache = filled("full", jnp.int8)
+  q, k, v = step_inputs(t=1)
   step = lambda c, q, k, v: cache_lib.attend(q, k, v, c)[0]
   other = cache.put_row(0, cache.take_row(1)).put_row(1, cache.take_row(0))
   both = jax.tree.map(lambda a, b: jnp.stack([a, b]), cache, other)
   stacked = jax.jit(jax.vmap(step, in_axes=(0, None, None, None)))(both, q, k, v)
   for alone, c in zip(stacked, (cache, other)):
-    chex.assert_trees_all_close(alone, _oracle(c, q, k, v, {}), atol=2e-5)
+    chex.assert_trees_all_close(alone, shared_oracle(c, q, k, v, {}), atol=2e-5)
   loss = lambda f: lambda q: jnp.sum(jnp.sin(f(q)))
   got = jax.jit(jax.grad(loss(lambda q: step(cache, q, k, v))))(q)
-  want = jax.jit(jax.grad(loss(lambda q: _oracle_graph(cache, q, k, v, {}, True))))(q)
+  want = jax.jit(jax.grad(loss(lambda q: oracle_graph(cache, q, k, v, {}, True))))(q)
   chex.assert_trees_all_close(got, want, atol=2e-5)
   with pytest.raises(TypeError, match="quantize has no derivative"):
     jax.grad(lambda k: jnp.sum(step(cache, q, k, v)))(k)
@@ -88,8 +88,8 @@ def test_gradients_reach_the_query_and_the_scales():
   jax.checkpoint: the query's and the scales' gradients equal the oracle's."""
   for kind, scales in (("full", ("key_scale", "value_scale")), ("paged", ("k_scales",
                                                                            "v_scales"))):
-    cache = _filled(kind, jnp.int8)
-    q, k, v = _step_inputs(t=2)
+    cache = filled(kind, jnp.int8)
+    q, k, v = step_inputs(t=2)
     options = KINDS[kind][1]
 
     def loss(fn):
@@ -100,7 +100,7 @@ def test_gradients_reach_the_query_and_the_scales():
 
     args = (q, *(getattr(cache, name) for name in scales))
     step = lambda c, q: cache_lib.attend(q, k, v, c, **options)[0]
-    want = loss(lambda c, q: _oracle_graph(c, q, k, v, options, True))(*args)
+    want = loss(lambda c, q: oracle_graph(c, q, k, v, options, True))(*args)
     for got in (loss(step)(*args), loss(jax.checkpoint(step))(*args)):  # and rematerialised
       for g, w in zip(got, want):  # float32 sums of large terms: tolerance by the largest
         np.testing.assert_allclose(g, w, atol=2e-5 * max(1.0, float(jnp.max(jnp.abs(w)))))
@@ -182,9 +182,9 @@ def test_the_decode_kernel_over_a_float_caches_slots(kind):
   """implementation="decode" over a float cache reads its slots in place (the step entry that
   int8 caches take): values and gradients equal the xla step's."""
   options = KINDS[kind][1]
-  cache = _filled(kind, jnp.float32)
+  cache = filled(kind, jnp.float32)
   step = lambda extra: lambda q, k, v: cache_lib.attend(q, k, v, cache, **options, **extra)[0]
-  args = _step_inputs(t=2)
+  args = step_inputs(t=2)
   got = output_and_grads(step(dict(implementation="decode")), *args)
   chex.assert_trees_all_close(got, output_and_grads(step({}), *args), atol=2e-5, rtol=2e-5)
 
@@ -193,7 +193,7 @@ def test_the_decode_kernel_over_slots_that_no_block_divides():
   """`decode.cache` with blocks of 16 over 41 int8 slots (the last block gathered, clamped,
   its slots past S hidden) equals the reference over the dequantized slots."""
   s, t = 41, 2
-  q, k, v = _step_inputs(t=t, seed=4)[0], *unit._arrays(5, (B, G, s, K), (B, G, s, V))
+  q, k, v = step_inputs(t=t, seed=4)[0], *unit.arrays(5, (B, G, s, K), (B, G, s, V))
   (k, k_scale), (v, v_scale) = quant.quantize(k), quant.quantize(v)
   kv_pos = jnp.where(jnp.arange(s) < jnp.asarray([[30], [41]]), jnp.arange(s), -1)
   q_pos = jnp.asarray([[28, 29], [39, 40]])

@@ -1,6 +1,6 @@
 """Paged attention (flax_mha.cache.paged) equals attention over the contiguous cache its pages make,
 values and gradients, for the decode kernel walking the pages and the gathered path. A paged KV
-cache through a front end, and the rest of the grid, are in tests/test_paged_integration.py."""
+cache through a front end, and the rest of the grid, are in tests/cache/test_paged_integration.py."""
 
 from __future__ import annotations
 

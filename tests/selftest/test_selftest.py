@@ -2,7 +2,7 @@
 for the test that gives wrong numbers fails the run (exit 1), one that refuses reads
 "refused", one that cannot compile fails with its error; which kernels it runs, skips or
 interprets, read from the registry; the table and its counts. The real matrix runs in
-tests/test_selftest_integration.py."""
+tests/selftest/test_selftest_integration.py."""
 
 from __future__ import annotations
 

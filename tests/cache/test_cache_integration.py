@@ -1,4 +1,4 @@
-"""The KV cache at the cases tests/test_cache.py leaves out: rows of different lengths through a
+"""The KV cache at the cases tests/cache/test_cache.py leaves out: rows of different lengths through a
 whole front end, and (slow) the rest of the cached-calls grid through that file's own test."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_cached_calls_equal_the_whole_sequence(kind, option, chunks):
 def test_rows_of_different_lengths_need_no_left_padding():
   """Two prompts of 9 and 4 tokens right-padded in one batch (positions -1 on the padding),
   then steps at each row's own position: each row equals its own computation alone."""
-  call, new_cache = unit._front_end("linen", unit.OPTIONS["rotary_gqa"])
+  call, new_cache = unit.front_end("linen", unit.OPTIONS["rotary_gqa"])
   x = jax.random.normal(jax.random.key(2), (unit.B, 12, unit.D))
   lengths = np.array([9, 4])
   prompt_pos = np.where(np.arange(9) < lengths[:, None], np.arange(9), -1)

@@ -24,7 +24,7 @@ def _query(t):
   return jax.ShapeDtypeStruct((B, t, H, K), jnp.float32)
 
 
-def _caches():
+def shared_caches():
   return {"contiguous": cache_lib.KVCache.create(B, 64, G, K),
           "rolling": cache_lib.KVCache.create(B, 64, G, K, window=8),
           "paged": cache_lib.PagedKVCache.create(8, 16, jnp.zeros((B, 4), jnp.int32), G, K)}
@@ -43,7 +43,7 @@ def test_the_step_kernels_are_registered_by_layout():
 @pytest.mark.parametrize("kind, on_cpu", [("contiguous", "xla"), ("rolling", "xla"),
                                           ("paged", "decode")])
 def test_explain_names_the_step_kernel_per_platform(kind, on_cpu):
-  cache = _caches()[kind]
+  cache = shared_caches()[kind]
   said = cache_lib.explain(_query(1), cache, platform="cpu")
   assert said.implementation == on_cpu and "FEW_QUERIES = 32" in said.reason
   assert said.alternatives["triton_decode"].startswith("refuses: the Triton decode kernel is for "
@@ -61,19 +61,18 @@ def test_explain_names_the_step_kernel_per_platform(kind, on_cpu):
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_one_threshold_for_a_few_queries(kind):
   """FEW_QUERIES queries are a step on every entrance, one more are not (the keys then go to
-  dot_product_attention); the dense rule's "decode" uses the same bound."""
-  cache = _caches()[kind]
+  dot_product_attention)."""
+  cache = shared_caches()[kind]
   few = dispatch.FEW_QUERIES
   assert cache_lib.explain(_query(few), cache, platform="cpu").implementation != "dense"
   beyond = cache_lib.explain(_query(few + 1), cache, platform="cpu")
   assert beyond.implementation == "dense" and f"> FEW_QUERIES = {few}" in beyond.reason
-  assert dispatch.DECODE_MAX_QUERIES == few
   residual = cache_lib.explain(_query(1), cache, platform="cpu", return_residual=True)
   assert residual.implementation == ("dense" if kind == "contiguous" else "decode")
 
 
 def test_the_decode_kernel_named_is_refused_by_its_options():
-  cache = _caches()["contiguous"]
+  cache = shared_caches()["contiguous"]
   interpreted = triton_decode.make_attention(interpret=True)
   q = jnp.ones((B, 1, H, K))
   with pytest.raises(ValueError, match="implementation='triton_decode' cannot run: .*dropout"):
@@ -81,12 +80,24 @@ def test_the_decode_kernel_named_is_refused_by_its_options():
                      dropout_rate=0.5, dropout_rng=jax.random.key(0))
 
 
-def test_dispatch_reads_the_kernels_through_the_registry():
-  """The rule imports no kernel module: what it asks of a kernel is its `refuses`, its
-  declared platform and staging, and its `hints`."""
-  tree = ast.parse(pathlib.Path(dispatch.__file__).read_text())
+def kernel_imports(source: str) -> set[str]:
+  """The kernel modules and packages a module's source imports, by their dotted names (`from
+  flax_mha import kernels` is the package, `flax_mha.kernels`)."""
+  tree = ast.parse(source)
   imported = {node.module + "." + alias.name if isinstance(node, ast.ImportFrom) else alias.name
               for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
               for alias in node.names}
-  kernels = {name for name in imported if name.startswith("flax_mha.kernels.")}
-  assert kernels == {"flax_mha.kernels.registry"}
+  return {name for name in imported
+          if name == "flax_mha.kernels" or name.startswith("flax_mha.kernels.")}
+
+
+def test_dispatch_reads_the_kernels_through_the_registry():
+  """The rule imports no kernel module nor the kernels' package (which registers them: that
+  import once made a circle through ring): what it asks of a kernel is its `refuses`, its
+  declared platform and staging, and its `hints`."""
+  assert kernel_imports(pathlib.Path(dispatch.__file__).read_text()) == {
+      "flax_mha.kernels.registry"}
+  for planted in ("from flax_mha import kernels\n", "import flax_mha.kernels\n",
+                  "from flax_mha.kernels import decode\n"):
+    assert kernel_imports(planted + "from flax_mha.kernels import registry\n") != {
+        "flax_mha.kernels.registry"}

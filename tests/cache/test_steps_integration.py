@@ -1,4 +1,4 @@
-"""The step past its threshold: the integration part of tests/test_steps.py (three caches,
+"""The step past its threshold: the integration part of tests/cache/test_steps.py (three caches,
 each compiled twice)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from flax_mha import cache as cache_lib
 from flax_mha import dispatch
-from test_steps import B, G, H, K, _caches
+from test_steps import B, G, H, K, shared_caches
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def test_a_step_past_the_threshold_equals_the_step(rng):
   q, k, v = arr(B, few + 1, H, K), arr(B, few + 1, G, K), arr(B, few + 1, G, K)
   attend = jax.jit(lambda q, k, v, cache, positions: cache_lib.attend(q, k, v, cache,
                                                                      positions)[0])
-  for cache in _caches().values():
+  for cache in shared_caches().values():
     positions = jnp.broadcast_to(jnp.arange(few + 1, dtype=jnp.int32), (B, few + 1))
     padded = positions.at[:, -1].set(-1)
     step = attend(q[:, :few], k[:, :few], v[:, :few], cache, positions[:, :few])

@@ -4,7 +4,7 @@ and stays within the quantization's bound of the float cache's answer, by "xla" 
 choice) and by "decode" (named); every step kernel takes int8 keys, the dense entrance none;
 the scales follow the rows and pages; what is refused. The rolling and paged caches' steps,
 the Triton decode kernel in Pallas interpret mode, prefills, jit, vmap and gradients, and
-generation are in tests/test_cache_int8_integration.py."""
+generation are in tests/cache/test_cache_int8_integration.py."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ KINDS = {
 }
 
 
-def _arrays(seed, *shapes):
+def arrays(seed, *shapes):
   rng = np.random.default_rng(seed)
   return [jnp.asarray(rng.standard_normal(shape) * 2, jnp.float32) for shape in shapes]
 
@@ -48,13 +48,13 @@ def _empty(kind, dtype):
   return cache_lib.KVCache.create(B, 64, G, K, V, dtype, **layout)
 
 
-def _filled(kind, dtype):
+def filled(kind, dtype):
   """The cache holding prompts of 5 and 27 tokens (written: a row's padding at -1)."""
   return jax.jit(_fill)(_empty(kind, dtype))
 
 
 def _fill(cache):
-  k, v = _arrays(0, (B, 27, G, K), (B, 27, G, V))
+  k, v = arrays(0, (B, 27, G, K), (B, 27, G, V))
   positions = jnp.where(jnp.arange(27) < FILL, jnp.arange(27), -1)
   write = cache_lib.update_pages if hasattr(cache, "k_pages") else cache_lib.update
   return write(cache, k, v, positions)
@@ -64,26 +64,26 @@ def _step(cache, q, k, v, options, positions=None):
   return cache_lib.attend(q, k, v, cache, positions, **options)
 
 
-def _jit_step(options):
+def jit_step(options):
   """(out, cache) of a step with `options`, jitted (one compile: the tests stay fast)."""
   return jax.jit(lambda c, q, k, v: _step(c, q, k, v, options))
 
 
-def _step_inputs(t=3, seed=1):
-  return _arrays(seed, (B, t, H, K), (B, t, G, K), (B, t, G, V))
+def step_inputs(t=3, seed=1):
+  return arrays(seed, (B, t, H, K), (B, t, G, K), (B, t, G, V))
 
 
 def _dequantized(x, scale):
   return x.astype(jnp.float32) if scale is None else quant.dequantize(x, scale)
 
 
-def _oracle(cache, q, k, v, options, *, quantize: bool = True):
+def shared_oracle(cache, q, k, v, options, *, quantize: bool = True):
   """The step by the reference implementation over what the cache holds (dequantized) and the
   new tokens (quantized then dequantized when `quantize`), at their positions (jitted)."""
-  return jax.jit(lambda c, q, k, v: _oracle_graph(c, q, k, v, options, quantize))(cache, q, k, v)
+  return jax.jit(lambda c, q, k, v: oracle_graph(c, q, k, v, options, quantize))(cache, q, k, v)
 
 
-def _oracle_graph(cache, q, k, v, options, quantize):
+def oracle_graph(cache, q, k, v, options, quantize):
   t = q.shape[1]
   positions = cache_lib.next_positions(cache, t)
   chunk = lambda x: quant.dequantize(*quant.quantize(x)) if quantize else x
@@ -126,14 +126,14 @@ def check_step(kind, near_float: bool):
   "decode" for a paged one), over GQA heads: equal to the oracle over the dequantized cache
   and, with `near_float`, within `_bound` of the float cache's step."""
   options = KINDS[kind][1]
-  q, k, v = _step_inputs()
+  q, k, v = step_inputs()
 
   @jax.jit  # one compile for everything: the test stays fast
   def run(cache, float_cache, q, k, v):
     cache = _fill(cache)
     out, after = _step(cache, q, k, v, options)
     float_out = _step(_fill(float_cache), q, k, v, options)[0] if near_float else None
-    return cache, out, after.length, float_out, _oracle_graph(cache, q, k, v, options, True)
+    return cache, out, after.length, float_out, oracle_graph(cache, q, k, v, options, True)
 
   cache, out, length, want, oracle = run(_empty(kind, jnp.int8), _empty(kind, jnp.float32),
                                          q, k, v)
@@ -151,11 +151,11 @@ def test_int8_step_equals_the_dequantized_oracle():
 def test_every_cpu_step_kernel_reads_int8_as_the_oracle():
   """The "xla" step (implementation=None on a CPU) and "decode" (named) over one int8 cache:
   both equal the reference over the dequantized keys and values."""
-  q, k, v = _step_inputs()
-  cache = _filled("full", jnp.int8)
-  oracle = _oracle(cache, q, k, v, {})
+  q, k, v = step_inputs()
+  cache = filled("full", jnp.int8)
+  oracle = shared_oracle(cache, q, k, v, {})
   for options in ({}, dict(implementation="decode")):
-    out, _ = _jit_step(options)(cache, q, k, v)
+    out, _ = jit_step(options)(cache, q, k, v)
     chex.assert_trees_all_close(out, oracle, atol=2e-5)
 
 
@@ -270,7 +270,7 @@ def check_non_finite_value(kind, implementations):
   options = KINDS[kind][1]
 
   def fill(cache):
-    k, v = _arrays(0, (B, 27, G, K), (B, 27, G, V))
+    k, v = arrays(0, (B, 27, G, K), (B, 27, G, V))
     v = v.at[row, position, head, dim].set(jnp.inf)
     positions = jnp.where(jnp.arange(27) < FILL, jnp.arange(27), -1)
     write = cache_lib.update_pages if hasattr(cache, "k_pages") else cache_lib.update
@@ -281,11 +281,11 @@ def check_non_finite_value(kind, implementations):
     cache, float_cache = fill(cache), fill(float_cache)
     outs = [_step(cache, q, k, v, dict(options, implementation=implementation))[0]
             for implementation in implementations]
-    return (_step(float_cache, q, k, v, options)[0], _oracle_graph(cache, q, k, v, options, True),
+    return (_step(float_cache, q, k, v, options)[0], oracle_graph(cache, q, k, v, options, True),
             outs)
 
   float_out, oracle, outs = run(_empty(kind, jnp.int8), _empty(kind, jnp.float32),
-                                *_step_inputs(t=1))
+                                *step_inputs(t=1))
   bad = np.zeros(float_out.shape, bool)  # [B, T, H, V]
   bad[row, :, head * (H // G):(head + 1) * (H // G), dim] = True
   np.testing.assert_array_equal(~np.isfinite(float_out), bad)
@@ -301,5 +301,5 @@ def check_non_finite_value(kind, implementations):
 ])
 def test_a_non_finite_value_entry_reaches_its_own_dim_only(kind, implementations):
   """Every CPU reader of an int8 cache (`check_non_finite_value`); the Triton decode kernel
-  interpreted is in tests/test_cache_int8_integration.py."""
+  interpreted is in tests/cache/test_cache_int8_integration.py."""
   check_non_finite_value(kind, implementations)

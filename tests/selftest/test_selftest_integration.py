@@ -1,7 +1,7 @@
 """`python -m flax_mha.selftest` as a user runs it, on this CPU: `--quick` (what CI runs) passes
 with every registered kernel in its table, and `--quick --interpret` runs the Pallas kernels
 of the other platforms (triton, splash, triton_decode) in interpret mode, each row passing or
-refused by name. The table's logic, on a tiny matrix, is in tests/test_selftest.py."""
+refused by name. The table's logic, on a tiny matrix, is in tests/selftest/test_selftest.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from flax_mha.kernels import registry
 
 pytestmark = pytest.mark.integration  # subprocesses: a minute or two of compiles each
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _selftest(tmp_path, *flags) -> tuple[list[str], dict]:

@@ -2,7 +2,7 @@
 chunks, then steps, equal to attention over the whole sequence recomputed; rolling caches for
 local layers (with sink tokens) stay the window's size; capacity overflow is an error (NaN rows
 under jit); the front ends' bad arguments. Rows of different lengths in one batch, and the rest
-of the cached-calls grid, are in tests/test_cache_integration.py."""
+of the cached-calls grid, are in tests/cache/test_cache_integration.py."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ CHUNKS = {"prefill_then_steps": [7, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
           "chunks": [5, 3, 4, 7], "whole": [L]}
 
 
-def _front_end(kind, kwargs):
+def front_end(kind, kwargs):
   """(call(x, **kw), new_cache(batch, capacity)) for the linen or NNX self-attention."""
   if kind == "linen":
     module = flax_mha.SelfAttention(num_heads=H, num_kv_heads=G, qkv_features=D, **kwargs)
@@ -57,7 +57,7 @@ CACHED_GRID = split_grid(
 
 @pytest.mark.parametrize("kind,option,chunks", CACHED_GRID.unit)
 def test_cached_calls_equal_the_whole_sequence(kind, option, chunks):
-  call, new_cache = _front_end(kind, OPTIONS[option])
+  call, new_cache = front_end(kind, OPTIONS[option])
   x = jax.random.normal(jax.random.key(0), (B, L, D))
   want = call(x, is_causal=True)
   cache = new_cache(B, 32)
@@ -141,7 +141,7 @@ def test_room_made_by_caller_is_part_of_the_trace_key():
 
 def test_a_step_under_scan_and_grad():
   """Steps of a cache inside lax.scan, differentiated through: equal to the whole sequence."""
-  call, new_cache = _front_end("linen", OPTIONS["rolling_window"])
+  call, new_cache = front_end("linen", OPTIONS["rolling_window"])
   x = jax.random.normal(jax.random.key(3), (B, L, D))
 
   def by_steps(x):
@@ -163,14 +163,14 @@ def test_a_step_under_scan_and_grad():
     (dict(bias=jnp.zeros((B, H, 3, 3))), ValueError, "bias is not taken with cache="),
 ])
 def test_bad_cache_calls_are_named(kwargs, error, match):
-  call, new_cache = _front_end("linen", {})
+  call, new_cache = front_end("linen", {})
   kwargs = dict(dict(cache=new_cache(B, 8)), **kwargs)
   with pytest.raises(error, match=match):
     call(jnp.zeros((B, 3, D)), **kwargs)
 
 
 def test_a_rolling_cache_belongs_to_its_window():
-  call, _ = _front_end("linen", dict(local_window_size=(4, 0)))
+  call, _ = front_end("linen", dict(local_window_size=(4, 0)))
   other = cache_lib.KVCache.create(B, 32, G, D // H, window=6)
   with pytest.raises(ValueError, match="a rolling cache of window 6"):
     call(jnp.zeros((B, 1, D)), cache=other)

@@ -1,4 +1,4 @@
-"""Paged attention at the cases tests/test_paged.py leaves out: a paged KV cache through a whole
+"""Paged attention at the cases tests/cache/test_paged.py leaves out: a paged KV cache through a whole
 front end equals a contiguous one, and the grid's cells for the integration part ((slow) the
 rest of it) through that file's own test."""
 
