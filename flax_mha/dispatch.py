@@ -317,6 +317,19 @@ def _decode_choice(t: int, s: int, mods) -> Choice | None:
   return None
 
 
+def is_step(num_queries: int) -> bool:
+  """Whether a cache's or paged call of `num_queries` queries is a step (its own kernels) or
+  dense (the keys go to `dot_product_attention`, whose choice runs): decided once, from the
+  static number of queries, before anything is built for either."""
+  return num_queries <= FEW_QUERIES
+
+
+def not_a_step(num_queries: int) -> Choice:
+  """The choice for a cache's or paged call of more than FEW_QUERIES queries."""
+  return Choice("dense", f"T = {num_queries} queries > FEW_QUERIES = {FEW_QUERIES}: not a "
+                         "step; the keys go to dot_product_attention, whose own choice runs")
+
+
 def _step_choice(call: registry.Call) -> Choice:
   """A cache's or a paged call: past FEW_QUERIES queries "dense" (the keys go to
   `dot_product_attention` and its own choice); otherwise the first kernel of
@@ -325,9 +338,8 @@ def _step_choice(call: registry.Call) -> Choice:
   t = call.dims["T"]
   if call.layout == "ring_block":
     return _first_taker(call, "a ring step")
-  if t > FEW_QUERIES:
-    return Choice("dense", f"T = {t} queries > FEW_QUERIES = {FEW_QUERIES}: not a step; the "
-                           "keys go to dot_product_attention, whose own choice runs")
+  if not is_step(t):
+    return not_a_step(t)
   passed_over = {}
   if call.quantized and call.dims["S"] > XLA_INT8_MAX_SLOTS:
     passed_over["xla"] = (f"an int8 cache of S = {call.dims['S']} > XLA_INT8_MAX_SLOTS = "

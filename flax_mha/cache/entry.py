@@ -73,9 +73,10 @@ def explain(query, cache, positions=None, *, platform: str | None = None,
     jax.eval_shape(lambda q, k, v, c, p: attend(q, k, v, c, p, **options), query,
                    chunk(key_dim), chunk(value_dim), cache, positions)
   if not recorded:
-    return dispatch.Explanation("dense", "not a step (an implementation named, or "
-                                "return_residual): the keys go to dot_product_attention",
-                                platform, {})
+    reason = (dispatch.not_a_step(t).reason if not dispatch.is_step(t) else
+              "not a step (an implementation named, or return_residual): the keys go to "
+              "dot_product_attention")
+    return dispatch.Explanation("dense", reason, platform, {})
   return dispatch.explanation(dataclasses.replace(recorded[0], platform=platform))
 
 
@@ -128,8 +129,10 @@ def _read(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, positions_BT, *, prefix
   if kv_scales is None:
     keys, values = keys.astype(dtype), values.astype(dtype)
   implementation = options.get("implementation")
-  if kernel is not None or (implementation in (None, "decode")
-                            and not options.get("return_residual", False)):
+  stepping = kernel is not None or implementation == "decode" or (
+      implementation is None and dispatch.is_step(query_BTHK.shape[1])
+      and not options.get("return_residual", False))
+  if stepping:
     step_options = {k: v for k, v in options.items() if k != "implementation"}
     out = steps.cache_step(query_BTHK, keys, values, kv_pos_BS, positions_BT,
                            prefixes=prefixes, kernel=kernel, kv_scales=kv_scales,

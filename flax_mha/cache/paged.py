@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_mha import checks
+from flax_mha import dispatch
 from flax_mha import quant
 from flax_mha.cache import steps
 from flax_mha.attention import dot_product_attention
@@ -83,7 +84,9 @@ def positioned_paged_attention(query, k_pages, v_pages, page_indices, q_position
   b, (n, page) = query.shape[0], (page_indices.shape[1], k_pages.shape[1])
   s = n * page
   kernel = triton_decode.named(implementation)
-  if kernel is not None or implementation is None or implementation == "decode":
+  stepping = kernel is not None or implementation == "decode" or (
+      implementation is None and dispatch.is_step(query.shape[1]))
+  if stepping:
     out = steps.paged_step(query, k_pages, v_pages, page_indices, q_positions, kv_lengths,
                            is_causal=is_causal, scale=scale, kernel=kernel,
                            forced="decode" if implementation == "decode" else None,

@@ -145,13 +145,12 @@ def _api(x_BGSK):
                                x_BGSK.shape[3]), x_BGSK.dtype)
 
 
-def _run(call, kernel, entry_args, operands, layout):
+def _run(call, kernel, picks, entry_args, operands, layout):
   """The chosen entry for `call` (by name: `kernel` asked for, refused by name when it cannot
-  take the call), staged per platform where the platforms' choices differ."""
+  take the call), staged per platform where the platforms' choices (`picks`) differ."""
   if kernel is not None:  # its platform is checked where it is traced and lowered
     triton_decode.require(kernel, triton_decode.options_reason(call))
     return ENTRIES[kernel.name, layout](*operands, kernel=kernel, **entry_args)
-  picks = dispatch.per_platform(call)
   entry = lambda name: functools.partial(ENTRIES[name, layout], kernel=triton_decode.KERNEL,
                                          **entry_args)
   if len(set(picks.values())) == 1:
@@ -180,9 +179,10 @@ def cache_step(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, *,
     if registry.get(forced).refuses(call) is not None:
       return None
     return ENTRIES[forced, "cache"](*operands, kernel=None, **entry_args)
-  if kernel is None and dispatch.choose(call).name == "dense":
+  picks = None if kernel is not None else dispatch.per_platform(call)  # once per platform
+  if picks is not None and picks["cpu"] == "dense":
     return None
-  return _run(call, kernel, entry_args, operands, "cache")
+  return _run(call, kernel, picks, entry_args, operands, "cache")
 
 
 def _step_call(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, mask, options):
@@ -213,10 +213,11 @@ def paged_step(query, k_pages, v_pages, page_indices, q_positions, kv_lengths, *
     if registry.get(forced).refuses(call) is not None:
       return None
     out, lse_BHT = ENTRIES[forced, "paged"](*operands, **entry_args)
-  elif kernel is None and dispatch.choose(call).name == "dense":
-    return None
   else:
-    out, lse_BHT = _run(call, kernel, entry_args, operands, "paged")
+    picks = None if kernel is not None else dispatch.per_platform(call)  # once per platform
+    if picks is not None and picks["cpu"] == "dense":
+      return None
+    out, lse_BHT = _run(call, kernel, picks, entry_args, operands, "paged")
   lse_BTH = jax.lax.stop_gradient(lse_BHT.transpose(0, 2, 1))
   return (out, lse_BTH) if return_residual else out
 

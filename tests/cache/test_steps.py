@@ -13,6 +13,8 @@ import pytest
 
 import flax_mha
 from flax_mha import cache as cache_lib
+from flax_mha import call_options
+from flax_mha import checks
 from flax_mha import dispatch
 from flax_mha.kernels import registry
 from flax_mha.kernels import triton_decode
@@ -101,3 +103,28 @@ def test_dispatch_reads_the_kernels_through_the_registry():
                   "from flax_mha.kernels import decode\n"):
     assert kernel_imports(planted + "from flax_mha.kernels import registry\n") != {
         "flax_mha.kernels.registry"}
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("t", [1, dispatch.FEW_QUERIES + 1])
+def test_a_cached_call_decides_once(monkeypatch, kind, t):
+  """A prefill past FEW_QUERIES queries through a cache checks its q/k/v once, builds its mods
+  once and chooses once for each platform (it built and chose twice: the step's entrance first
+  found "dense", then dot_product_attention started over); a step chooses once per platform
+  (its "xla" entry builds its own prefix's mods)."""
+  counts = {"build": 0, "choose cpu": 0, "check_qkv": 0}
+
+  def counting(name, fn, only=lambda *a, **k: True):
+    def counted(*args, **kwargs):
+      counts[name] += bool(only(*args, **kwargs))
+      return fn(*args, **kwargs)
+    return counted
+  monkeypatch.setattr(call_options, "build", counting("build", call_options.build))
+  monkeypatch.setattr(dispatch, "choose", counting(
+      "choose cpu", dispatch.choose, lambda call: call.platform == "cpu"))
+  monkeypatch.setattr(checks, "check_qkv", counting("check_qkv", checks.check_qkv))
+  cache = shared_caches()[kind]
+  q = _query(t)
+  jax.eval_shape(lambda q, c: cache_lib.attend(q, q[:, :, :G], q[:, :, :G], c), q, cache)
+  if t > dispatch.FEW_QUERIES:
+    assert counts == {"build": 1, "choose cpu": 1, "check_qkv": 1}
+  assert counts["choose cpu"] == 1
