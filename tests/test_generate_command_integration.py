@@ -100,3 +100,19 @@ def test_a_cut_checkpoint_is_one_line_of_stderr(tmp_path, rng):
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
   assert result.stderr.strip().splitlines()[-1].startswith(
       f"error: {weights} cannot be read as safetensors"), result.stderr[-2000:]
+
+
+def test_a_prompt_past_gpt2_s_positions_is_one_line_of_stderr(tmp_path):
+  """--checkpoint of GPT-2 (learned positions, a table of 128) and max_new_tokens past it: status
+  1 and one line naming the limit (it printed a cut-off answer and exited 0, NaN logits read as
+  token 0, the end-of-sequence id)."""
+  pytest.importorskip("transformers")
+  directory = hc.save_tiny("gpt2", tmp_path)
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.generate", "--checkpoint", str(directory), "--prompt",
+       "the cat", "--max_new_tokens", "200"], capture_output=True, text=True, cwd=ROOT,
+      timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: a prompt of ") and "max_new_tokens=200" in last, last
+  assert "past the model's learned positions [0, 128)" in last, last
