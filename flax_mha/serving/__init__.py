@@ -1,9 +1,12 @@
 """Serving many requests: continuous batching over a paged KV cache with shared prefixes, and
 requests submitted, streamed and cancelled while it runs. Layered bottom to top:
 
-  page_pool  the host's book of the pool's pages: free pages, reservations, prefix entries
+  page_pool  the host's book of the pool's pages, their one owner: the free stack, the rows'
+             leases (reservations), the prefix entries
   loop       the device side: a compiled loop of chunked prefill and decode steps
-  server     `Server` (submit / stream / cancel, from any thread) and `serve` (a batch)
+  scheduler  which waiting request takes which free row, asking the pool; where tokens go
+  runner     the device state between runs: executes the scheduler's decisions, runs the loop
+  server     the request front: `Server` (submit / stream / cancel, from any thread), `serve`
 
 The names below are the public API: `flax_mha.serving.Server`, `serve`, ...
 """

@@ -15,7 +15,10 @@ this book decides the rest:
   among equals (a prefix's tail before its head).
 - Reservations. A row may pop up to its request's pages as it decodes; the book admits a
   request only while the free stack covers every live row's remaining pages and the new one's,
-  so the device never finds the stack empty: a request that does not fit waits.
+  so the device never finds the stack empty: a request that does not fit waits. Each row's
+  lease (`lease` / `end`) records what it holds and may still take.
+- The free stack. The book owns it: a run of the loop borrows it (`lend`), pops and pushes on
+  the device, and hands it back (`take_back`); nothing else writes it.
 
 Pure Python over NumPy: no JAX here, so every rule is tested by itself
 (tests/serving/test_page_pool.py).
@@ -56,6 +59,14 @@ class Admission:
   copy: tuple[int, int] | None
 
 
+@dataclasses.dataclass
+class Lease:
+  """A live row's hold on the pool: its admission (the first `keep` table entries, the host's)
+  and the pages the device may pop for it in all."""
+  admission: Admission
+  budget: int
+
+
 def digests(prompt, page_size: int) -> list[bytes]:
   """The chain of digests of the prompt's whole pages."""
   tokens = np.asarray(prompt, np.int32)
@@ -77,6 +88,7 @@ class PagePool:
     self.free = np.arange(num_pages, dtype=np.int32)[::-1].copy()
     self.n_free = num_pages
     self.entries: dict[bytes, Entry] = {}
+    self.leases: dict[int, Lease] = {}  # row -> what it holds and may still pop
     self._clock = itertools.count(1)
 
   @property
@@ -128,6 +140,35 @@ class PagePool:
     copy = (self.entries[chain[-1]].page, fresh.pop(0)) if cow else None
     start = length - 1 if cow else shared * self.page_size
     return Admission(pages, chain[:keep], keep, start, copy)
+
+  def reserved(self, held_tokens: dict[int, int]) -> int:
+    """Pages the live rows may still pop, each row holding `held_tokens[row]` tokens now."""
+    return sum(lease.budget - max(0, self.pages_for(held_tokens[row]) - lease.admission.keep)
+               for row, lease in self.leases.items())
+
+  def lease(self, row: int, prompt, total_tokens: int,
+            held_tokens: dict[int, int]) -> Admission | str | None:
+    """`admit` for row `row` beside the live rows (holding `held_tokens`); an Admission is
+    recorded as the row's lease."""
+    admission = self.admit(prompt, total_tokens, self.reserved(held_tokens))
+    if isinstance(admission, Admission):
+      budget = self.pages_for(total_tokens) - admission.keep
+      self.leases[row] = Lease(admission, budget)
+    return admission
+
+  def end(self, row: int, own_pages=()) -> None:
+    """Row `row` ended: its own pages past its admission's (`own_pages`, a cancelled row's,
+    which the device did not push) back on the stack, its entries let go, its lease gone."""
+    self.push(own_pages)
+    self.release(self.leases.pop(row).admission)
+
+  def lend(self) -> tuple[np.ndarray, np.int32]:
+    """The free stack and its height, for a run of the loop (`take_back` ends the loan)."""
+    return self.free, np.int32(self.n_free)
+
+  def take_back(self, free, n_free) -> None:
+    """The free stack as the run left it (the device popped and pushed rows' own pages)."""
+    self.free, self.n_free = np.asarray(free), int(n_free)
 
   def mark_written(self, admission: Admission, fed: int) -> None:
     """The row of `admission` has fed `fed` prompt tokens: its pages below are shareable."""

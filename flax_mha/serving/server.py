@@ -30,6 +30,12 @@ The pool: a request is admitted when the free pages cover its whole length (prom
 tokens) beside what every live row may still take, after evicting unused prefix pages; until
 then it waits. A request longer than `max_length`, or than the pool, is refused by `submit`.
 
+The parts: this module is the request front (submit, stream, cancel, the thread); the scheduler
+(`flax_mha.serving.scheduler`) decides which request takes which row and asks the page pool
+(`flax_mha.serving.page_pool`), the one owner of the pages (the free stack, the rows' leases,
+the prefix entries); the runner (`flax_mha.serving.runner`) executes those decisions on the
+device state and runs the compiled loop (`flax_mha.serving.loop`).
+
 `serve` is the batch API on top: every request submitted up front, run until all are done.
 Static batching, the benchmarks' baseline, is `experiments.bench.static_batching.serve_static`.
 
@@ -53,8 +59,11 @@ import numpy as np
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.models import decoding
-from flax_mha.serving import page_pool
 from flax_mha.serving import loop as serving_loop
+from flax_mha.serving import page_pool
+from flax_mha.serving import runner as runner_lib
+from flax_mha.serving import scheduler as scheduler_lib
+from flax_mha.serving.scheduler import Request
 
 # The most prompt tokens one trip of the loop feeds: the faster of 256, 512 and 1024 on
 # `python -m experiments.bench.generation --part serving` (512 and 1024 level; 256 slower).
@@ -80,33 +89,6 @@ class ServeStats:
   @property
   def tokens_per_second(self) -> float:
     return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-  """One request: its prompt and limit, the tokens made so far (`tokens`, growing), its `state`
-  ("waiting", "running", "done", "cancelled"), and when it was submitted and when each token
-  reached the host (time.perf_counter seconds)."""
-  id: int
-  prompt: np.ndarray
-  max_new_tokens: int
-  tokens: list = dataclasses.field(default_factory=list)
-  state: str = "waiting"
-  submitted_at: float = 0.0
-  token_times: list = dataclasses.field(default_factory=list)
-  shared_tokens: int = 0
-
-  @property
-  def finished(self) -> bool:
-    return self.state in ("done", "cancelled")
-
-
-@dataclasses.dataclass
-class _Row:
-  """What the host knows of a busy row."""
-  request: Request
-  admission: page_pool.Admission
-  budget: int  # the pages the device may pop for it in all
 
 
 class Server:
@@ -137,19 +119,17 @@ class Server:
                                   prefill_chunk, page_size, batch_size, num_pages,
                                   math.ceil(max_length / page_size),
                                   2 * segment_steps + 2, cache_dtype)
-    self.segment_steps, self.rng = segment_steps, jax.random.key(0) if rng is None else rng
-    self.cache = serving_loop.empty_cache(self.plan, self.params)
-    paged_only = all(isinstance(c, cache_lib.PagedKVCache) for c in self.cache)
+    self.segment_steps = segment_steps
+    self.runner = runner_lib.Runner(self.plan, self.params,
+                                    jax.random.key(0) if rng is None else rng, segment_steps)
+    paged_only = all(isinstance(c, cache_lib.PagedKVCache) for c in self.runner.cache)
     self.pool = page_pool.PagePool(num_pages, page_size, prefix_caching and paged_only)
-    self._rows_state = serving_loop.rows_state(self.plan)
-    self._rows: list[_Row | None] = [None] * batch_size
-    self._waiting: list[Request] = []
-    self._next_id, self._new_tokens, self._shared = 0, 0, 0
+    self.scheduler = scheduler_lib.Scheduler(self.pool, batch_size)
+    self._next_id = 0
     self._cond = threading.Condition()
     self._thread, self._stopping, self._error = None, False, None
     self._stepper = threading.Lock()  # one run of the loop at a time: it donates the pool
     self._steps, self._loop_seconds = 0, 0.0  # runs finished; seconds spent in them
-    self._inputs = self._no_inputs()
 
   @property
   def max_length(self) -> int:
@@ -175,17 +155,14 @@ class Server:
     with self._cond:
       request = Request(self._next_id, prompt, max_new_tokens, submitted_at=time.perf_counter())
       self._next_id += 1
-      self._waiting.append(request)
+      self.scheduler.queue(request)
       self._cond.notify_all()
     return request
 
   def cancel(self, request: Request) -> None:
     """End `request` now: no more tokens; its pages come back at the host's next look."""
     with self._cond:
-      if request.state == "waiting":
-        self._waiting.remove(request)
-      if not request.finished:
-        request.state = "cancelled"
+      self.scheduler.cancel(request)
       self._cond.notify_all()
 
   def stream(self, request: Request):
@@ -209,7 +186,7 @@ class Server:
   @property
   def busy(self) -> bool:
     """Whether any request waits or runs."""
-    return bool(self._waiting) or any(row is not None for row in self._rows)
+    return bool(self.scheduler.waiting) or self.scheduler.live
 
   def run(self) -> None:
     """Until every request submitted is done: stepping, or waiting for the server's thread."""
@@ -226,10 +203,10 @@ class Server:
   def stats(self, seconds: float | None = None) -> ServeStats:
     """What the server did so far; `seconds` (default: the seconds spent in the loop's runs,
     compilation included) is what tokens_per_second divides by."""
-    peak = self._rows_state["peak"]
+    peak = self.runner.state["peak"]
     seconds = self._loop_seconds if seconds is None else seconds
-    return ServeStats(self._new_tokens, seconds, int(peak[0]), self.plan.page_size,
-                      int(peak[1]), int(peak[2]), self._shared)
+    return ServeStats(self.scheduler.new_tokens, seconds, int(peak[0]), self.plan.page_size,
+                      int(peak[1]), int(peak[2]), self.scheduler.shared_tokens)
 
   # A thread of its own.
 
@@ -299,104 +276,27 @@ class Server:
         self._cond.wait_for(lambda: self._steps != seen or self._thread is not None)
 
   def _step(self) -> None:
-    """`step` under `_stepper`."""
+    """`step` under `_stepper`: the scheduler decides (under the lock, beside submit and
+    cancel), the runner executes and runs the loop (outside it), the scheduler hands out."""
     started = time.perf_counter()
     try:
       with self._cond:
-        self._end_cancelled()
-        self._admit()
-        if not any(row is not None for row in self._rows):
+        ended, starts = self.scheduler.decide(self.runner.held_tokens(), self.runner.tables)
+        for row in ended:
+          self.runner.end(row)
+        for start in starts:
+          self.runner.start(start)
+        if not self.scheduler.live:
           return
-        rows = dict(self._rows_state, free=self.pool.free, n_free=np.int32(self.pool.n_free))
-        inputs, self._inputs = self._inputs, self._no_inputs()
-        waiting = bool(self._waiting)
-      self.cache, rows = serving_loop.segment(self.plan, self.params, self.cache, rows,
-                                              self.rng, *inputs, self.segment_steps, waiting)
-      rows = {k: np.array(v) for k, v in jax.device_get(rows).items()}
+        waiting = bool(self.scheduler.waiting)
+      rows = self.runner.run(self.pool, waiting)
       with self._cond:
-        self._take_out(rows, time.perf_counter())
+        self.scheduler.take_out(rows, time.perf_counter())
         self._loop_seconds += time.perf_counter() - started
     finally:
       with self._cond:
         self._steps += 1
         self._cond.notify_all()
-
-  def _no_inputs(self):
-    b = self.plan.batch_size
-    return (np.zeros((b,), bool), np.zeros((b,), np.int32),
-            np.full((b,), self.plan.num_pages, np.int32))
-
-  def _reserved(self) -> int:
-    """Pages the live rows may still pop."""
-    s, total = self._rows_state, 0
-    for b, row in enumerate(self._rows):
-      if row is not None:
-        held = self.pool.pages_for(int(s["length"][b]))
-        total += row.budget - max(0, held - row.admission.keep)
-    return total
-
-  def _admit(self) -> None:
-    """Free rows take waiting requests, in order, skipping one whose pages are not there yet."""
-    for b in range(self.plan.batch_size):
-      if self._rows[b] is not None:
-        continue
-      for request in self._waiting:
-        total = len(request.prompt) + request.max_new_tokens
-        admission = self.pool.admit(request.prompt, total, self._reserved())
-        if isinstance(admission, page_pool.Admission):
-          self._waiting.remove(request)
-          self._start_row(b, request, admission, total)
-          break
-        if admission is None:  # the pool is full: the rest wait too, in order
-          return
-
-  def _start_row(self, b: int, request: Request, admission, total: int) -> None:
-    s, (reset, src, dst), n = self._rows_state, self._inputs, len(request.prompt)
-    s["req"][b], s["plen"][b], s["limit"][b] = request.id, n, request.max_new_tokens
-    s["prompt"][b] = 0
-    s["prompt"][b, :n] = request.prompt
-    s["keep"][b], s["fed"][b], s["length"][b], s["gen"][b] = (admission.keep, admission.start,
-                                                             admission.start, 0)
-    s["table"][b, :admission.keep] = admission.pages
-    reset[b] = True
-    if admission.copy is not None:
-      src[b], dst[b] = admission.copy
-      s["table"][b, admission.keep] = admission.copy[1]
-    budget = self.pool.pages_for(total) - admission.keep
-    self._rows[b] = _Row(request, admission, budget)
-    request.state, request.shared_tokens = "running", admission.start
-    self._shared += admission.start
-
-  def _end_cancelled(self) -> None:
-    """Rows whose request was cancelled: emptied, their own pages pushed, their entries let go."""
-    s = self._rows_state
-    for b, row in enumerate(self._rows):
-      if row is not None and row.request.state == "cancelled":
-        held = self.pool.pages_for(int(s["length"][b]))
-        self.pool.push(s["table"][b, row.admission.keep:held])
-        self.pool.release(row.admission)
-        s["req"][b], self._rows[b] = -1, None
-
-  def _take_out(self, rows: dict, now: float) -> None:
-    """The run's tokens to their requests; ended rows let go of their entries; prompts written
-    far enough made shareable."""
-    self.pool.free, self.pool.n_free = rows.pop("free"), int(rows.pop("n_free"))
-    self._rows_state = rows
-    for b, row in enumerate(self._rows):
-      if row is None:
-        continue
-      request = row.request
-      if request.state == "running":
-        new = rows["out"][b, :rows["count"][b]].tolist()
-        request.tokens += new
-        request.token_times += [now] * len(new)
-        self._new_tokens += len(new)
-      self.pool.mark_written(row.admission, int(rows["fed"][b]))
-      if rows["req"][b] < 0:  # ended on the device, its own pages pushed there
-        self.pool.release(row.admission)
-        self._rows[b] = None
-        if request.state == "running":
-          request.state = "done"
 
 
 def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size: int,

@@ -95,3 +95,21 @@ def test_without_sharing_nothing_is_entered():
   pool = PagePool(8, PAGE, sharing=False)
   a = pool.admit(np.arange(12), 16, 0)
   assert (a.keep, a.start, a.pages, pool.n_free) == (0, 0, [], 8)
+
+
+def test_leases_reserve_what_live_rows_may_still_pop_and_end_gives_it_back():
+  """The pool is the one owner of the reservations: a row leased for 12 tokens (3 pages, none
+  popped yet) reserves 3; once it holds 9 tokens (3 pages popped) it reserves none; a lease
+  that would pass the stack beside the reservations waits (None); ending a cancelled row
+  pushes its own pages and lets go of its entries, and the ledger balances."""
+  pool = PagePool(5, PAGE, sharing=False)
+  assert isinstance(pool.lease(0, np.arange(1, 4), 12, {}), page_pool.Admission)
+  assert pool.reserved({0: 0}) == 3 and pool.reserved({0: 9}) == 0
+  assert pool.lease(1, np.arange(1, 4), 12, {0: 0}) is None  # 3 reserved + 3 > 5 free
+  popped = pool.free[pool.n_free - 3:pool.n_free].copy()
+  free, n_free = pool.lend()
+  pool.take_back(free, n_free - 3)  # the device popped row 0's three pages
+  assert isinstance(pool.lease(1, np.arange(1, 4), 8, {0: 9}), page_pool.Admission)
+  pool.end(0, popped)
+  assert set(pool.leases) == {1} and pool.n_free == 5
+  _ledger(pool)
