@@ -268,18 +268,14 @@ def _as_is(name, fn):
 def _per_platform(picks: dict, wrap, query, key, value, bias, mask, *, dropout_rng, mods=None,
                   **static):
   """The implementation picks[platform] (through `wrap`) for the platform the program is
-  lowered for (any other platform: the 'rocm' pick, the generic accelerator's): one branch
-  survives each lowering."""
+  lowered for (`dispatch.staged`: one branch survives each lowering)."""
   def branch(name):
     def run(query, key, value, bias, mask, dropout_rng, mods):
       extra = {} if mods is None else dict(mods=mods)
       return wrap(name, IMPLEMENTATIONS[name])(query, key, value, bias, mask,
                                                dropout_rng=dropout_rng, **static, **extra)
     return run
-  branches = {name: branch(name) for name in set(picks.values())}
-  return lax.platform_dependent(query, key, value, bias, mask, dropout_rng, mods,
-                                default=branches[picks["rocm"]],
-                                **{platform: branches[name] for platform, name in picks.items()})
+  return dispatch.staged(picks, branch, query, key, value, bias, mask, dropout_rng, mods)
 
 
 def confine_nonfinite(implementation: str | Callable | None = None) -> Callable:

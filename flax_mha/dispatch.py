@@ -64,7 +64,9 @@ registry only: their `refuses`, their declared platform and staging, and the mea
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
+
+import jax
 
 from flax_mha import mods as mods_lib
 from flax_mha import platforms
@@ -369,6 +371,18 @@ def per_platform(call: registry.Call) -> dict[str, str]:
   'rocm' pick serves any other platform)."""
   return {platform: choose(dataclasses.replace(call, platform=platform)).name
           for platform in PLATFORMS}
+
+
+def staged(picks: Mapping[str, str], branch: Callable[[str], Callable], *operands):
+  """`branch(name)(*operands)` for the name `picks` (platform -> name, `per_platform`'s) holds
+  for the platform the program is lowered for: the one staging of every entrance (a plain
+  call, a cache's step, a ring step). Where the platforms agree, that branch alone; else
+  `lax.platform_dependent`, one branch per name, the 'rocm' pick for any other platform."""
+  if len(set(picks.values())) == 1:
+    return branch(picks["cpu"])(*operands)
+  branches = {name: branch(name) for name in set(picks.values())}
+  return jax.lax.platform_dependent(*operands, default=branches[picks["rocm"]],
+                                    **{platform: branches[name] for platform, name in picks.items()})
 
 
 def explanation(call: registry.Call) -> Explanation:

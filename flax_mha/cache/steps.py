@@ -153,10 +153,7 @@ def _run(call, kernel, picks, entry_args, operands, layout):
     return ENTRIES[kernel.name, layout](*operands, kernel=kernel, **entry_args)
   entry = lambda name: functools.partial(ENTRIES[name, layout], kernel=triton_decode.KERNEL,
                                          **entry_args)
-  if len(set(picks.values())) == 1:
-    return entry(picks["cpu"])(*operands)
-  return jax.lax.platform_dependent(*operands, default=entry(picks["rocm"]),
-                                    **{p: entry(name) for p, name in picks.items()})
+  return dispatch.staged(picks, entry, *operands)
 
 
 def cache_step(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, *, prefixes,

@@ -102,10 +102,11 @@ def _step_kernel(plan: seqmods.Plan, which: str, q, k, v, mask, leaves):
   mask_0, mods_0 = _step_terms(plan, 0, q, k, mask, leaves, plan.of_side(leaves, KV))
   call = registry.Call.of(q, k, v, None, mask_0, mods=mods_0, platform="cpu",
                           layout="ring_block")
-  picks = {platform: BLOCKS[name] for platform, name in dispatch.per_platform(call).items()}
+  picks = dispatch.per_platform(call)
   static = dict(scale=plan.scale, is_causal=False, block_q=plan.block(q.shape[1]),
                 block_k=plan.block(k.shape[1]))
-  def run(block):
+  def run(name):
+    block = BLOCKS[name]
     fn = lambda *arrays, mask, mods: getattr(block, which)(*arrays, mask=mask, mods=mods,
                                                           **static)
     return fn if block is CHUNKED else _unless_hidden(fn, which)  # chunked skips its own tiles
@@ -113,9 +114,8 @@ def _step_kernel(plan: seqmods.Plan, which: str, q, k, v, mask, leaves):
     return run(picks["cpu"])
 
   def staged(*arrays, mask, mods):
-    branches = {platform: (lambda *a, f=run(block): f(*a[:-2], mask=a[-2], mods=a[-1]))
-                for platform, block in picks.items()}
-    return lax.platform_dependent(*arrays, mask, mods, default=branches["rocm"], **branches)
+    branch = lambda name: lambda *a: run(name)(*a[:-2], mask=a[-2], mods=a[-1])
+    return dispatch.staged(picks, branch, *arrays, mask, mods)
   return staged
 
 
