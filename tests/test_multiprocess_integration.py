@@ -122,7 +122,8 @@ def test_encoder_decoder_on_two_processes_equals_one_device(dates_reference, tmp
 
 @pytest.mark.parametrize("processes, mesh", [
     (4, ("--config.mesh.data=2", "--config.mesh.seq=2", "--config.mesh.seq_strategy=ring")),
-    (2, ("--config.mesh.seq=4", "--config.mesh.seq_strategy=all_gather")),
+    pytest.param(2, ("--config.mesh.seq=4", "--config.mesh.seq_strategy=all_gather"),
+                 marks=pytest.mark.slow),  # all-gather on 8 devices: tests/parallel
     (2, ("--config.mesh.data=2", "--config.mesh.fsdp=2")),
 ], ids=["data_x_seq_ring", "seq_all_gather", "data_x_fsdp"])
 def test_lm_with_the_sequence_or_fsdp_across_processes(processes, mesh, lm_reference, tmp_path):
