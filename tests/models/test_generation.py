@@ -5,6 +5,8 @@ exhaustive search and static batching are in tests/models/test_generation_integr
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,3 +267,12 @@ def test_a_rotary_model_has_no_position_limit():
   assert decoding.position_limit(model) is None
   assert decoding.generate(model, params, (PROMPTS,), PROMPTS,
                            max_new_tokens=40).shape == (3, 40)
+
+
+def test_generate_says_what_its_context_is_and_why_an_lm_gets_its_prompts_twice():
+  """The context argument is explained where a user meets it: generate's docstring and the
+  inference tour."""
+  assert "the prompts go twice" in decoding.generate.__doc__
+  assert "(src,)" in decoding.generate.__doc__
+  tour = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "tour_inference.md").read_text()
+  assert "an LM gets its prompts twice" in " ".join(tour.split())
