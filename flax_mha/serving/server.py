@@ -119,7 +119,6 @@ class Server:
                                   prefill_chunk, page_size, batch_size, num_pages,
                                   math.ceil(max_length / page_size),
                                   2 * segment_steps + 2, cache_dtype)
-    self.segment_steps = segment_steps
     self.runner = runner_lib.Runner(self.plan, self.params,
                                     jax.random.key(0) if rng is None else rng, segment_steps)
     paged_only = all(isinstance(c, cache_lib.PagedKVCache) for c in self.runner.cache)
