@@ -5,11 +5,12 @@ the kernel that `flax_mha.dispatch` chooses for its `registry.Call` (layout "cac
 differ, as `dot_product_attention` stages its own. Past FEW_QUERIES queries (a prefill) the
 dispatch says "dense": the caller hands the keys to `dot_product_attention`.
 
-The kernels behind the names (ENTRIES): "xla", dense over the smallest power-of-two prefix of
-slots that holds every filled one (a `lax.switch` over static prefixes: the step costs what is
-filled, not the capacity); "decode", the decode kernel walking each row's key blocks (a
-contiguous cache's slots, or its pages) in place; "triton_decode", the Triton decode kernel
-(on 'cuda'), which reads a row's filled blocks or pages in place. `flax_mha.cache.explain`
+Each kernel owns its entry for each layout it takes (`registry.Kernel.entries`, read by
+`registry.entry`): "xla", dense over the smallest power-of-two prefix of slots that holds every
+filled one (a `lax.switch` over static prefixes: the step costs what is filled, not the
+capacity; `flax_mha.kernels.xla.cache_entry`); "decode", the decode kernel walking each row's
+key blocks (a contiguous cache's slots, or its pages) in place; "triton_decode", the Triton
+decode kernel (on 'cuda'), which reads a row's filled blocks or pages in place. `flax_mha.cache.explain`
 says which runs for a step, and why.
 
 An int8 cache (`flax_mha.quant`) comes with its scales (`kv_scales`): "decode" and
@@ -33,86 +34,10 @@ import jax.numpy as jnp
 from flax_mha import call_options
 from flax_mha import checks
 from flax_mha import dispatch
-from flax_mha import quant
 from flax_mha.attention import attention_head_major
 from flax_mha.kernels import decode
 from flax_mha.kernels import registry
 from flax_mha.kernels import triton_decode
-
-MIN_PREFIX = 256  # the "xla" step attends over the smallest of MIN_PREFIX·2^i slots
-
-
-def _prefixes(capacity: int) -> list[int]:
-  sizes, size = [], MIN_PREFIX
-  while size < capacity:
-    sizes.append(size)
-    size *= 2
-  return sizes + [capacity]
-
-
-def _xla_cache(query_BTHK, keys, values, kv_pos, *, q_positions, mask, options, prefixes,
-               kv_scales, **unused):
-  """The step dense over the smallest prefix of slots holding every filled one (a lax.switch
-  over static prefixes); without `prefixes` (a rolling cache with its chunk), over all. An
-  int8 cache's prefix is dequantized inside its branch, in the product's fusion: the branch
-  reads the filled prefix's int8 slots, never the capacity's."""
-  del unused  # the kernel, the mods and the scale of the other entries
-  capacity = keys.shape[2]
-
-  def over(size):
-    def prefix_attention(q, k, v, kv_pos, *scales):
-      k, v = k[:, :, :size], v[:, :, :size]
-      if scales:
-        k, v = (quant.dequantize(x, s[:, :, :size], q.dtype) for x, s in zip((k, v), scales))
-      return attention_head_major(q, k, v,
-                                  None if mask is None else mask[..., :size], is_causal=True,
-                                  q_positions=q_positions, kv_positions=kv_pos[:, :size],
-                                  **options)
-    return prefix_attention
-
-  sizes = _prefixes(capacity) if prefixes else [capacity]
-  operands = (query_BTHK, keys, values, kv_pos, *(kv_scales or ()))
-  if len(sizes) == 1:
-    return over(sizes[0])(*operands)
-  filled = jnp.max(jnp.where(kv_pos >= 0, jnp.arange(capacity) + 1, 0))
-  index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), filled), len(sizes) - 1)
-  return jax.lax.switch(index, [over(size) for size in sizes], *operands)
-
-
-def _triton_cache(query_BTHK, keys, values, kv_pos, *, mods, scale, kernel, kv_scales,
-                  **unused):
-  del kv_pos, unused  # the positions are the mods' Positions term
-  return kernel.cache_attention(query_BTHK, keys, values, mods, scale, kv_scales)
-
-
-def _decode_cache(query_BTHK, keys, values, kv_pos, *, mods, scale, kv_scales, **unused):
-  del kv_pos, unused  # the positions are the mods' Positions term
-  t, s, k_dim = query_BTHK.shape[1], keys.shape[2], query_BTHK.shape[-1]
-  cfg, cfg_bwd = decode.configs(scale, 0.0, t, s, k_dim, decode.BLOCK_K)
-  out, _ = decode.cache(query_BTHK, keys, values, mods, cfg, cfg_bwd, decode.SPLITS,
-                        kv_scales=kv_scales)
-  return out
-
-
-def _decode_paged(query, k_pages, v_pages, page_indices, lengths, *, mods, cfg, cfg_bwd,
-                  kv_scales, **unused):
-  del unused
-  return decode.paged(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd,
-                      decode.SPLITS, kv_scales=kv_scales)
-
-
-def _triton_paged(query, k_pages, v_pages, page_indices, lengths, *, mods, cfg, cfg_bwd,
-                  kernel, kv_scales, **unused):
-  del unused
-  return kernel.paged_attention(query, k_pages, v_pages, page_indices, lengths, mods, cfg,
-                                cfg_bwd, kv_scales)
-
-
-# (kernel name, layout) -> its entry: a new step kernel adds its line here.
-ENTRIES = {("xla", "cache"): _xla_cache, ("decode", "cache"): _decode_cache,
-           ("triton_decode", "cache"): _triton_cache, ("decode", "paged"): _decode_paged,
-           ("triton_decode", "paged"): _triton_paged}
-
 
 # While `explain` traces a step on shapes, the step's Calls are recorded here.
 _RECORDED = contextvars.ContextVar("flax_mha_steps_recorded", default=None)
@@ -150,9 +75,9 @@ def _run(call, kernel, picks, entry_args, operands, layout):
   take the call), staged per platform where the platforms' choices (`picks`) differ."""
   if kernel is not None:  # its platform is checked where it is traced and lowered
     triton_decode.require(kernel, triton_decode.options_reason(call))
-    return ENTRIES[kernel.name, layout](*operands, kernel=kernel, **entry_args)
-  entry = lambda name: functools.partial(ENTRIES[name, layout], kernel=triton_decode.KERNEL,
-                                         **entry_args)
+    return registry.entry(kernel.name, layout)(*operands, kernel=kernel, **entry_args)
+  entry = lambda name: functools.partial(registry.entry(name, layout),
+                                         kernel=triton_decode.KERNEL, **entry_args)
   return dispatch.staged(picks, entry, *operands)
 
 
@@ -170,12 +95,12 @@ def cache_step(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, q_positions_BT, *,
                           options)
   entry_args = dict(q_positions=q_positions_BT, mask=mask, options=options, prefixes=prefixes,
                     mods=mods, scale=checks.checked_scale(options.get("scale"), k_dim),
-                    kv_scales=kv_scales)
+                    kv_scales=kv_scales, head_major_attention=attention_head_major)
   operands = (query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS)
   if forced is not None:
     if registry.get(forced).refuses(call) is not None:
       return None
-    return ENTRIES[forced, "cache"](*operands, kernel=None, **entry_args)
+    return registry.entry(forced, "cache")(*operands, kernel=None, **entry_args)
   picks = None if kernel is not None else dispatch.per_platform(call)  # once per platform
   if picks is not None and picks["cpu"] == "dense":
     return None
@@ -209,7 +134,7 @@ def paged_step(query, k_pages, v_pages, page_indices, q_positions, kv_lengths, *
   if forced is not None:
     if registry.get(forced).refuses(call) is not None:
       return None
-    out, lse_BHT = ENTRIES[forced, "paged"](*operands, **entry_args)
+    out, lse_BHT = registry.entry(forced, "paged")(*operands, **entry_args)
   else:
     picks = None if kernel is not None else dispatch.per_platform(call)  # once per platform
     if picks is not None and picks["cpu"] == "dense":

@@ -439,4 +439,6 @@ attention = make_attention()
 KERNEL = registry.register(registry.Kernel(
     "chunked", attention, summary="online softmax in tiles with its own backward: memory linear "
     "in S, every option, the tiles its masks hide skipped",
-    layouts=("dense", "ring_block"), hints=dict(visited_fraction=visited_fraction)))
+    layouts=("dense", "ring_block"), hints=dict(visited_fraction=visited_fraction),
+    entries={"ring_block": registry.Block(chunked_forward, chunked_backward,
+                                          skips_hidden_tiles=True)}))

@@ -388,6 +388,25 @@ def refuses(call: registry.Call) -> str | None:
   return None
 
 
+def cache_entry(query_BTHK, keys, values, kv_pos, *, mods, scale, kv_scales, **unused):
+  """A KV cache's step (layout "cache"): the keys walked in place, block by block."""
+  del kv_pos, unused  # the positions are the mods' Positions term
+  t, s, k_dim = query_BTHK.shape[1], keys.shape[2], query_BTHK.shape[-1]
+  cfg, cfg_bwd = configs(scale, 0.0, t, s, k_dim, BLOCK_K)
+  out, _ = cache(query_BTHK, keys, values, mods, cfg, cfg_bwd, SPLITS,
+                        kv_scales=kv_scales)
+  return out
+
+
+def paged_entry(query, k_pages, v_pages, page_indices, lengths, *, mods, cfg, cfg_bwd,
+                  kv_scales, **unused):
+  """A step over each row's pages read in place (layout "paged")."""
+  del unused
+  return paged(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd,
+                      SPLITS, kv_scales=kv_scales)
+
+
 KERNEL = registry.register(registry.Kernel(
     "decode", attention, refuses, summary="a few queries over a long cache: keys split into "
-    "partitions merged by log-sum-exp", layouts=("dense", "cache", "paged")))
+    "partitions merged by log-sum-exp", layouts=("dense", "cache", "paged"),
+    entries={"cache": cache_entry, "paged": paged_entry}))

@@ -112,6 +112,22 @@ class Kernel:
   # values: "not_staged" the refusal of a staged kernel where it is not staged, and the CPU
   # rule's measures, e.g. rows' "band_keys"), so that the rule never imports a kernel.
   hints: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # layout -> the kernel's own entry for each layout but "dense" (whose entry is `attention`):
+  # "cache" and "paged" a step's function (`flax_mha.cache.steps` calls it), "ring_block" a
+  # `Block` (`flax_mha.parallel.ring`).
+  entries: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """A kernel's entry for one step of ring attention (layout "ring_block"): `forward` and
+  `backward` in the signatures of `chunked.chunked_forward` and `chunked.chunked_backward`,
+  `options_reason(call)` why it cannot take a step (None: it can), and whether it skips the
+  tiles the step's masks hide by itself (else the ring skips a hidden step whole)."""
+  forward: Callable
+  backward: Callable
+  options_reason: Callable = lambda call: None
+  skips_hidden_tiles: bool = False
 
 
 _KERNELS: dict[str, Kernel] = {}
@@ -146,6 +162,18 @@ def get(name: str) -> Kernel:
     return _KERNELS[name]
   except KeyError:
     raise KeyError(f"no implementation named {name!r}; registered: {names()}") from None
+
+
+def entry(name: str, layout: str):
+  """The entry of the kernel registered as `name` for `layout` ("dense": its `attention`)."""
+  kernel = get(name)
+  if layout == "dense":
+    return kernel.attention
+  try:
+    return kernel.entries[layout]
+  except KeyError:
+    raise KeyError(f"kernel {name!r} has no entry for the layout {layout!r}; it has "
+                   f"{sorted(kernel.entries)}") from None
 
 
 def refusals(call: Call) -> dict[str, str | None]:

@@ -278,4 +278,5 @@ KERNEL = registry.register(registry.Kernel(
     "flax_mha's flash attention on NVIDIA GPUs (Pallas Triton): masks, windows, lengths, "
     "positions, bias with its gradient, mask/score functions, GQA, K != V",
     layouts=("dense", "ring_block"), platform="cuda", staged=True,
-    hints=dict(not_staged=NOT_STAGED)))
+    hints=dict(not_staged=NOT_STAGED),
+    entries={"ring_block": registry.Block(*make_block(), options_reason)}))

@@ -358,8 +358,24 @@ def _dense(*args, **kwargs):
   raise ValueError(f"implementation='triton_decode' cannot run: {NOT_DENSE}")
 
 
+def cache_entry(query_BTHK, keys, values, kv_pos, *, mods, scale, kernel, kv_scales,
+                  **unused):
+  """A KV cache's step (layout "cache") with `kernel`, a `DecodeKernel` (compiled or
+  interpreted)."""
+  del kv_pos, unused  # the positions are the mods' Positions term
+  return kernel.cache_attention(query_BTHK, keys, values, mods, scale, kv_scales)
+
+
+def paged_entry(query, k_pages, v_pages, page_indices, lengths, *, mods, cfg, cfg_bwd,
+                  kernel, kv_scales, **unused):
+  """A step over each row's pages (layout "paged") with `kernel`, a `DecodeKernel`."""
+  del unused
+  return kernel.paged_attention(query, k_pages, v_pages, page_indices, lengths, mods, cfg,
+                                cfg_bwd, kv_scales)
+
+
 REGISTERED = registry.register(registry.Kernel(
     "triton_decode", _dense, refuses, "a KV cache's step on NVIDIA GPUs (Pallas Triton): "
     "each row's filled blocks or pages read in place, keys split and merged by lse",
     layouts=("cache", "paged"), platform="cuda", staged=True,
-    hints=dict(not_staged=NOT_STAGED)))
+    hints=dict(not_staged=NOT_STAGED), entries={"cache": cache_entry, "paged": paged_entry}))

@@ -24,6 +24,7 @@ from jax import lax
 from flax_mha.kernels import common
 from flax_mha.kernels import dropout
 from flax_mha import masks as masks_lib
+from flax_mha import quant
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import registry
 
@@ -168,6 +169,48 @@ def attention(query, key, value, bias, mask, *, is_causal, scale, dropout_rate, 
   return (out_BTHV, lse_BHT.transpose(0, 2, 1)) if return_residual else out_BTHV
 
 
+MIN_PREFIX = 256  # the "xla" step attends over the smallest of MIN_PREFIX·2^i slots
+
+
+def prefixes_of(capacity: int) -> list[int]:
+  sizes, size = [], MIN_PREFIX
+  while size < capacity:
+    sizes.append(size)
+    size *= 2
+  return sizes + [capacity]
+
+
+def cache_entry(query_BTHK, keys, values, kv_pos, *, q_positions, mask, options, prefixes,
+                kv_scales, head_major_attention, **unused):
+  """A KV cache's step (layout "cache"): dense over the smallest prefix of slots holding every
+  filled one (a lax.switch over static prefixes); without `prefixes` (a rolling cache with its
+  chunk), over all. An int8 cache's prefix is dequantized inside its branch, in the product's
+  fusion: the branch reads the filled prefix's int8 slots, never the capacity's.
+  `head_major_attention` is `flax_mha.attention.attention_head_major` (the entrance a layer
+  up, handed in), which builds the prefix's mods and runs this kernel."""
+  del unused  # the kernel, the mods and the scale of the other entries
+  capacity = keys.shape[2]
+
+  def over(size):
+    def prefix_attention(q, k, v, kv_pos, *scales):
+      k, v = k[:, :, :size], v[:, :, :size]
+      if scales:
+        k, v = (quant.dequantize(x, s[:, :, :size], q.dtype) for x, s in zip((k, v), scales))
+      return head_major_attention(q, k, v,
+                                  None if mask is None else mask[..., :size], is_causal=True,
+                                  q_positions=q_positions, kv_positions=kv_pos[:, :size],
+                                  **options)
+    return prefix_attention
+
+  sizes = prefixes_of(capacity) if prefixes else [capacity]
+  operands = (query_BTHK, keys, values, kv_pos, *(kv_scales or ()))
+  if len(sizes) == 1:
+    return over(sizes[0])(*operands)
+  filled = jnp.max(jnp.where(kv_pos >= 0, jnp.arange(capacity) + 1, 0))
+  index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes), filled), len(sizes) - 1)
+  return jax.lax.switch(index, [over(size) for size in sizes], *operands)
+
+
 KERNEL = registry.register(registry.Kernel(
     "xla", attention, summary="the same graph shaped for XLA: the fastest for small "
-    "T·S", layouts=("dense", "cache")))
+    "T·S", layouts=("dense", "cache"), entries={"cache": cache_entry}))

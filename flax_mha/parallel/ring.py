@@ -2,7 +2,8 @@
 
 One device's part, run inside `shard_map` by `flax_mha.parallel.seq_parallel`: it keeps its query
 shard and passes its key/value shard around the ring (`lax.ppermute` to the next device); at
-each of n steps it runs a step kernel (a `Block`) on the (query shard, visiting key shard) pair
+each of n steps it runs a step kernel (its `registry.Block`, the kernel's own entry for the
+layout "ring_block") on the (query shard, visiting key shard) pair
 and merges the partial result into its running output by log-sum-exp. The step kernel is the
 platform's, staged with `lax.platform_dependent`: on 'cuda' flax_mha's Triton kernel
 (`flax_mha.kernels.triton.make_block`) where it takes the step and may be staged (a process with
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,28 +40,9 @@ from flax_mha import dispatch
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import common
 from flax_mha.kernels import registry
-from flax_mha.parallel import seqmods
 from flax_mha.kernels import triton
-from flax_mha.kernels.chunked import chunked_backward, chunked_forward
+from flax_mha.parallel import seqmods
 from flax_mha.parallel.seqmods import HEADS, KV
-
-
-@dataclasses.dataclass(frozen=True)
-class Block:
-  """A ring step's kernel: `forward` and `backward` in the signatures of `chunked_forward` and
-  `chunked_backward`, and `options_reason(call)`: why it cannot take a step (None: it can)."""
-  name: str
-  forward: Callable
-  backward: Callable
-  options_reason: Callable = lambda call: None
-
-
-CHUNKED = Block("chunked", chunked_forward, chunked_backward)
-# The registered name -> its Block: `flax_mha.dispatch` chooses the name for each platform (the
-# layout "ring_block" of its STEP_PREFERENCE: the Triton kernel on 'cuda' where it takes the
-# step and is staged, chunked's tiles elsewhere). A new step kernel adds its line here.
-BLOCKS = {"chunked": CHUNKED, "triton": Block("triton", *triton.make_block(),
-                                              triton.options_reason)}
 
 
 def explain_step(query, key, value, mask=None, *, mods=None, platform: str = "cpu"):
@@ -106,10 +87,10 @@ def _step_kernel(plan: seqmods.Plan, which: str, q, k, v, mask, leaves):
   static = dict(scale=plan.scale, is_causal=False, block_q=plan.block(q.shape[1]),
                 block_k=plan.block(k.shape[1]))
   def run(name):
-    block = BLOCKS[name]
+    block = registry.entry(name, "ring_block")  # the kernel's `registry.Block`
     fn = lambda *arrays, mask, mods: getattr(block, which)(*arrays, mask=mask, mods=mods,
                                                           **static)
-    return fn if block is CHUNKED else _unless_hidden(fn, which)  # chunked skips its own tiles
+    return fn if block.skips_hidden_tiles else _unless_hidden(fn, which)
   if len(set(picks.values())) == 1:
     return run(picks["cpu"])
 

@@ -42,6 +42,19 @@ def test_the_step_kernels_are_registered_by_layout():
     flax_mha.dot_product_attention(*(jnp.ones((B, 8, H, K)),) * 3, implementation="triton_decode")
 
 
+def test_each_kernel_owns_its_entry_for_each_layout_it_takes():
+  """Every kernel that declares a layout but "dense" carries its own entry for it (what the
+  steps and the ring call), and nothing else does; an entry missing is named."""
+  for name in registry.names("cache") + registry.names("paged") + registry.names("ring_block"):
+    kernel = registry.get(name)
+    assert set(kernel.entries) == set(kernel.layouts) - {"dense"}, name
+    assert all(registry.entry(name, layout) is kernel.entries[layout]
+               for layout in kernel.entries)
+  assert registry.entry("xla", "dense") is registry.get("xla").attention
+  with pytest.raises(KeyError, match="kernel 'rows' has no entry for the layout 'cache'"):
+    registry.entry("rows", "cache")
+
+
 @pytest.mark.parametrize("kind, on_cpu", [("contiguous", "xla"), ("rolling", "xla"),
                                           ("paged", "decode")])
 def test_explain_names_the_step_kernel_per_platform(kind, on_cpu):

@@ -34,25 +34,24 @@ def _counted(fn):
   return run
 
 
-INTERPRETED = ring_lib.Block("triton_interpreted",
-                             *map(_counted, triton.make_block(interpret=True)),
+INTERPRETED = registry.Block(*map(_counted, triton.make_block(interpret=True)),
                              triton.options_reason)
 
 
 def use_interpreted_blocks():
   """The interpreted Triton Block as the CPU's first choice for a ring step, added as any new
-  step kernel is: its registration, its Block, its place in the dispatch's preference."""
+  step kernel is: its registration with its entry, its place in the dispatch's preference."""
   registry.register(registry.Kernel("triton_interpreted", triton.attention,
                                     triton.options_reason, "the Triton kernel, interpreted",
-                                    layouts=("ring_block",)))
-  ring_lib.BLOCKS["triton_interpreted"] = INTERPRETED
+                                    layouts=("ring_block",),
+                                    entries={"ring_block": INTERPRETED}))
   dispatch.STEP_PREFERENCE["ring_block"]["cpu"] = ("triton_interpreted", "chunked")
   said = ring_lib.explain_step(*(jax.ShapeDtypeStruct((B, 8, H, 16), jnp.float32),) * 3)
   assert said.implementation == "triton_interpreted", said
 
 
 def restore_blocks():
-  del dispatch.STEP_PREFERENCE["ring_block"]["cpu"], ring_lib.BLOCKS["triton_interpreted"]
+  del dispatch.STEP_PREFERENCE["ring_block"]["cpu"]
   registry.unregister("triton_interpreted")
 SEG = np.repeat(np.arange(3), [5, 9, 2])[None].repeat(B, 0)  # three documents in 16 tokens
 CASES = {  # name -> (T, S, G, options)
