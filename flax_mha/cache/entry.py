@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from flax_mha import dispatch
+from flax_mha import quant
 from flax_mha.attention import dot_product_attention
 from flax_mha.cache import kv
 from flax_mha.cache import paged
-from flax_mha import quant
 from flax_mha.cache import steps
 from flax_mha.kernels import triton_decode
 
