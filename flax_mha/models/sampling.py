@@ -41,16 +41,56 @@ class Sampling:
 
   def restrict(self, logits_BC):
     """The logits the draw sees: scaled, and -inf outside the top-k / top-p set."""
-    logits_BC = logits_BC / self.temperature
-    if self.top_k is not None:
-      kth = jax.lax.top_k(logits_BC, min(self.top_k, logits_BC.shape[-1]))[0][:, -1:]
-      logits_BC = jnp.where(logits_BC < kth, -jnp.inf, logits_BC)
-    if self.top_p is not None:
-      order = jnp.argsort(-logits_BC, axis=-1)
-      probs = jax.nn.softmax(jnp.take_along_axis(logits_BC, order, axis=-1), axis=-1)
-      before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-      cut_sorted = before >= self.top_p  # the most likely token always stays
-      cut = jnp.zeros_like(cut_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(
-          cut_sorted)
-      logits_BC = jnp.where(cut, -jnp.inf, logits_BC)
-    return logits_BC
+    b = logits_BC.shape[0]
+    return restrict_rows(logits_BC, jnp.full((b,), self.temperature, jnp.float32),
+                         jnp.full((b,), self.top_k or 0, jnp.int32),
+                         jnp.full((b,), 1.0 if self.top_p is None else self.top_p, jnp.float32))
+
+  @property
+  def row_params(self) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) as `draw_rows` takes them (0: no top-k; 1: no top-p)."""
+    return (self.temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p)
+
+
+def row_params(sampler) -> tuple[float, int, float]:
+  """A `Greedy` or `Sampling` as the per-row (temperature, top_k, top_p) of `draw_rows`
+  (temperature 0: greedy). Raises TypeError for anything else."""
+  if isinstance(sampler, Greedy):
+    return (0.0, 0, 1.0)
+  if isinstance(sampler, Sampling):
+    return sampler.row_params
+  raise TypeError(f"sampler must be a Greedy() or a Sampling(...), got {type(sampler).__name__}")
+
+
+def restrict_rows(logits_BC, temperature_B, top_k_B, top_p_B):
+  """Each row's logits scaled by its temperature (> 0), -inf below its top_k-th largest (0:
+  none; ties at the k-th kept) and outside the smallest set whose probability, renormalised
+  after top-k, reaches its top_p (1: none; the most likely token always stays)."""
+  logits_BC = logits_BC / temperature_B[:, None]
+  c = logits_BC.shape[-1]
+  order = jnp.argsort(-logits_BC, axis=-1)
+  sorted_BC = jnp.take_along_axis(logits_BC, order, axis=-1)
+  kth = jnp.take_along_axis(sorted_BC, jnp.clip(top_k_B - 1, 0, c - 1)[:, None], axis=-1)
+  kth = jnp.where(top_k_B[:, None] > 0, kth, -jnp.inf)
+  logits_BC = jnp.where(logits_BC < kth, -jnp.inf, logits_BC)
+  sorted_BC = jnp.where(sorted_BC < kth, -jnp.inf, sorted_BC)
+  probs = jax.nn.softmax(sorted_BC, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+  cut_sorted = (before >= top_p_B[:, None]) & (top_p_B[:, None] < 1)
+  cut = jnp.zeros_like(cut_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(cut_sorted)
+  return jnp.where(cut, -jnp.inf, logits_BC)
+
+
+def draw_rows(logits_BC, keys_B, temperature_B, top_k_B, top_p_B):
+  """A token per row [B]: the most likely where temperature_B is 0, else drawn with that row's
+  key from `restrict_rows`' logits (computed only when some row samples)."""
+  greedy = jnp.argmax(logits_BC, axis=-1).astype(jnp.int32)
+  sampling = temperature_B > 0
+
+  def draw():
+    restricted = restrict_rows(logits_BC, jnp.where(sampling, temperature_B, 1.0), top_k_B,
+                               top_p_B)
+    return jax.vmap(jax.random.categorical)(keys_B, restricted).astype(jnp.int32)
+
+  drawn = jax.lax.cond(sampling.any(), draw, lambda: greedy)
+  return jnp.where(sampling, drawn, greedy)

@@ -16,8 +16,9 @@ give out, or a prefix to share). Between runs the host reads the small state bac
 table, the free stack, the tokens of the run) and writes the next requests in; the pool stays on
 the device (donated from run to run).
 
-Token t of request r is drawn with the key fold_in(fold_in(rng, r), t): what a request gets
-does not depend on which row it ran in or when. Shapes: B rows, n table entries per row, P
+Each row samples by its request's own parameters (temperature 0: greedy). Token t of request
+r is drawn with the key fold_in(fold_in(rng, r), t), or fold_in(key(seed), t) for a request
+with its own seed: what a request gets does not depend on which row it ran in or when. Shapes: B rows, n table entries per row, P
 pages, W prompt room per row, O output buffer per row, C vocabulary.
 """
 
@@ -32,13 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_mha import cache as cache_lib
+from flax_mha.models import sampling
+
+# The rows' sampling parameters (`flax_mha.models.sampling.draw_rows`; temperature 0: greedy).
+SAMPLING = ("temperature", "top_k", "top_p")
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The static facts of a serving program."""
   model: Any
-  sampler: Any
   stop_tokens: tuple
   chunk: int  # prompt tokens a prefill step feeds
   page_size: int
@@ -73,6 +77,9 @@ def rows_state(plan: Plan) -> dict:
               req=np.full((b,), -1, np.int32), prompt=np.zeros((b, plan.prompt_width), np.int32),
               plen=rows(), limit=rows(), keep=rows(), fed=rows(), length=rows(), gen=rows(),
               token=rows(), out=np.zeros((b, plan.out_width), np.int32), count=rows(),
+              temperature=np.zeros((b,), np.float32), top_k=rows(),
+              top_p=np.ones((b,), np.float32), seed=np.full((b,), -1, np.int32),
+              stops=np.ones((b,), bool),
               step=np.int32(0), peak=np.zeros((3,), np.int32), trips=np.int32(0),
               finished=np.bool_(False), prefilled=np.bool_(False))
 
@@ -139,7 +146,7 @@ def _emit(s, rows_B, tokens_B, stop, page: int):
   b = s["req"].shape[0]
   out = s["out"].at[jnp.where(rows_B, jnp.arange(b), b), s["count"]].set(tokens_B, mode="drop")
   gen = s["gen"] + rows_B
-  done = rows_B & ((gen >= s["limit"]) | jnp.isin(tokens_B, stop))
+  done = rows_B & ((gen >= s["limit"]) | (jnp.isin(tokens_B, stop) & s["stops"]))
   s = dict(s, out=out, gen=gen, count=s["count"] + rows_B,
            token=jnp.where(rows_B, tokens_B, s["token"]))
   s = _push_pages(s, _own(s, page, s["length"]) & done[:, None])
@@ -151,8 +158,16 @@ def _reading(s):
   return (s["req"] >= 0) & (s["fed"] < s["plen"])
 
 
-def _key(rng, req, gen):
-  return jax.random.fold_in(jax.random.fold_in(rng, req), gen)
+def _draw(s, rows_B, logits_BC, rng):
+  """Each row's next token by its own sampling parameters: for token t of request r, the key
+  fold_in(fold_in(rng, r), t), or fold_in(key(seed), t) for a request with a seed."""
+  def key(req, seed, gen):
+    own = jax.random.key_data(jax.random.fold_in(jax.random.key(jnp.maximum(seed, 0)), gen))
+    shared = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(rng, req), gen))
+    return jax.random.wrap_key_data(jnp.where(seed >= 0, own, shared))
+
+  keys = jax.vmap(key)(s["req"][rows_B], s["seed"][rows_B], s["gen"][rows_B])
+  return sampling.draw_rows(logits_BC, keys, *(s[k][rows_B] for k in SAMPLING))
 
 
 def _prefill(plan, params, s, stop, rng):
@@ -182,7 +197,7 @@ def _prefill(plan, params, s, stop, rng):
                                _with_table(s["cache"], s["table"]))
   s = dict(s, cache=cache, fed=s["fed"] + count * is_row, length=s["length"] + count * is_row)
   s = _note_peak(s, plan.page_size)
-  first = plan.sampler(last, _key(rng, s["req"][row], 0))[0]
+  first = _draw(s, row[None], last, rng)[0]
   read = is_row & (s["fed"] >= s["plen"])
   s = dict(s, prefilled=s["prefilled"] | read.any())
   return _emit(s, read, jnp.full_like(s["token"], first), stop, plan.page_size)
@@ -199,8 +214,7 @@ def _decode(plan, params, s, stop, rng):
                                    method="logits")
   s = dict(s, cache=cache, length=s["length"] + writing, step=s["step"] + 1)
   s = _note_peak(s, plan.page_size)
-  keys = jax.vmap(functools.partial(_key, rng))(s["req"], s["gen"])
-  new = jax.vmap(lambda logits_C, key: plan.sampler(logits_C[None], key)[0])(logits[:, 0], keys)
+  new = _draw(s, jnp.arange(s["req"].shape[0]), logits[:, 0], rng)
   return _emit(s, writing, new, stop, plan.page_size)
 
 

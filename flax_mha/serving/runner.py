@@ -38,6 +38,10 @@ class Runner:
     b, request, admission = start.row, start.request, start.admission
     n = len(request.prompt)
     s["req"][b], s["plen"][b], s["limit"][b] = request.id, n, request.max_new_tokens
+    for name, value in zip(loop.SAMPLING, request.sampling):
+      s[name][b] = value
+    s["seed"][b] = -1 if request.seed is None else request.seed
+    s["stops"][b] = request.stops
     s["prompt"][b] = 0
     s["prompt"][b, :n] = request.prompt
     s["keep"][b], s["fed"][b], s["length"][b], s["gen"][b] = (admission.keep, admission.start,

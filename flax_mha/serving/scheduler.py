@@ -18,10 +18,15 @@ from flax_mha.serving import page_pool
 class Request:
   """One request: its prompt and limit, the tokens made so far (`tokens`, growing), its `state`
   ("waiting", "running", "done", "cancelled"), and when it was submitted and when each token
-  reached the host (time.perf_counter seconds)."""
+  reached the host (time.perf_counter seconds). `sampling`: its (temperature, top_k, top_p) as
+  `flax_mha.models.sampling.draw_rows` takes them; `seed`: its own draws' seed (None: the
+  server's); `stops`: whether the server's stop tokens end it."""
   id: int
   prompt: np.ndarray
   max_new_tokens: int
+  sampling: tuple = (0.0, 0, 1.0)
+  seed: int | None = None
+  stops: bool = True
   tokens: list = dataclasses.field(default_factory=list)
   state: str = "waiting"
   submitted_at: float = 0.0

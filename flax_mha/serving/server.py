@@ -59,6 +59,7 @@ import numpy as np
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.models import decoding
+from flax_mha.models import sampling as sampling_lib
 from flax_mha.serving import loop as serving_loop
 from flax_mha.serving import page_pool
 from flax_mha.serving import runner as runner_lib
@@ -98,8 +99,10 @@ class Server:
   tokens (prompt and new), rounded up to whole pages (`self.max_length` is the rounded value,
   what `submit` takes); prefill_chunk: the most prompt tokens one trip feeds;
   segment_steps: trips between two looks of the host. Greedy tokens equal
-  `decoding.generate`'s; a sampler draws token t of request r with fold_in(fold_in(rng, r), t).
-  cache_dtype: the pool's dtype (None: the model's; jnp.int8 where the model's caches take it).
+  `decoding.generate`'s. sampler: `Greedy()` or `Sampling(...)`, the requests' default (each may
+  bring its own); token t of request r is drawn with fold_in(fold_in(rng, r), t), or
+  fold_in(key(seed), t) for a request with its own seed. cache_dtype: the pool's dtype (None:
+  the model's; jnp.int8 where the model's caches take it).
   """
 
   def __init__(self, model, params, *, batch_size: int, page_size: int, num_pages: int,
@@ -112,10 +115,11 @@ class Server:
       checks.check_int(name, value)
     if not isinstance(prefix_caching, bool):
       raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+    self.sampling = sampling_lib.row_params(sampler)
     self.model, self.params = decoding.decodable(model, params)
     self.vocab_size = decoding.vocabulary(self.model, self.params, "init_paged_cache",
                                           static=(1, 1, 1, 1))
-    self.plan = serving_loop.Plan(self.model, sampler, tuple(int(t) for t in stop_tokens),
+    self.plan = serving_loop.Plan(self.model, tuple(int(t) for t in stop_tokens),
                                   prefill_chunk, page_size, batch_size, num_pages,
                                   math.ceil(max_length / page_size),
                                   2 * segment_steps + 2, cache_dtype)
@@ -129,6 +133,7 @@ class Server:
     self._thread, self._stopping, self._error = None, False, None
     self._stepper = threading.Lock()  # one run of the loop at a time: it donates the pool
     self._steps, self._loop_seconds = 0, 0.0  # runs finished; seconds spent in them
+    self._listeners = []
 
   @property
   def max_length(self) -> int:
@@ -138,10 +143,19 @@ class Server:
 
   # The caller's side.
 
-  def submit(self, prompt, max_new_tokens: int) -> Request:
-    """Queue a request (any time, from any thread); returns its handle."""
+  def submit(self, prompt, max_new_tokens: int, *, sampler=None, seed: int | None = None,
+             ignore_stop_tokens: bool = False) -> Request:
+    """Queue a request (any time, from any thread); returns its handle. sampler: its own
+    `Greedy()` or `Sampling(...)` (None: the server's); seed: its draws' own seed, an int in
+    [0, 2**31) (None: the server's rng); ignore_stop_tokens: run to max_new_tokens."""
     prompt = check_prompts([prompt], self.vocab_size)[0]
     max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens)
+    row_sampling = self.sampling if sampler is None else sampling_lib.row_params(sampler)
+    if seed is not None and not (isinstance(seed, numbers.Integral) and 0 <= seed < 2**31):
+      raise ValueError(f"seed must be None or an int in [0, 2**31), got {seed!r}")
+    if not isinstance(ignore_stop_tokens, bool):
+      raise TypeError("ignore_stop_tokens must be a bool, got "
+                      f"{type(ignore_stop_tokens).__name__}")
     decoding.check_positions(self.model, len(prompt), max_new_tokens)
     total = len(prompt) + max_new_tokens
     if total > self.max_length:
@@ -152,7 +166,9 @@ class Server:
       raise ValueError(f"a request of {total} tokens needs {self.pool.pages_for(total)} pages; "
                        f"the pool has num_pages={self.pool.num_pages}")
     with self._cond:
-      request = Request(self._next_id, prompt, max_new_tokens, submitted_at=time.perf_counter())
+      request = Request(self._next_id, prompt, max_new_tokens, row_sampling,
+                        None if seed is None else int(seed), not ignore_stop_tokens,
+                        submitted_at=time.perf_counter())
       self._next_id += 1
       self.scheduler.queue(request)
       self._cond.notify_all()
@@ -163,6 +179,23 @@ class Server:
     with self._cond:
       self.scheduler.cancel(request)
       self._cond.notify_all()
+    self._tell()
+
+  def progress(self, request: Request, sent: int) -> tuple[list[int], bool]:
+    """(the tokens of `request` past its first `sent`, whether it has finished), read under the
+    lock: for a reader that waits by its own means (an event loop told by `add_listener`)."""
+    with self._cond:
+      self._raise()
+      return request.tokens[sent:], request.finished
+
+  def add_listener(self, listener) -> None:
+    """Call listener() after each run of the loop and each cancel (on the thread that did it,
+    outside the lock; it must not block): a reader elsewhere looks at its requests then."""
+    self._listeners.append(listener)
+
+  def _tell(self) -> None:
+    for listener in self._listeners:
+      listener()
 
   def stream(self, request: Request):
     """The tokens of `request` as they are made (a generator; without the server's own thread
@@ -248,6 +281,7 @@ class Server:
       with self._cond:
         self._error = error
         self._cond.notify_all()
+      self._tell()
 
   def _raise(self) -> None:
     if self._error is not None:
@@ -296,6 +330,7 @@ class Server:
       with self._cond:
         self._steps += 1
         self._cond.notify_all()
+      self._tell()
 
 
 def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size: int,
