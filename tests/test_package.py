@@ -36,7 +36,8 @@ def test_the_dependencies_are_what_the_library_imports():
   """pyproject's [project] dependencies name jax, jaxlib and flax, and flax_mha imports nothing
   else outside the standard library (numpy comes with jax; jaxlib is what jax runs on), but for
   the Hugging Face loader, which imports its own extra. Optax, ml_collections and chex are the
-  experiments' and the tests' (their extras)."""
+  experiments' and the tests' (their extras). The HTTP server (flax_mha/serving/http/) imports
+  its own extra, `http`."""
   project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
   declared = {re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in project["dependencies"]}
   assert declared == {"jax", "jaxlib", "flax"}, declared
@@ -44,6 +45,8 @@ def test_the_dependencies_are_what_the_library_imports():
   hf_extra = {re.match(r"[A-Za-z0-9_.-]+", d).group(0)
               for d in project["optional-dependencies"]["hf"]}
   assert hf_extra == {"safetensors", "tokenizers"}, hf_extra
+  http_extra = {re.match(r"[A-Za-z0-9_.-]+", d).group(0).replace("-", "_")
+                for d in project["optional-dependencies"]["http"]}
   everything = set()
   for path in (ROOT / "flax_mha").rglob("*.py"):
     imported = set()
@@ -54,9 +57,10 @@ def test_the_dependencies_are_what_the_library_imports():
         imported.add(node.module.split(".")[0])
     third_party = imported - set(sys.stdlib_module_names) - {"flax_mha"}
     allowed = {"jax", "flax", "numpy"} | (hf_extra if path.name == "hf.py" else set())
+    allowed |= http_extra if path.parent.name == "http" else set()
     assert third_party <= allowed, (path, third_party - allowed)
     everything |= third_party
-  assert everything == {"jax", "flax", "numpy"} | hf_extra, everything
+  assert everything == {"jax", "flax", "numpy"} | hf_extra | http_extra, everything
 
 
 @pytest.mark.parametrize("module, absent", [
@@ -64,6 +68,9 @@ def test_the_dependencies_are_what_the_library_imports():
     ("flax_mha.models.hf_config", ("flax", "flax_mha.models.lm", "flax_mha.nn.linen")),
     # flax.nnx itself loads flax.linen; the NNX LM loads none of flax_mha's linen modules.
     ("flax_mha.models.lm_nnx", ("flax_mha.models.lm", "flax_mha.nn.linen")),
+    # The HTTP server's extra loads with the server alone, not with serving.
+    ("flax_mha.serving", ("fastapi", "uvicorn", "jinja2", "prometheus_client",
+                          "flax_mha.serving.http")),
 ])
 def test_the_config_and_the_nnx_model_load_no_linen_model(module, absent):
   """In a fresh interpreter: a config reader loads no flax at all, the NNX LM none of the

@@ -188,6 +188,17 @@ class Server:
       self._raise()
       return request.tokens[sent:], request.finished
 
+  def snapshot(self) -> dict:
+    """The server's state now, read under the lock: requests waiting and running, pages free
+    (on the free stack), pages held by prefix entries, tokens made, prompt tokens taken from
+    shared pages."""
+    with self._cond:
+      return dict(waiting=len(self.scheduler.waiting),
+                  running=sum(r is not None for r in self.scheduler.rows),
+                  free_pages=int(self.pool.n_free), cached_pages=self.pool.cached_pages,
+                  new_tokens=self.scheduler.new_tokens,
+                  shared_tokens=self.scheduler.shared_tokens)
+
   def add_listener(self, listener) -> None:
     """Call listener() after each run of the loop and each cancel (on the thread that did it,
     outside the lock; it must not block): a reader elsewhere looks at its requests then."""
