@@ -244,6 +244,7 @@ def test_a_bounded_burst_is_answered_or_refused_by_name_and_leaks_nothing(server
 def test_a_signal_drains_then_exits_zero(checkpoint, sig):
   """Admissions stop (503) at once; the stream in flight ends whole ([DONE]); exit status 0."""
   with launch.Launched(["--checkpoint", str(checkpoint[0]), *FLAGS]) as running:
+    assert httpx.get(running.url + "/health").status_code == 200  # it listens once it says so
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0,
             "stream": True, "ignore_eos": True}
     lines, first = [], threading.Event()

@@ -45,6 +45,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
   add("--max-length", type=int, default=2048,
       help="the longest request, prompt and new tokens (capped at the model's positions)")
   add("--num-pages", type=int, help="pages in the pool (default: every row at --max-length)")
+  add("--segment-steps", type=int, default=server_lib.SEGMENT_STEPS,
+      help="loop trips between two looks of the host: fewer stream tokens in smaller pieces "
+      "and admit sooner, more run longer between host syncs")
   add("--max-waiting", type=int, default=256, help="requests waiting before 429")
   add("--grace", type=float, default=30.0, help="seconds a shutdown waits for requests")
   add("--max-body-bytes", type=int, default=1 << 20, help="the largest request body")
@@ -61,7 +64,8 @@ def build_server(served: Served, args) -> server_lib.Server:
   return server_lib.Server(served.model, served.params, batch_size=args.batch_size,
                            page_size=args.page_size,
                            num_pages=args.num_pages or args.batch_size * pages_per_row,
-                           max_length=max_length, stop_tokens=served.stop_tokens)
+                           max_length=max_length, stop_tokens=served.stop_tokens,
+                           segment_steps=args.segment_steps)
 
 
 def serve(served: Served, args) -> None:
@@ -83,10 +87,9 @@ def serve(served: Served, args) -> None:
   key = "an API key" if args.api_key else "no API key"
   print(f"serving {served.name!r} on {host} ({where}), {key}; max_length "
         f"{server.max_length}, {args.batch_size} rows", flush=True)
-  print(f"listening on http://{host}:{port}", flush=True)
   config = uvicorn.Config(app, log_level="warning", access_log=False,
                           timeout_graceful_shutdown=max(int(args.grace), 1))
-  Draining(config, engine, args.grace).run(sockets=[sock])
+  Draining(config, engine, args.grace, f"http://{host}:{port}").run(sockets=[sock])
   print("stopped", flush=True)
 
 
@@ -94,13 +97,18 @@ class Draining(uvicorn.Server):
   """uvicorn, whose first SIGTERM or SIGINT drains (new requests 503, the others finish within
   `grace` seconds) before it stops, and exits 0; a second signal stops now."""
 
-  def __init__(self, config, engine: Engine, grace: float):
+  def __init__(self, config, engine: Engine, grace: float, url: str):
     super().__init__(config)
-    self.engine, self.grace, self.loop = engine, grace, None
+    self.engine, self.grace, self.url, self.loop = engine, grace, url, None
 
   async def serve(self, sockets=None):
     self.loop = asyncio.get_running_loop()
     await super().serve(sockets)
+
+  async def startup(self, sockets=None):
+    await super().startup(sockets)
+    if not self.should_exit:
+      print(f"listening on {self.url}", flush=True)  # accepting now: a client may connect
 
   def handle_exit(self, sig, frame):
     del frame
