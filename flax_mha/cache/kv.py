@@ -78,22 +78,25 @@ class KVCache:
   @classmethod
   def create(cls, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int,
              v_head_dim: int | None = None, dtype=jnp.float32, *, window: int | None = None,
-             sink_tokens: int = 0) -> "KVCache":
+             sink_tokens: int = 0, rollback: int = 0) -> "KVCache":
     """An empty cache. With `window` (a local layer's keys back), a rolling cache of
-    sink_tokens + window slots whatever `capacity` says, when that is smaller. `dtype`: a
-    floating dtype, or jnp.int8 (quantized on write, with float32 scales [B, G, C])."""
+    sink_tokens + window + rollback slots whatever `capacity` says, when that is smaller: the
+    `rollback` extra slots keep the tokens a `rollback` of that many tokens needs (speculative
+    decoding), which a window alone would have overwritten. `dtype`: a floating dtype, or
+    jnp.int8 (quantized on write, with float32 scales [B, G, C])."""
     for name, value in (("batch_size", batch_size), ("capacity", capacity),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
       checks.check_int(name, value)
     dtype = quant.check_cache_dtype(dtype)
     v_head_dim = head_dim if v_head_dim is None else checks.check_int("v_head_dim", v_head_dim)
     checks.check_int("sink_tokens", sink_tokens, lowest=0)
+    checks.check_int("rollback", rollback, lowest=0)
     if window is not None:
       checks.check_int("window", window, lowest=0)
-      if sink_tokens + window >= capacity:
+      if sink_tokens + window + rollback >= capacity:
         window = None  # the whole sequence fits: a full cache is the same and simpler
       else:
-        capacity = sink_tokens + window
+        capacity = sink_tokens + window + rollback
     elif sink_tokens:
       raise ValueError(f"sink_tokens={sink_tokens} keeps tokens beyond a window: it needs "
                        "window")
@@ -153,6 +156,15 @@ class KVCache:
     return dataclasses.replace(self, positions=jnp.where(rows_B[:, None], -1, self.positions),
                                length=jnp.where(rows_B, 0, self.length))
 
+  def rollback(self, length_B) -> "KVCache":
+    """Each row cut back to its first length_B [B] tokens: the slots of later positions
+    emptied (what attention reads is then what a cache that never saw them holds). A rolling
+    cache keeps what the window needs only for rollbacks within its `rollback` extra slots."""
+    length_B = jnp.minimum(jnp.asarray(length_B, jnp.int32), self.length)
+    return dataclasses.replace(
+        self, positions=jnp.where(self.positions >= length_B[:, None], -1, self.positions),
+        length=length_B)
+
 
 def next_positions(cache, num_tokens: int):
   """[B, T] positions of the next `num_tokens` tokens of each row. More than a full or paged
@@ -171,10 +183,11 @@ def _slots(cache: KVCache, positions_BT):
   valid = positions_BT >= 0
   if cache.window is None:
     return jnp.where(valid, positions_BT, c)
-  n, w = cache.sink_tokens, cache.window
+  n = cache.sink_tokens
+  m = c - n  # the slots the window shares: the window and a rollback's extra slots
   last = jnp.max(positions_BT, axis=1, keepdims=True)
-  kept = valid & ((positions_BT < n) | (positions_BT > last - w))
-  slot = jnp.where(positions_BT < n, positions_BT, n + (positions_BT - n) % max(w, 1))
+  kept = valid & ((positions_BT < n) | (positions_BT > last - m))
+  slot = jnp.where(positions_BT < n, positions_BT, n + (positions_BT - n) % max(m, 1))
   return jnp.where(kept, slot, c)
 
 

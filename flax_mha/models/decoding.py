@@ -193,14 +193,22 @@ def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_to
   """
   model, params = decodable(model, params)
   context, prompts, prompt_lengths = as_token_arrays(context, prompts, prompt_lengths)
-  prompts, prompt_lengths = _check(prompts, prompt_lengths, max_new_tokens)
-  _check_ids(model, params, context, prompts, prompt_lengths, max_new_tokens)
+  prompts, prompt_lengths = check_generation(model, params, context, prompts, prompt_lengths,
+                                             max_new_tokens)
   if isinstance(sampler, Sampling) and rng is None:
     raise ValueError("sampling needs rng (a jax.random.key): the same key gives the same tokens")
   rng = jax.random.key(0) if rng is None else rng
   return _generate(model, params, tuple(context), prompts, prompt_lengths, rng,
                    max_new_tokens, sampler, tuple(stop_tokens), pad_id,
-                   _check_cache_dtype(cache_dtype))
+                   check_cache_dtype(cache_dtype))
+
+
+def check_generation(model, params, context, prompts, prompt_lengths, max_new_tokens):
+  """(prompts, prompt_lengths) as int32 arrays, after `generate`'s checks of their shapes,
+  lengths, ids and positions (see `generate`)."""
+  prompts, prompt_lengths = _check(prompts, prompt_lengths, max_new_tokens)
+  _check_ids(model, params, context, prompts, prompt_lengths, max_new_tokens)
+  return prompts, prompt_lengths
 
 
 def _check(prompts, prompt_lengths, max_new_tokens):
@@ -220,7 +228,7 @@ def _check(prompts, prompt_lengths, max_new_tokens):
   return jnp.asarray(prompts, jnp.int32), lengths.astype(jnp.int32)
 
 
-def _check_cache_dtype(cache_dtype):
+def check_cache_dtype(cache_dtype):
   """None, or the dtype of a KV cache (floating or int8: `flax_mha.quant`), hashable."""
   if cache_dtype is None:
     return None
@@ -292,7 +300,7 @@ def stream(model, params, context, prompt, *, max_new_tokens: int, sampler=Greed
   _check_ids(model, params, context, prompt, lengths, max_new_tokens)
   rng = jax.random.key(0) if rng is None else rng
   cache, logits = _jitted_prefill(model, params, tuple(context), prompt, lengths, max_new_tokens,
-                                  _check_cache_dtype(cache_dtype))
+                                  check_cache_dtype(cache_dtype))
   for n in range(max_new_tokens):
     token = int(sampler(logits, jax.random.fold_in(rng, n))[0])
     yield token
@@ -331,7 +339,7 @@ def generate_beam(model, params, context, prompts, prompt_lengths=None, *,
   checks.check_int("beam_size", beam_size)
   return _beam(model, params, tuple(context), prompts, prompt_lengths, max_new_tokens,
                beam_size, float(alpha), tuple(stop_tokens), pad_id,
-               _check_cache_dtype(cache_dtype))[0]
+               check_cache_dtype(cache_dtype))[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10))

@@ -34,10 +34,11 @@ class Decodable:
       positions = cache_lib.next_positions(cache[0], tokens.shape[1])
     return self(tokens, None, positions, cache=cache)
 
-  def init_cache(self, tokens, max_length: int, dtype=None):
+  def init_cache(self, tokens, max_length: int, dtype=None, rollback: int = 0):
     """Empty caches, one per layer, for a batch like `tokens` [B, ...] and sequences of up to
-    `max_length` tokens (a local layer's cache keeps only its window and sink tokens)."""
-    return kv_caches(self.config, tokens.shape[0], max_length, dtype)
+    `max_length` tokens (a local layer's cache keeps only its window and sink tokens, and
+    `rollback` slots more: what a rollback of that many tokens needs, `KVCache.rollback`)."""
+    return kv_caches(self.config, tokens.shape[0], max_length, dtype, rollback)
 
   def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int,
                        pages_per_row: int, dtype=None):
@@ -94,7 +95,8 @@ def one_document(tokens, segment_ids=None, positions=None):
   return segment_ids, positions
 
 
-def kv_caches(cfg: LMConfig, batch_size: int, max_length: int, dtype=None) -> tuple:
+def kv_caches(cfg: LMConfig, batch_size: int, max_length: int, dtype=None,
+              rollback: int = 0) -> tuple:
   """`DecoderLM.init_cache`'s caches (shared by the NNX twin, `flax_mha.models.lm_nnx`)."""
   checks.check_int("max_length", max_length)
   k = cfg.k_dim
@@ -102,7 +104,7 @@ def kv_caches(cfg: LMConfig, batch_size: int, max_length: int, dtype=None) -> tu
       cache_lib.KVCache.create(
           batch_size, max_length, cfg.num_kv_heads, k, k, dtype or cfg.dtype,
           window=cfg.local_window if cfg.is_local(i) else None,
-          sink_tokens=cfg.sink_tokens if cfg.is_local(i) else 0)
+          sink_tokens=cfg.sink_tokens if cfg.is_local(i) else 0, rollback=rollback)
       for i in range(cfg.num_layers))
 
 

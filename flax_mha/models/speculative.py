@@ -1,0 +1,313 @@
+"""Speculative decoding: several tokens per step of the model, the same greedy tokens, and the
+model's own distribution when sampling.
+
+  tokens = speculative.generate(lm, params, (prompts,), prompts, lengths, max_new_tokens=64,
+                                drafter=speculative.PromptLookup(), num_speculative_tokens=4)
+
+Each round a drafter proposes k tokens per row; the target model scores the row's pending
+token and the k drafts in one call through its KV cache (a step of k + 1 queries, chosen by
+dispatch like every other step); the longest prefix the target agrees with is kept, plus one
+token of the target's own. Rows advance unevenly: each keeps its own count. Rejected positions
+roll back as data: each cache's rows are cut back to their kept length (`KVCache.rollback`), so
+what attention reads is what a cache that never saw them holds. A rolling (sliding-window)
+cache is made with k extra slots (`init_cache(..., rollback=k)`), so the tokens a rollback
+needs are never overwritten.
+
+Greedy: a draft is kept while it equals the target's argmax; the tokens are plain greedy
+decoding's. Sampling: the rejection rule of Leviathan et al. (2023) and Chen et al. (2023),
+draft d at step i kept with probability min(1, p_i(d) / q_i(d)), the first rejected one replaced
+by a draw from max(0, p_i - q_i) normalised, a bonus draw from p_k when all are kept: the
+tokens' distribution is exactly the target's p (its sampler's temperature / top-k / top-p),
+whatever the drafter proposes. q is the drafter's: one-hot for prompt lookup, the draft
+model's own sampler distribution for a draft model.
+
+Drafters, behind one interface (`init`, `propose`, `commit`):
+- `PromptLookup(ngram)`: the last n tokens (n = ngram, then shorter) matched against the
+  prompt and what has been generated, the latest match's continuation proposed. No model.
+- `DraftModel(model, params)`: any decodable decoder with the target's vocabulary, with its own
+  cache, rolled back as the target's is.
+An EAGLE/MTP-style head would be a third drafter of the same interface.
+
+The model must be a decoder-only one whose `init_cache` takes `rollback=` (both DecoderLMs);
+the encoder-decoder Transformer is refused by name (its cache holds the source's keys beside
+the decoder's, which a rollback must not touch). Shapes: B batch, L prompt length, N new tokens,
+k drafts per round (`num_speculative_tokens`), M = L + N + k history, C vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flax_mha import cache as cache_lib
+from flax_mha import checks
+from flax_mha.models import decoding
+from flax_mha.models import sampling
+
+
+def rollback(caches, length_B):
+  """Every KVCache in the pytree `caches` cut back to length_B [B] tokens per row."""
+  is_cache = lambda x: isinstance(x, cache_lib.KVCache)
+  return jax.tree.map(lambda c: c.rollback(length_B) if is_cache(c) else c, caches,
+                      is_leaf=is_cache)
+
+
+def _probs(sampler, logits_BC):
+  """The distribution `sampler` draws from: its restricted softmax; one-hot argmax if greedy."""
+  if isinstance(sampler, sampling.Greedy):
+    return jax.nn.one_hot(jnp.argmax(logits_BC, -1), logits_BC.shape[-1], dtype=jnp.float32)
+  return jax.nn.softmax(sampler.restrict(logits_BC.astype(jnp.float32)), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup:
+  """Drafts the continuation of the latest earlier occurrence of the row's last `ngram`
+  tokens (then of shorter suffixes) in its prompt and generated tokens; with no match, the last
+  token repeated (a draft the target will most likely reject, at no model cost)."""
+  ngram: int = 3
+
+  def __post_init__(self):
+    checks.check_int("ngram", self.ngram)
+
+  def split(self):
+    """(the drafter as a static argument, its arrays): nothing to trace."""
+    return self, None
+
+  def init(self, arrays, model_context, prompts, lengths, capacity, rollback_slots):
+    del arrays, model_context, prompts, lengths, capacity, rollback_slots
+    return ()
+
+  def propose(self, arrays, state, history_BM, length_B, k, key, sampler):
+    """(state, drafts [B, k], q [B, k, C] or None: one-hot, the drafts are certain)."""
+    del arrays, key, sampler
+    b, m = history_BM.shape
+    at = jnp.arange(m)
+    best = jnp.full((b,), -1, jnp.int32)  # where the matched n-gram ends
+    for n in range(self.ngram, 0, -1):
+      suffix = jnp.take_along_axis(history_BM, length_B[:, None] - n + jnp.arange(n), axis=1)
+      match = (at >= n - 1) & (at < length_B[:, None] - 1)
+      for j in range(n):  # history[i - j] == suffix[n - 1 - j]
+        shifted = jnp.roll(history_BM, j, axis=1)
+        match &= shifted == suffix[:, n - 1 - j, None]
+      found = jnp.max(jnp.where(match, at, -1), axis=1)
+      best = jnp.where((best < 0) & (length_B >= n + 1), found, best)
+    source = best[:, None] + 1 + jnp.arange(k)
+    last = jnp.take_along_axis(history_BM, length_B[:, None] - 1, axis=1)
+    usable = (best[:, None] >= 0) & (source < length_B[:, None])
+    drafts = jnp.where(usable, jnp.take_along_axis(history_BM, jnp.clip(source, 0, m - 1), 1),
+                       last)
+    return state, drafts, None
+
+  def commit(self, state, history_BM, kept_B):
+    del history_BM, kept_B
+    return state
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+  """A smaller decoder with the target's vocabulary drafts with its own cache (rolled back as
+  the target's): `model` linen with `params`, or NNX with params None. It draws its drafts
+  with the target's sampler (greedy: its argmax)."""
+  model: Any
+  params: Any = None
+
+  def split(self):
+    """(the drafter as a static argument: its model in `decoding.decodable`'s form, its
+    parameters or NNX state, traced)."""
+    model, params = decoding.decodable(self.model, self.params)
+    return DraftModel(model), params
+
+  def init(self, params, model_context, prompts, lengths, capacity, rollback_slots):
+    """Its cache, prefilled with the prompts."""
+    model = self.model
+    cache = model.apply(params, *model_context, max_length=capacity, rollback=rollback_slots,
+                        method="init_cache")
+    ar = jnp.arange(prompts.shape[1], dtype=jnp.int32)
+    positions = jnp.where(ar < lengths[:, None], ar, -1)
+    _, cache = model.apply(params, jnp.where(positions >= 0, prompts, 0), cache, positions,
+                           method="logits")
+    return cache
+
+  def propose(self, params, cache, history_BM, length_B, k, key, sampler):
+    """k drafts per row: the tokens its cache lacks (1 or 2: the last kept ones) fed first."""
+    model = self.model
+    held = cache_length(cache)
+    feed = held[:, None] + jnp.arange(2)
+    positions = jnp.where(feed < length_B[:, None], feed, -1)
+    tokens = jnp.take_along_axis(history_BM, jnp.clip(feed, 0, history_BM.shape[1] - 1), 1)
+    logits, cache = model.apply(params, jnp.where(positions >= 0, tokens, 0), cache, positions,
+                                method="logits")
+    logits = jnp.take_along_axis(logits, (length_B - held - 1)[:, None, None], axis=1)[:, 0]
+    drafts, qs = [], []
+    for i in range(k):
+      q = _probs(sampler, logits)
+      token = sampler(logits, jax.random.fold_in(key, i))
+      drafts.append(token)
+      qs.append(q)
+      if i + 1 < k:
+        logits, cache = model.apply(params, token[:, None], cache, method="logits")
+        logits = logits[:, 0]
+    return cache, jnp.stack(drafts, 1), jnp.stack(qs, 1)
+
+  def commit(self, cache, history_BM, kept_B):
+    """Its cache cut back to what the target kept (`kept_B` tokens in the target's cache)."""
+    del history_BM
+    return rollback(cache, jnp.minimum(cache_length(cache), kept_B))
+
+
+def cache_length(caches):
+  """[B]: the tokens the first KVCache of the pytree `caches` holds per row."""
+  is_cache = lambda x: isinstance(x, cache_lib.KVCache)
+  first = next(c for c in jax.tree.leaves(caches, is_leaf=is_cache) if is_cache(c))
+  return first.length
+
+
+def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_tokens: int,
+             drafter, num_speculative_tokens: int = 4, sampler=sampling.Greedy(),
+             stop_tokens=(), pad_id: int = 0, rng=None, cache_dtype=None):
+  """`decoding.generate` with a drafter: tokens [B, max_new_tokens] int32 (pad_id after a stop
+  token), greedy ones equal to `decoding.generate`'s, sampled ones from the same distribution.
+
+  Arguments as `decoding.generate`'s, plus drafter (`PromptLookup()` or `DraftModel(...)`) and
+  num_speculative_tokens k (static: drafts per round; the target scores k + 1 tokens a round).
+  Raises ValueError naming a model whose cache cannot roll back (the Transformer).
+  """
+  return generate_with_stats(model, params, context, prompts, prompt_lengths,
+                             max_new_tokens=max_new_tokens, drafter=drafter,
+                             num_speculative_tokens=num_speculative_tokens, sampler=sampler,
+                             stop_tokens=stop_tokens, pad_id=pad_id, rng=rng,
+                             cache_dtype=cache_dtype)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+  """What a speculative run did: rounds of the target, drafts proposed and kept (rows still
+  generating only)."""
+  rounds: int
+  drafted: int
+  accepted: int
+
+  @property
+  def acceptance(self) -> float:
+    return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def generate_with_stats(model, params, context, prompts, prompt_lengths=None, *,
+                        max_new_tokens: int, drafter, num_speculative_tokens: int = 4,
+                        sampler=sampling.Greedy(), stop_tokens=(), pad_id: int = 0, rng=None,
+                        cache_dtype=None):
+  """`generate`'s tokens and the run's `Stats`."""
+  model, params = decoding.decodable(model, params)
+  k = checks.check_int("num_speculative_tokens", num_speculative_tokens)
+  if not isinstance(drafter, (PromptLookup, DraftModel)):
+    raise TypeError("drafter must be a PromptLookup() or a DraftModel(...), got "
+                    f"{type(drafter).__name__}")
+  context, prompts, prompt_lengths = decoding.as_token_arrays(context, prompts, prompt_lengths)
+  prompts, prompt_lengths = decoding.check_generation(model, params, context, prompts,
+                                                      prompt_lengths, max_new_tokens)
+  if isinstance(sampler, sampling.Sampling) and rng is None:
+    raise ValueError("sampling needs rng (a jax.random.key): the same key gives the same tokens")
+  try:
+    jax.eval_shape(lambda: model.apply(params, *context, max_length=8, rollback=k,
+                                       method="init_cache"))
+  except TypeError:
+    raise ValueError(f"speculative decoding needs a decoder whose caches roll back "
+                     f"(init_cache(..., rollback=)): {type(model).__name__} has none (the "
+                     "Transformer's cache holds its source's keys beside the decoder's)") from None
+  rng = jax.random.key(0) if rng is None else rng
+  drafter, draft_arrays = drafter.split()
+  tokens, rounds, drafted, accepted, _ = _generate(
+      model, params, tuple(context), prompts, prompt_lengths, rng, draft_arrays, max_new_tokens,
+      drafter, k, sampler, tuple(stop_tokens), pad_id, decoding.check_cache_dtype(cache_dtype))
+  if isinstance(tokens, jax.core.Tracer):
+    return tokens, None
+  return tokens, Stats(int(rounds), int(drafted), int(accepted))
+
+
+def _accept(sampler, logits_BTC, drafts_BK, q_BKC, key):
+  """(count [B] of new tokens, new tokens [B, k + 1]): the drafts kept, then the target's own."""
+  k = drafts_BK.shape[1]
+  if isinstance(sampler, sampling.Greedy):
+    own = jnp.argmax(logits_BTC, -1).astype(jnp.int32)  # [B, k + 1]
+    agree = own[:, :k] == drafts_BK
+    kept = jnp.sum(jnp.cumprod(agree, axis=1), axis=1)
+    return kept + 1, jnp.where(jnp.arange(k + 1) < kept[:, None],
+                               jnp.pad(drafts_BK, ((0, 0), (0, 1))), own)
+  b, _, c = logits_BTC.shape
+  p = _probs(sampler, logits_BTC.reshape(b * (k + 1), c)).reshape(b, k + 1, c)
+  q = jax.nn.one_hot(drafts_BK, c, dtype=jnp.float32) if q_BKC is None else q_BKC
+  take = lambda x: jnp.take_along_axis(x, drafts_BK[..., None], -1)[..., 0]
+  u = jax.random.uniform(jax.random.fold_in(key, 0), (b, k))
+  agree = u * take(q) < take(p[:, :k])  # u < p(d) / q(d)
+  kept = jnp.sum(jnp.cumprod(agree, axis=1), axis=1)
+  residual = jnp.maximum(p[:, :k] - q, 0.0)
+  residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p[:, :k])
+  last = jnp.concatenate([residual, p[:, k:]], axis=1)  # [B, k + 1, C]: where the row stops
+  at = jnp.take_along_axis(last, kept[:, None, None], axis=1)[:, 0]
+  own = jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(at)).astype(jnp.int32)
+  new = jnp.where(jnp.arange(k + 1) < kept[:, None], jnp.pad(drafts_BK, ((0, 0), (0, 1))),
+                  own[:, None])
+  return kept + 1, new
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9, 10, 11, 12, 13))
+@cache_lib.caller_makes_room  # sized for every token a round may write
+def _generate(model, params, context, prompts, lengths, rng, draft_arrays, max_new_tokens,
+              drafter, k, sampler, stop_tokens, pad_id, cache_dtype):
+  b, l = prompts.shape
+  capacity = l + max_new_tokens + k
+  dtype = {} if cache_dtype is None else {"dtype": cache_dtype}
+  cache = model.apply(params, *context, max_length=capacity, rollback=k, method="init_cache",
+                      **dtype)
+  ar = jnp.arange(l, dtype=jnp.int32)
+  positions = jnp.where(ar < lengths[:, None], ar, -1)
+  logits, cache = model.apply(params, jnp.where(positions >= 0, prompts, 0), cache, positions,
+                              method="logits")
+  first = sampler(jnp.take_along_axis(logits, (lengths - 1)[:, None, None], 1)[:, 0],
+                  jax.random.fold_in(rng, 0))
+  stop = jnp.asarray(stop_tokens, jnp.int32)
+  history = jnp.zeros((b, capacity), jnp.int32).at[:, :l].set(jnp.where(positions >= 0,
+                                                                         prompts, 0))
+  history = history.at[jnp.arange(b), lengths].set(first)
+  state = dict(round=jnp.int32(1), n=jnp.ones((b,), jnp.int32), length=lengths + 1,
+               tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
+               done=jnp.isin(first, stop) | (max_new_tokens == 1), history=history, cache=cache,
+               drafter=drafter.init(draft_arrays, context, prompts, lengths, capacity, k),
+               drafted=jnp.int32(0), accepted=jnp.int32(0))
+
+  def body(s):
+    key = jax.random.fold_in(rng, s["round"])
+    dstate, drafts, q = drafter.propose(draft_arrays, s["drafter"], s["history"],
+                                        s["length"], k, jax.random.fold_in(key, 0), sampler)
+    pending = jnp.take_along_axis(s["history"], s["length"][:, None] - 1, axis=1)
+    held = s["length"] - 1
+    positions = jnp.where(s["done"][:, None], -1, held[:, None] + jnp.arange(k + 1))
+    logits, cache = model.apply(params, jnp.concatenate([pending, drafts], 1), s["cache"],
+                                positions, method="logits")
+    count, new = _accept(sampler, logits, drafts, q, jax.random.fold_in(key, 1))
+    stops = jnp.isin(new, stop) & (jnp.arange(k + 1) < count[:, None])
+    first_stop = jnp.argmax(stops, axis=1)
+    count = jnp.where(stops.any(1), first_stop + 1, count)
+    count = jnp.where(s["done"], 0, jnp.minimum(count, max_new_tokens - s["n"]))
+    rows, j = jnp.arange(b)[:, None], jnp.arange(k + 1)
+    write = j < count[:, None]
+    at = lambda offset: jnp.where(write, offset[:, None] + j, 10**9)
+    tokens = s["tokens"].at[rows, at(s["n"])].set(new, mode="drop")
+    history = s["history"].at[rows, at(s["length"])].set(new, mode="drop")
+    kept = held + count  # the target's cache: the pending token and the drafts kept
+    cache = rollback(cache, jnp.where(s["done"], held, kept))
+    dstate = drafter.commit(dstate, history, jnp.where(s["done"], held, kept))
+    n = s["n"] + count
+    done = s["done"] | (n >= max_new_tokens) | stops.any(1)
+    live = ~s["done"]
+    return dict(s, round=s["round"] + 1, n=n, length=s["length"] + count, tokens=tokens,
+                done=done, history=history, cache=cache, drafter=dstate,
+                drafted=s["drafted"] + k * live.sum(),
+                accepted=s["accepted"] + jnp.where(live, count - 1, 0).sum())
+
+  s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, state)
+  return s["tokens"], s["round"] - 1, s["drafted"], s["accepted"], s["cache"]

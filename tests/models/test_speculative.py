@@ -1,0 +1,226 @@
+"""Speculative decoding (flax_mha.models.speculative): a rollback leaves what a cache that never
+saw the rejected tokens holds (full, int8, rolling); greedy tokens equal plain decoding's with
+prompt lookup and a draft model, rows accepting unevenly; the rejection rule keeps the target's
+distribution (a chi-square bound, and a wrong rule it catches); refusals named. Every HF
+family's tiny checkpoint is in tests/models/test_speculative_integration.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax_mha import cache as cache_lib
+from flax_mha.models import decoding, sampling, speculative
+from flax_mha.models.lm import DecoderLM, LMConfig
+
+from helpers import random_params
+
+VOCAB = 17
+
+
+def lm(local_window=5, seed=3, **kwargs):
+  model = DecoderLM(LMConfig(vocab_size=VOCAB, d_model=32, num_heads=4, num_kv_heads=2,
+                             num_layers=2, d_ff=48, local_window=local_window,
+                             logit_soft_cap=5.0, **kwargs))
+  x = jnp.zeros((1, 8), jnp.int32)
+  return model, random_params(model, x, x, x, seed=seed)
+
+
+def prompts():
+  """A repetitive row (drafts by lookup are right), a random one (mostly wrong), and a short
+  one, right-padded."""
+  rng = np.random.default_rng(0)
+  rows = np.zeros((3, 24), np.int32)
+  rows[0] = np.tile(rng.integers(1, VOCAB, 6), 4)
+  rows[1, :19] = rng.integers(1, VOCAB, 19)
+  rows[2, :5] = rng.integers(1, VOCAB, 5)
+  return rows, np.array([24, 19, 5], np.int32)
+
+
+@pytest.mark.parametrize("dtype,window", [(jnp.float32, None), (jnp.int8, None),
+                                          (jnp.float32, 6)])
+def test_a_rollback_leaves_what_a_cache_that_never_saw_them_holds(dtype, window):
+  """Write 10 tokens, then 5 more, roll back to 12 per row: the next step's attention and
+  every visible slot equal those of a cache that saw only the 12."""
+  rng = np.random.default_rng(1)
+  b, g, k, h = 2, 2, 8, 4
+  kv = lambda n: jnp.asarray(rng.normal(size=(b, n, g, k)), jnp.float32)
+  make = lambda: cache_lib.KVCache.create(b, 32, g, k, dtype=dtype, window=window, rollback=5)
+  keys, values = kv(15), kv(15)
+  seen = cache_lib.update(make(), keys[:, :10], values[:, :10],
+                          jnp.broadcast_to(jnp.arange(10), (b, 10)))
+  later = cache_lib.update(seen, keys[:, 10:15], values[:, 10:15],
+                           jnp.broadcast_to(jnp.arange(10, 15), (b, 5)))
+  back = later.rollback(jnp.array([12, 12]))
+  never = cache_lib.update(seen, keys[:, 10:12], values[:, 10:12],
+                           jnp.broadcast_to(jnp.arange(10, 12), (b, 2)))
+  np.testing.assert_array_equal(back.length, never.length)
+  lowest = 0 if window is None else 12 - window  # what the next token's window reaches
+  held = lambda c: [sorted(set(row.tolist()) - {-1} - set(range(lowest))) for row in
+                    np.asarray(c.positions)]
+  assert held(back) == held(never)
+  query, nk, nv = (jnp.asarray(rng.normal(size=(b, 1, n, k)), jnp.float32) for n in (h, g, g))
+  out = lambda c: cache_lib.attend(query, nk, nv, c)[0]
+  np.testing.assert_allclose(out(back), out(never), rtol=1e-6, atol=1e-6)
+
+
+def test_a_rolling_cache_without_the_extra_slots_loses_what_the_window_needs():
+  """Why `rollback=` exists: a window's slots alone are overwritten by the rejected tokens."""
+  rng = np.random.default_rng(2)
+  b, g, k = 1, 1, 4
+  keys = jnp.asarray(rng.normal(size=(b, 12, g, k)), jnp.float32)
+  at = lambda lo, hi: jnp.arange(lo, hi)[None]
+  for extra, same in ((0, False), (4, True)):
+    cache = cache_lib.KVCache.create(b, 64, g, k, window=6, rollback=extra)
+    cache = cache_lib.update(cache, keys[:, :8], keys[:, :8], at(0, 8))
+    wrote = cache_lib.update(cache, keys[:, 8:12], keys[:, 8:12], at(8, 12)).rollback(
+        jnp.array([8]))
+    held = lambda c: set(np.asarray(c.positions[0]).tolist()) - {-1, 0, 1}  # 2..7: the window
+    assert (held(wrote) == held(cache)) == same, (extra, held(wrote), held(cache))
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "draft", "self"])
+def test_greedy_tokens_are_plain_decodings(drafter):
+  """Rows that accept often, rarely and in between; every layer local (rolling caches of a
+  window of 3: a rollback that lost a slot the window needs changes the tokens); a stop
+  token; the same tokens as `decoding.generate`, and drafts were kept (it speculated)."""
+  model, params = lm(local_window=3, global_every=3)
+  rows, lengths = prompts()
+  draft = {"lookup": speculative.PromptLookup(),
+           # the same weights with every layer global: it agrees until the window matters
+           "draft": speculative.DraftModel(*lm(local_window=None)),
+           "self": speculative.DraftModel(model, params)}[drafter]
+  for stop in ((), (5,)):
+    want = decoding.generate(model, params, (rows,), rows, lengths, max_new_tokens=20,
+                             stop_tokens=stop)
+    got, stats = speculative.generate_with_stats(
+        model, params, (rows,), rows, lengths, max_new_tokens=20, drafter=draft,
+        num_speculative_tokens=3, stop_tokens=stop)
+    np.testing.assert_array_equal(got, want)
+    if not stop:  # (a row's last round may cut its drafts at a stop token or max_new_tokens)
+      assert stats.rounds < 20
+      assert stats.acceptance > 0.8 if drafter == "self" else 0 < stats.acceptance < 0.8, stats
+
+
+def test_the_final_cache_is_what_the_kept_tokens_alone_make():
+  """After a run of rejections and acceptances (every layer local, windows of 3), the target's
+  cache holds what one prefill of the prompt and the kept tokens makes: the positions the next
+  token's window reads, and their keys and values (without the rollback, the rejected
+  positions stay visible and it fails; the rolling caches' extra slots are the cache-level
+  test above)."""
+  model, params = lm(local_window=3, global_every=3)
+  rows, lengths = prompts()
+  rows, lengths = rows[:2], lengths[:2]
+  k, new = 3, 12
+  args = (model, params, (rows,), jnp.asarray(rows), jnp.asarray(lengths), jax.random.key(0),
+          None, new)
+  tokens, _, _, accepted, cache = speculative._generate(  # pylint: disable=protected-access
+      *args, speculative.PromptLookup(), k, sampling.Greedy(), (), 0, None)
+  assert int(accepted) > 0
+  full = np.zeros((2, 24 + new - 1), np.int32)
+  for b in range(2):
+    full[b, :lengths[b] + new - 1] = np.concatenate([rows[b, :lengths[b]],
+                                                     np.asarray(tokens[b, :new - 1])])
+  want = model.apply(params, full, max_length=24 + new + k, rollback=k,
+                     method=DecoderLM.init_cache)
+  positions = np.where(np.arange(full.shape[1]) < (lengths + new - 1)[:, None],
+                       np.arange(full.shape[1]), -1)
+  _, want = model.apply(params, full, want, positions, method=DecoderLM.logits)
+  for got_layer, want_layer in zip(cache, want):
+    np.testing.assert_array_equal(got_layer.length, want_layer.length)
+    for b in range(2):
+      last = int(want_layer.length[b])
+      seen = lambda c: {int(p): i for i, p in enumerate(np.asarray(c.positions[b]))
+                        if p >= last - 3}
+      got_at, want_at = seen(got_layer), seen(want_layer)
+      assert got_at.keys() == want_at.keys(), (b, got_at, want_at)
+      for p in want_at:
+        np.testing.assert_allclose(got_layer.key[b, :, got_at[p]],
+                                   want_layer.key[b, :, want_at[p]], rtol=1e-4, atol=1e-5)
+
+
+def test_an_int8_cache_and_one_token_and_jit():
+  model, params = lm()
+  rows, lengths = prompts()
+  kw = dict(max_new_tokens=12, cache_dtype=jnp.int8)
+  want = decoding.generate(model, params, (rows,), rows, lengths, **kw)
+  got = jax.jit(lambda p: speculative.generate(model, params, (p,), p, lengths,
+                                               drafter=speculative.PromptLookup(2),
+                                               num_speculative_tokens=2, **kw))(rows)
+  np.testing.assert_array_equal(got, want)
+  one = speculative.generate(model, params, (rows,), rows, lengths, max_new_tokens=1,
+                             drafter=speculative.PromptLookup())
+  np.testing.assert_array_equal(one, want[:, :1])
+
+
+def accept_rule(p_C, q_C, k, n, seed, rule=speculative._accept):  # pylint: disable=protected-access
+  """n runs of the rule on fixed one-step distributions (the same p at every position, drafts
+  drawn from q): (first new tokens [n], second new tokens [n], counts [n])."""
+  c = p_C.shape[0]
+  logits = jnp.broadcast_to(jnp.log(p_C), (1, k + 1, c))
+
+  def one(key):
+    drafts = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(q_C), shape=(1, k))
+    q = jnp.broadcast_to(q_C, (1, k, c))
+    count, new = rule(sampling.Sampling(), logits, drafts.astype(jnp.int32), q, key)
+    return new[0, 0], new[0, 1], count[0]
+
+  return jax.vmap(one)(jax.random.split(jax.random.key(seed), n))
+
+
+def chi_square(counts, p) -> float:
+  expected = p * counts.sum()
+  return float(((counts - expected) ** 2 / expected).sum())
+
+
+P = jnp.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+Q = jnp.array([0.05, 0.1, 0.15, 0.2, 0.2, 0.3])  # far from P: many rejections
+CRITICAL = 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+
+
+def test_the_rejection_rule_keeps_the_targets_distribution():
+  """The first new token, and the second where the first draft was kept, are distributed as p:
+  chi-square below the 0.001 bound over 40k runs."""
+  first, second, count = (np.asarray(x) for x in accept_rule(P, Q, 2, 40_000, 0))
+  assert chi_square(np.bincount(first, minlength=6), np.asarray(P)) < CRITICAL
+  kept = count >= 2
+  assert kept.sum() > 5000
+  assert chi_square(np.bincount(second[kept], minlength=6), np.asarray(P)) < CRITICAL
+
+
+def test_the_chi_square_bound_catches_a_wrong_rule():
+  """The same check on a rule that accepts every draft whose p >= q, with no residual
+  correction: far past the bound."""
+  def wrong(sampler, logits, drafts, q, key):
+    del sampler, key
+    p = jax.nn.softmax(logits, -1)
+    take = lambda x: jnp.take_along_axis(x, drafts[..., None], -1)[..., 0]
+    agree = take(p[:, :-1]) >= take(q)
+    kept = jnp.sum(jnp.cumprod(agree, 1), 1)
+    own = jnp.argmax(p[:, 0], -1)
+    new = jnp.where(jnp.arange(drafts.shape[1] + 1) < kept[:, None],
+                    jnp.pad(drafts, ((0, 0), (0, 1))), own[:, None])
+    return kept + 1, new.astype(jnp.int32)
+
+  first, _, _ = (np.asarray(x) for x in accept_rule(P, Q, 2, 40_000, 0, rule=wrong))
+  assert chi_square(np.bincount(first, minlength=6), np.asarray(P)) > 10 * CRITICAL
+
+
+def test_sampled_tokens_are_reproducible_and_bad_arguments_named():
+  model, params = lm()
+  rows, lengths = prompts()
+  run = lambda seed: speculative.generate(
+      model, params, (rows,), rows, lengths, max_new_tokens=8, sampler=decoding.Sampling(),
+      rng=jax.random.key(seed), drafter=speculative.PromptLookup(), num_speculative_tokens=2)
+  np.testing.assert_array_equal(run(1), run(1))
+  assert not np.array_equal(run(1), run(2))
+  call = lambda **kw: speculative.generate(model, params, (rows,), rows, lengths,
+                                           max_new_tokens=4, **kw)
+  with pytest.raises(TypeError, match="drafter must be a PromptLookup.. or a DraftModel"):
+    call(drafter="ngram")
+  with pytest.raises(ValueError, match="num_speculative_tokens must be a positive int"):
+    call(drafter=speculative.PromptLookup(), num_speculative_tokens=0)
+  with pytest.raises(ValueError, match="sampling needs rng"):
+    call(drafter=speculative.PromptLookup(), sampler=decoding.Sampling())
