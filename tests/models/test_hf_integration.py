@@ -25,7 +25,7 @@ import pytest
 import hf_checkpoints as hc
 from experiments import generate_hf
 from flax_mha import serving
-from flax_mha.models import decoding, hf
+from flax_mha.models import decoding, hf, speculative
 from tests.multidevice.run import ROOT
 
 pytestmark = pytest.mark.integration  # torch and transformers: ~10 s to import
@@ -90,6 +90,41 @@ def test_greedy_tokens_equal_transformers_generate(checkpoints, family):
   assert served == want, family
 
 
+def _speculative_case(checkpoints, family, nnx_draft: bool):
+  directory = checkpoints[family]
+  rng = np.random.default_rng(2)
+  prompts = [np.tile(rng.integers(3, hc.VOCAB_SIZE, 4), n // 4 + 1)[:n].tolist()
+             for n in PROMPT_LENGTHS]
+  want = hc.hf_generate(directory, prompts, NEW_TOKENS)
+  padded, _, _ = hc.right_padded(prompts)
+  lengths = np.array(PROMPT_LENGTHS, np.int32)
+  if nnx_draft:
+    decoder, params = hf.load_nnx(directory), None
+    drafter = speculative.DraftModel(*hf.load(checkpoints["qwen2" if family == "llama"
+                                                          else "llama"]))
+  else:
+    (decoder, params), drafter = hf.load(directory), speculative.PromptLookup()
+  got, stats = speculative.generate_with_stats(
+      decoder, params, (padded,), padded, lengths, max_new_tokens=NEW_TOKENS, drafter=drafter,
+      num_speculative_tokens=3)
+  assert np.asarray(got).tolist() == want, (family, type(drafter).__name__)
+  assert stats.rounds < NEW_TOKENS
+
+
+@pytest.mark.parametrize("family", hc.FAMILIES)
+def test_speculative_greedy_tokens_equal_transformers_generate(checkpoints, family):
+  """speculative.generate's greedy tokens (prompt lookup, linen) are transformers'
+  `generate`'s, on prompts that repeat themselves (drafts kept), past the windows."""
+  _speculative_case(checkpoints, family, nnx_draft=False)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_speculative_with_a_draft_checkpoint_in_nnx(checkpoints, family):
+  """The NNX model with another family's checkpoint as its draft model (the tiny checkpoints
+  share one tokenizer): transformers' greedy tokens, with drafts kept."""
+  _speculative_case(checkpoints, family, nnx_draft=True)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_sharded_checkpoint_loads_as_the_whole(checkpoints, family, tmp_path):
   """Shards with their index load to the very parameters of the single file."""
@@ -127,7 +162,7 @@ def test_the_loader_never_imports_torch(checkpoints):
   code = f"""
 import sys
 import numpy as np
-from flax_mha.models import decoding, hf
+from flax_mha.models import decoding, hf, speculative
 model, variables = hf.load({str(checkpoints['llama'])!r})
 module = hf.load_nnx({str(checkpoints['gemma3'])!r})
 ids = hf.load_tokenizer({str(checkpoints['llama'])!r}).encode("the cat").ids
