@@ -14,7 +14,8 @@ A checkpoint saved with another model, task or seed than config.json says is ref
 A Hugging Face checkpoint directory generates text the same way (experiments/generate_hf.py):
 
   python -m experiments.generate --checkpoint path/to/llama --prompt "Once upon a time" \
-      --max_new_tokens 64 [--serve --batch_size 4] [--dtype bfloat16] [--samples 3 --top_p 0.9]
+      --max_new_tokens 64 [--serve --batch_size 4] [--dtype bfloat16] [--samples 3 --top_p 0.9] \
+      [--speculate ngram | --speculate draft --draft_checkpoint DIR] [--num_speculative_tokens 4]
 
 --dtype takes what `flax_mha.models.hf.load` takes: float32, bfloat16, float16, and float64 when
 jax_enable_x64 is on (JAX_ENABLE_X64=1). An error in the workdir, the checkpoint or the prompts
@@ -100,8 +101,13 @@ def main(argv, flag_values=flags.FLAGS):
       generate_hf.generate(
           f.checkpoint, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens or 32,
           sampler=sampler_from(f.temperature, f.top_k, f.top_p), seed=f.seed, serve=f.serve,
-          batch_size=f.batch_size, page_size=f.page_size, dtype=f.dtype)
+          batch_size=f.batch_size, page_size=f.page_size, dtype=f.dtype,
+          speculate=f.speculate, num_speculative_tokens=f.num_speculative_tokens,
+          draft_checkpoint=f.draft_checkpoint)
       return
+    if f.speculate is not None:
+      raise ValueError("--speculate takes a --checkpoint (a training run's workdir streams "
+                       "its answers token by token)")
     generate(f.workdir, f.prompt, samples=f.samples, max_new_tokens=f.max_new_tokens,
              temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed)
   # ValueError: PromptError, hf.CheckpointError; UnsupportedDtype: --dtype float64 without x64.
@@ -124,6 +130,12 @@ def define_flags(flag_values=flags.FLAGS) -> None:
   flags.DEFINE_enum("dtype", None, list(hf_config.LOAD_DTYPES), "with --checkpoint: the "
                     "parameters' and computation's dtype (default: the checkpoint's; float64 "
                     "needs JAX_ENABLE_X64=1)", **d)
+  flags.DEFINE_enum("speculate", None, ["ngram", "draft"], "with --checkpoint: speculative "
+                    "decoding, drafts by prompt lookup or by --draft_checkpoint", **d)
+  flags.DEFINE_integer("num_speculative_tokens", 4, "with --speculate: drafts per round",
+                       lower_bound=1, **d)
+  flags.DEFINE_string("draft_checkpoint", None, "with --speculate draft: a checkpoint with the "
+                      "same tokenizer that drafts", **d)
   flags.DEFINE_multi_string("prompt", None, "text to answer; repeat for several", **d)
   flags.DEFINE_integer("samples", 1, "continuations per prompt", lower_bound=1, **d)
   flags.DEFINE_integer("max_new_tokens", None, "tokens at most per continuation (default: the "

@@ -21,20 +21,26 @@ import numpy as np
 
 from flax_mha import checks
 from flax_mha import serving
-from flax_mha.models import decoding, hf
+from flax_mha.models import decoding, hf, speculative
 
 
 def generate(directory: str, prompts, *, samples: int = 1, max_new_tokens: int = 32,
              sampler=decoding.Greedy(), seed: int = 0, serve: bool = False, batch_size: int = 4,
-             page_size: int = 16, dtype=None, out=None) -> list[str]:
+             page_size: int = 16, dtype=None, speculate: str | None = None,
+             num_speculative_tokens: int = 4, draft_checkpoint: str | None = None,
+             out=None) -> list[str]:
   """Print each prompt with each of its `samples` continuations (a line each), then the new
   tokens per second (compilation included: one run of the command); return the continuations'
   texts, a prompt's samples side by side. out: a text stream (default: sys.stdout when called).
+  speculate: None, "ngram" (prompt lookup) or "draft" (`draft_checkpoint`, a checkpoint with
+  the same tokenizer): speculative decoding (`flax_mha.models.speculative`) of the one batch,
+  its acceptance printed too.
 
   Raises what `hf.load` raises for the checkpoint; ValueError for a prompt that encodes to no
   tokens; TypeError or ValueError naming `samples` when it is not a positive int.
   """
   checks.check_int("samples", samples)
+  drafter = _drafter(speculate, draft_checkpoint, dtype, serve)
   out = sys.stdout if out is None else out
   model, variables = hf.load(directory, dtype=dtype)
   tokenizer = hf.load_tokenizer(directory)
@@ -53,7 +59,8 @@ def generate(directory: str, prompts, *, samples: int = 1, max_new_tokens: int =
                            page_size=page_size, num_pages=num_pages, stop_tokens=stops,
                            sampler=sampler, rng=rng)
   else:
-    new = _batch(model, variables, ids, max_new_tokens, sampler, stops, rng)
+    new = _batch(model, variables, ids, max_new_tokens, sampler, stops, rng, drafter,
+                 num_speculative_tokens, out)
   seconds = time.perf_counter() - start
   texts = [tokenizer.decode(row, skip_special_tokens=True) for row in new]
   for row, continuation in enumerate(texts):
@@ -64,13 +71,41 @@ def generate(directory: str, prompts, *, samples: int = 1, max_new_tokens: int =
   return texts
 
 
-def _batch(model, variables, ids, max_new_tokens, sampler, stops, rng) -> list[list[int]]:
-  """`decoding.generate` of every prompt in one right-padded batch, each row cut after its
-  first stop token."""
+def _drafter(speculate, draft_checkpoint, dtype, serve):
+  """The drafter --speculate names (None without it). Raises ValueError for a combination the
+  command does not take."""
+  if speculate is None:
+    if draft_checkpoint is not None:
+      raise ValueError("--draft_checkpoint is the draft model of --speculate draft")
+    return None
+  if serve:
+    raise ValueError("--speculate decodes one batch (speculative.generate); it does not take "
+                     "--serve yet")
+  if speculate == "ngram":
+    return speculative.PromptLookup()
+  if speculate == "draft":
+    if draft_checkpoint is None:
+      raise ValueError("--speculate draft needs --draft_checkpoint DIR (a checkpoint with the "
+                       "same tokenizer)")
+    return speculative.DraftModel(*hf.load(draft_checkpoint, dtype=dtype))
+  raise ValueError(f"--speculate must be 'ngram' or 'draft', got {speculate!r}")
+
+
+def _batch(model, variables, ids, max_new_tokens, sampler, stops, rng, drafter=None,
+           num_speculative_tokens=4, out=None) -> list[list[int]]:
+  """`decoding.generate` (with a drafter: `speculative.generate`, its acceptance written to
+  `out`) of every prompt in one right-padded batch, each row cut after its first stop token."""
   prompts = np.zeros((len(ids), max(map(len, ids))), np.int32)
   for row, prompt in enumerate(ids):
     prompts[row, :len(prompt)] = prompt
-  tokens = np.asarray(decoding.generate(
-      model, variables, (prompts,), prompts, np.array([len(p) for p in ids], np.int32),
-      max_new_tokens=max_new_tokens, sampler=sampler, stop_tokens=stops, rng=rng))
+  args = (model, variables, (prompts,), prompts, np.array([len(p) for p in ids], np.int32))
+  kw = dict(max_new_tokens=max_new_tokens, sampler=sampler, stop_tokens=stops, rng=rng)
+  if drafter is None:
+    tokens = np.asarray(decoding.generate(*args, **kw))
+  else:
+    tokens, stats = speculative.generate_with_stats(
+        *args, drafter=drafter, num_speculative_tokens=num_speculative_tokens, **kw)
+    tokens = np.asarray(tokens)
+    out.write(f"speculation: {stats.accepted} of {stats.drafted} drafts kept "
+              f"({stats.acceptance:.0%}), {stats.rounds} rounds of the model\n")
   return [serving.until_stop(row, stops) for row in tokens]
