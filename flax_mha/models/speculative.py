@@ -228,21 +228,36 @@ def generate_with_stats(model, params, context, prompts, prompt_lengths=None, *,
   return tokens, Stats(int(rounds), int(drafted), int(accepted))
 
 
-def _accept(sampler, logits_BTC, drafts_BK, q_BKC, key):
-  """(count [B] of new tokens, new tokens [B, k + 1]): the drafts kept, then the target's own."""
+def ks(k: int) -> tuple[int, ...]:
+  """The round sizes a run compiles: 1, 2, 4, ... below k, and k. A round drafts the smallest
+  that covers every live row's own k (which grows by 2 while all its drafts are kept and
+  shrinks by 1 otherwise), so rows whose drafts fail cost rounds of 1 draft."""
+  sizes, size = [], 1
+  while size < k:
+    sizes.append(size)
+    size *= 2
+  return (*sizes, k)
+
+
+def _accept(sampler, logits_BTC, drafts_BK, q_BKC, key, proposed_BK=None):
+  """(count [B] of new tokens, new tokens [B, k + 1]): the drafts kept, then the target's own.
+  A draft not `proposed_BK` (past its row's own k) is never kept; the token in its place is
+  drawn from p, as from a draft distribution q of 0."""
   k = drafts_BK.shape[1]
+  proposed_BK = jnp.ones(drafts_BK.shape, bool) if proposed_BK is None else proposed_BK
   if isinstance(sampler, sampling.Greedy):
     own = jnp.argmax(logits_BTC, -1).astype(jnp.int32)  # [B, k + 1]
-    agree = own[:, :k] == drafts_BK
+    agree = (own[:, :k] == drafts_BK) & proposed_BK
     kept = jnp.sum(jnp.cumprod(agree, axis=1), axis=1)
     return kept + 1, jnp.where(jnp.arange(k + 1) < kept[:, None],
                                jnp.pad(drafts_BK, ((0, 0), (0, 1))), own)
   b, _, c = logits_BTC.shape
   p = _probs(sampler, logits_BTC.reshape(b * (k + 1), c)).reshape(b, k + 1, c)
   q = jax.nn.one_hot(drafts_BK, c, dtype=jnp.float32) if q_BKC is None else q_BKC
+  q = jnp.where(proposed_BK[..., None], q, 0.0)
   take = lambda x: jnp.take_along_axis(x, drafts_BK[..., None], -1)[..., 0]
   u = jax.random.uniform(jax.random.fold_in(key, 0), (b, k))
-  agree = u * take(q) < take(p[:, :k])  # u < p(d) / q(d)
+  agree = (u * take(q) < take(p[:, :k])) & proposed_BK  # u < p(d) / q(d)
   kept = jnp.sum(jnp.cumprod(agree, axis=1), axis=1)
   residual = jnp.maximum(p[:, :k] - q, 0.0)
   residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p[:, :k])
@@ -277,37 +292,49 @@ def _generate(model, params, context, prompts, lengths, rng, draft_arrays, max_n
                tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
                done=jnp.isin(first, stop) | (max_new_tokens == 1), history=history, cache=cache,
                drafter=drafter.init(draft_arrays, context, prompts, lengths, capacity, k),
-               drafted=jnp.int32(0), accepted=jnp.int32(0))
+               own_k=jnp.full((b,), k, jnp.int32), drafted=jnp.int32(0),
+               accepted=jnp.int32(0))
+
+  def round_of(kk):
+    """A round of kk drafts per row (a row's own k may be fewer: the rest are not kept)."""
+    def run(s):
+      key = jax.random.fold_in(rng, s["round"])
+      dstate, drafts, q = drafter.propose(draft_arrays, s["drafter"], s["history"],
+                                          s["length"], kk, jax.random.fold_in(key, 0), sampler)
+      pending = jnp.take_along_axis(s["history"], s["length"][:, None] - 1, axis=1)
+      held = s["length"] - 1
+      positions = jnp.where(s["done"][:, None], -1, held[:, None] + jnp.arange(kk + 1))
+      logits, cache = model.apply(params, jnp.concatenate([pending, drafts], 1), s["cache"],
+                                  positions, method="logits")
+      proposed = jnp.arange(kk) < s["own_k"][:, None]
+      count, new = _accept(sampler, logits, drafts, q, jax.random.fold_in(key, 1), proposed)
+      stops = jnp.isin(new, stop) & (jnp.arange(kk + 1) < count[:, None])
+      count = jnp.where(stops.any(1), jnp.argmax(stops, axis=1) + 1, count)
+      count = jnp.where(s["done"], 0, jnp.minimum(count, max_new_tokens - s["n"]))
+      rows, j = jnp.arange(b)[:, None], jnp.arange(kk + 1)
+      at = lambda offset: jnp.where(j < count[:, None], offset[:, None] + j, 10**9)
+      kept = jnp.where(s["done"], held, held + count)  # the pending token and drafts kept
+      live = ~s["done"]
+      all_kept = count - 1 >= jnp.minimum(kk, s["own_k"])
+      return dict(
+          s, round=s["round"] + 1, n=s["n"] + count, length=s["length"] + count,
+          tokens=s["tokens"].at[rows, at(s["n"])].set(new, mode="drop"),
+          history=s["history"].at[rows, at(s["length"])].set(new, mode="drop"),
+          done=s["done"] | (s["n"] + count >= max_new_tokens) | stops.any(1),
+          cache=rollback(cache, kept), drafter=drafter.commit(dstate, s["history"], kept),
+          # a row whose drafts were all kept drafts 2 more next round; else 1 fewer
+          own_k=jnp.where(all_kept, jnp.minimum(s["own_k"] + 2, k),
+                          jnp.maximum(s["own_k"] - 1, 1)),
+          drafted=s["drafted"] + jnp.where(live, jnp.minimum(kk, s["own_k"]), 0).sum(),
+          accepted=s["accepted"] + jnp.where(live, count - 1, 0).sum())
+    return run
+
+  ladder = ks(k)
+  rounds = [round_of(kk) for kk in ladder]
 
   def body(s):
-    key = jax.random.fold_in(rng, s["round"])
-    dstate, drafts, q = drafter.propose(draft_arrays, s["drafter"], s["history"],
-                                        s["length"], k, jax.random.fold_in(key, 0), sampler)
-    pending = jnp.take_along_axis(s["history"], s["length"][:, None] - 1, axis=1)
-    held = s["length"] - 1
-    positions = jnp.where(s["done"][:, None], -1, held[:, None] + jnp.arange(k + 1))
-    logits, cache = model.apply(params, jnp.concatenate([pending, drafts], 1), s["cache"],
-                                positions, method="logits")
-    count, new = _accept(sampler, logits, drafts, q, jax.random.fold_in(key, 1))
-    stops = jnp.isin(new, stop) & (jnp.arange(k + 1) < count[:, None])
-    first_stop = jnp.argmax(stops, axis=1)
-    count = jnp.where(stops.any(1), first_stop + 1, count)
-    count = jnp.where(s["done"], 0, jnp.minimum(count, max_new_tokens - s["n"]))
-    rows, j = jnp.arange(b)[:, None], jnp.arange(k + 1)
-    write = j < count[:, None]
-    at = lambda offset: jnp.where(write, offset[:, None] + j, 10**9)
-    tokens = s["tokens"].at[rows, at(s["n"])].set(new, mode="drop")
-    history = s["history"].at[rows, at(s["length"])].set(new, mode="drop")
-    kept = held + count  # the target's cache: the pending token and the drafts kept
-    cache = rollback(cache, jnp.where(s["done"], held, kept))
-    dstate = drafter.commit(dstate, history, jnp.where(s["done"], held, kept))
-    n = s["n"] + count
-    done = s["done"] | (n >= max_new_tokens) | stops.any(1)
-    live = ~s["done"]
-    return dict(s, round=s["round"] + 1, n=n, length=s["length"] + count, tokens=tokens,
-                done=done, history=history, cache=cache, drafter=dstate,
-                drafted=s["drafted"] + k * live.sum(),
-                accepted=s["accepted"] + jnp.where(live, count - 1, 0).sum())
+    wanted = jnp.max(jnp.where(s["done"], 1, s["own_k"]))
+    return jax.lax.switch(jnp.searchsorted(jnp.asarray(ladder), wanted), rounds, s)
 
   s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, state)
   return s["tokens"], s["round"] - 1, s["drafted"], s["accepted"], s["cache"]

@@ -2,7 +2,8 @@
 saw the rejected tokens holds (full, int8, rolling); greedy tokens equal plain decoding's with
 prompt lookup and a draft model, rows accepting unevenly; the rejection rule keeps the target's
 distribution (a chi-square bound, and a wrong rule it catches); refusals named. Every HF
-family's tiny checkpoint is in tests/models/test_speculative_integration.py."""
+family's tiny checkpoint is in tests/models/test_hf_integration.py; a draft model, the model
+drafting for itself, an int8 cache and jit in tests/models/test_speculative_integration.py."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_a_rolling_cache_without_the_extra_slots_loses_what_the_window_needs():
     assert (held(wrote) == held(cache)) == same, (extra, held(wrote), held(cache))
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "draft", "self"])
+@pytest.mark.parametrize("drafter", ["lookup"])
 def test_greedy_tokens_are_plain_decodings(drafter):
   """Rows that accept often, rarely and in between; every layer local (rolling caches of a
   window of 3: a rollback that lost a slot the window needs changes the tokens); a stop
@@ -139,20 +140,6 @@ def test_the_final_cache_is_what_the_kept_tokens_alone_make():
       for p in want_at:
         np.testing.assert_allclose(got_layer.key[b, :, got_at[p]],
                                    want_layer.key[b, :, want_at[p]], rtol=1e-4, atol=1e-5)
-
-
-def test_an_int8_cache_and_one_token_and_jit():
-  model, params = lm()
-  rows, lengths = prompts()
-  kw = dict(max_new_tokens=12, cache_dtype=jnp.int8)
-  want = decoding.generate(model, params, (rows,), rows, lengths, **kw)
-  got = jax.jit(lambda p: speculative.generate(model, params, (p,), p, lengths,
-                                               drafter=speculative.PromptLookup(2),
-                                               num_speculative_tokens=2, **kw))(rows)
-  np.testing.assert_array_equal(got, want)
-  one = speculative.generate(model, params, (rows,), rows, lengths, max_new_tokens=1,
-                             drafter=speculative.PromptLookup())
-  np.testing.assert_array_equal(one, want[:, :1])
 
 
 def accept_rule(p_C, q_C, k, n, seed, rule=speculative._accept):  # pylint: disable=protected-access
