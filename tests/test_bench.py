@@ -88,7 +88,8 @@ def test_every_benchmark_is_cited():
   helpers = {"experiments.bench.__init__", "experiments.bench.timing",
              "experiments.bench.hlo_bytes", "experiments.bench.attention_report",
              "experiments.bench.serving_parts", "experiments.bench.module_pieces",
-             "experiments.bench.module_cases", "experiments.bench.static_batching"}
+             "experiments.bench.module_cases", "experiments.bench.static_batching",
+             "experiments.bench.http_load"}
   missing = bench - helpers - set(MODULES)
   assert not missing, f"no command cited in README.md, docs/ or flax_mha/: {sorted(missing)}"
 
@@ -151,3 +152,31 @@ def test_gpu_device_times_cudnn_and_triton_beside_jax_nn_and_tokamax():
                                                implementation=triton.make_attention(
                                                    interpret=True))
   assert jax.numpy.allclose(interpreted, peers["default"](q, k, v, True), atol=1e-5)
+
+
+def test_http_load_records_and_summary():
+  """experiments.bench.http_load: a request's TTFT and TPOT from its chunks' times, a token
+  chunk told from the finish and usage chunks, and the summary's throughput and percentiles
+  (NumPy's) over the completed requests; a short or failed request counts as failed."""
+  from experiments.bench import http_load  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  one = http_load.record(sent=1.0, times=[1.5, 2.0, 3.5], tokens=5, start=0.5)
+  assert (one["ttft"], one["tpot"], one["end"]) == (0.5, 0.5, 3.0)
+  two = http_load.record(sent=2.0, times=[2.25, 4.25], tokens=5, start=0.5)
+  short = http_load.record(sent=2.0, times=[3.0], tokens=1, start=0.5)
+  failed = http_load.record(sent=2.0, times=[], tokens=0, start=0.5, error="HTTP 500")
+  out = http_load.summary([one, two, short, failed], new=5)
+  assert (out["completed"], out["failed"]) == (2, 2)
+  assert out["errors"] == ["1 tokens", "HTTP 500"]
+  assert out["throughput"] == 10 / 3.75  # the last token 3.75 s after the run's start
+  assert np.allclose(out["ttft"], (375, np.percentile([500, 250], 99)))
+  assert np.allclose(out["tpot"], (500, np.percentile([500, 500], 99)))
+  chunk = lambda text, finish=None: {"choices": [{"text": text, "finish_reason": finish}]}
+  assert http_load._token_chunk(chunk(" ba")) and http_load._token_chunk(chunk(" ba", "length"))
+  assert not http_load._token_chunk(chunk("", "length"))
+  assert not http_load._token_chunk({"choices": [], "usage": {"completion_tokens": 5}})
+  assert http_load._token_chunk({"choices": [{"delta": {"content": "x"}, "finish_reason": None}]})
+  times = http_load.arrivals(2000, rate=4.0, seed=3)
+  assert times == http_load.arrivals(2000, rate=4.0, seed=3) and times[0] == 0.0
+  assert abs(np.mean(np.diff(times)) - 0.25) < 0.02
+  assert http_load.arrivals(3, rate=float("inf"), seed=0) == [0.0] * 3

@@ -15,7 +15,9 @@ Commands of SLOW_MODULES are marked slow (`make test-slow`), each for its reason
   (20 of the integration part's 57 minutes on the slower machine type, 2026-11-28): what they
   time is tested where it is built (the kernels against the oracle, generation and serving
   against recompute, the ring and FSDP on 8 devices, the loader against transformers), and
-  their argument parsing and report writing by the cheaper commands that stay.
+  their argument parsing and report writing by the cheaper commands that stay;
+- bench.http_serving starts three servers and a worker, each importing jax or torch (70 s on the
+  slower machine type): the HTTP server has its own end-to-end tests.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ pytestmark = pytest.mark.integration  # subprocesses, one a module
 SLOW_MODULES = ("experiments.train", "experiments.bench.training", "experiments.bench.nnx",
                 "experiments.bench.attention", "experiments.bench.sparsity",
                 "experiments.bench.generation", "experiments.bench.ring", "experiments.bench.hf",
-                "experiments.bench.decode", "experiments.bench.blocks", "experiments.bench.fsdp")
+                "experiments.bench.decode", "experiments.bench.blocks", "experiments.bench.fsdp",
+                "experiments.bench.http_serving")
 TRAIN_SMOKE = ["--config.train.steps=2", "--config.train.log_every=1",
                "--config.train.checkpoint_every=2", "--config.eval.every=2",
                "--config.eval.num_examples=4", "--config.eval.batch_size=4"]
