@@ -21,10 +21,16 @@ from flax_mha.checks import check_token_ids
 from flax_mha.models import decoding
 from flax_mha.models import lm as lm_model
 from flax_mha.models.lm import DecoderLM, LMConfig
+from flax_mha.nn.options import Norm
 
 
 def model_config(config: ml_collections.ConfigDict, task: Task) -> LMConfig:
-  return LMConfig(vocab_size=task.vocab.size, **config.model)
+  """The LM of `config.model`, whose `norm`, where given, names the kind of a `Norm` ("layer",
+  "rms"): a config holds plain values, as its workdir's config.json does."""
+  fields = dict(config.model)
+  if "norm" in fields:
+    fields["norm"] = Norm(fields["norm"])
+  return LMConfig(vocab_size=task.vocab.size, **fields)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))

@@ -11,6 +11,8 @@ jax sees no GPU.
 Commands of SLOW_MODULES are marked slow (`make test-slow`), each for its reason:
 - experiments.train, bench.training, bench.nnx compile whole training steps (15-30 s each on the
   2-core machine); tests/test_train_integration.py trains the same runner in every run;
+- bench.speculative trains two tiny LMs and starts 7 workers (JAX or torch each), minutes on a
+  loaded machine; the exporter it relies on is tested below, against transformers' logits;
 - bench.attention, sparsity, generation, ring, hf, decode, blocks and fsdp took 60-290 s each
   (20 of the integration part's 57 minutes on the slower machine type, 2026-11-28): what they
   time is tested where it is built (the kernels against the oracle, generation and serving
@@ -30,6 +32,8 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from test_bench import COMMANDS, MODULES, REPO
@@ -40,7 +44,7 @@ SLOW_MODULES = ("experiments.train", "experiments.bench.training", "experiments.
                 "experiments.bench.attention", "experiments.bench.sparsity",
                 "experiments.bench.generation", "experiments.bench.ring", "experiments.bench.hf",
                 "experiments.bench.decode", "experiments.bench.blocks", "experiments.bench.fsdp",
-                "experiments.bench.http_serving")
+                "experiments.bench.http_serving", "experiments.bench.speculative")
 TRAIN_SMOKE = ["--config.train.steps=2", "--config.train.log_every=1",
                "--config.train.checkpoint_every=2", "--config.eval.every=2",
                "--config.eval.num_examples=4", "--config.eval.batch_size=4"]
@@ -93,3 +97,28 @@ def test_cited_commands_run(module, tmp_path):
                             timeout=600)
     assert result.returncode == 0, f"{command}\nran as {shlex.join(argv)}, failed:\n" + (
         result.stderr[-4000:])
+
+
+def test_exported_llama_gives_transformers_our_logits(tmp_path):
+  """experiments.bench.speculative's `export_llama`: configs/lm_copy.py's tiny LM, random
+  weights, written as a Llama checkpoint; transformers' own model on it gives our logits, and
+  `flax_mha.models.hf.load` reads back our parameters."""
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  import hf_checkpoints as hc  # pylint: disable=import-outside-toplevel
+  from configs import lm_copy  # pylint: disable=import-outside-toplevel
+  from experiments import lm, tasks  # pylint: disable=import-outside-toplevel
+  from experiments.bench import speculative  # pylint: disable=import-outside-toplevel
+  from flax_mha.models import hf  # pylint: disable=import-outside-toplevel
+  config = lm_copy.get_config("tiny")
+  cfg = lm.model_config(config, tasks.get_task("copy", **config.task.kwargs))
+  model = lm.DecoderLM(cfg)
+  tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 11)).astype(np.int32)
+  params = model.init(jax.random.key(1), jnp.asarray(tokens))["params"]
+  directory = speculative.export_llama(cfg, params, tmp_path / "llama")
+  ours = np.asarray(model.apply({"params": params}, jnp.asarray(tokens)))
+  positions = np.broadcast_to(np.arange(11), tokens.shape)
+  theirs = hc.hf_logits(directory, tokens, np.ones_like(tokens), positions)
+  np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+  _, back = hf.load(directory)
+  jax.tree.map(np.testing.assert_array_equal, back["params"], params)

@@ -15,8 +15,9 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from configs import algorithmic, dates, dates_long, num2words_de
-from experiments import data, run_config, seq2seq, tasks, train
+from configs import algorithmic, dates, dates_long, lm_copy, num2words_de
+from experiments import data, lm, run_config, seq2seq, tasks, train
+from flax_mha.nn.options import Norm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -165,3 +166,16 @@ def test_configs_build_their_task(module, arg):
   assert seq2seq.model_config(config, task).vocab_size == task.vocab.size
   with pytest.raises(ValueError):
     module.get_config("no_such_variant")
+
+
+@pytest.mark.parametrize("arg", [None, "draft", "tiny", "draft,tiny"])
+def test_lm_copy_configs_name_their_norm_in_plain_values(arg):
+  """configs/lm_copy.py says norm="rms" (a config.json holds plain values); the LM gets
+  Llama's RMSNorm, no bias."""
+  config = lm_copy.get_config(arg)
+  task = tasks.get_task(config.task.name, **config.task.kwargs)
+  cfg = lm.model_config(config, task)
+  assert (cfg.norm, cfg.vocab_size) == (Norm("rms", 1e-6, use_bias=False), task.vocab.size)
+  assert run_config.as_dict(config)["model"]["norm"] == "rms"
+  with pytest.raises(ValueError):
+    lm_copy.get_config("no_such_variant")
