@@ -55,12 +55,12 @@ class Plan:
 
 
 def chunks(chunk: int) -> tuple:
-  """The prefill step's sizes: `chunk` and the powers of 4 from 16 below it (a prompt's last
-  piece takes the smallest that holds it, so short prompts are not padded to `chunk`)."""
+  """The prefill step's sizes: `chunk` and the powers of 2 from 16 below it (a prompt's last
+  piece takes the smallest that holds it: padded to less than twice its tokens, or to 16)."""
   sizes, size = [], 16
   while size < chunk:
     sizes.append(size)
-    size *= 4
+    size *= 2
   return (*sizes, chunk)
 
 

@@ -77,10 +77,10 @@ def test_the_loop_is_one_program_without_host_callbacks():
   assert "while" in jaxpr and "callback" not in jaxpr
 
 
-def test_prefill_pieces_are_the_chunk_and_smaller_powers_of_4():
-  assert serving_loop.chunks(512) == (16, 64, 256, 512)
+def test_prefill_pieces_are_the_chunk_and_smaller_powers_of_2():
+  assert serving_loop.chunks(512) == (16, 32, 64, 128, 256, 512)
   assert serving_loop.chunks(16) == (16,) and serving_loop.chunks(8) == (8,)
-  assert serving_loop.chunks(100) == (16, 64, 100)
+  assert serving_loop.chunks(100) == (16, 32, 64, 100)
 
 
 def test_bad_prefill_chunk_is_named():
