@@ -13,10 +13,11 @@ the host's (shared prefix pages, `flax_mha.serving.page_pool`); the local layers
 caches of their window.
 
 A run (`segment`) ends after `max_trips` trips, when a row's output buffer is nearly full, when
-no row is live, or, while requests wait, as soon as a row ends or finishes its prompt (a row to
-give out, or a prefix to share). Between runs the host reads the small state back (the rows, the
-table, the free stack, the tokens of the run) and writes the next requests in; the pool stays on
-the device (donated from run to run).
+no row is live, or, while requests wait, as soon as a row ends (a row to give out) or, while a
+row is free, finishes its prompt (a prefix to share with a request waiting for it; with every
+row busy no request could be admitted). Between runs the host reads the small state back (the
+rows, the table, the free stack, the tokens of the run) and writes the next requests in; the
+pool stays on the device (donated from run to run).
 
 Token t of request r is drawn with the key fold_in(fold_in(rng, r), t): what a request gets
 does not depend on which row it ran in or when. Shapes: B rows, n table entries per row, P
@@ -240,7 +241,7 @@ def segment(plan: Plan, params, cache, rows: dict, rng, reset_B, copy_src_B, cop
            finished=jnp.bool_(False), prefilled=jnp.bool_(False))
 
   def more(s):
-    host_wanted = waiting & (s["finished"] | s["prefilled"])
+    host_wanted = waiting & (s["finished"] | (s["prefilled"] & (s["req"] < 0).any()))
     return ((s["req"] >= 0).any() & ~host_wanted & (s["trips"] < max_trips)
             & (s["count"].max() + 2 <= plan.out_width))
 

@@ -195,3 +195,19 @@ def test_sixteen_threads_streaming_with_cancels_get_offline_serve_s_tokens(own_t
   pool = server.pool
   assert not server.busy and all(e.refs == 0 for e in pool.entries.values())
   assert pool.n_free + pool.cached_pages == 40
+
+
+def test_a_run_goes_on_past_a_read_prompt_while_every_row_is_busy():
+  """3 requests, 2 rows: while the third waits and both rows are busy, a run does not end when
+  a row finishes its prompt (nothing could be admitted), only when a row ends; the tokens are
+  those of generating alone."""
+  model, params = lm()
+  prompts, limits = shared_requests(6, (5, 6, 7), (6, 4, 5))
+  server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=2 * 4,
+                          max_length=13, prefill_chunk=16, segment_steps=8)
+  requests = [server.submit(p, n) for p, n in zip(prompts, limits)]
+  server.step()
+  # Trip 1 reads row 0's prompt, trip 2 row 1's; row 1 (4 tokens) ends at trip 4.
+  assert int(server.runner.state["trips"]) == 4 and requests[1].state == "done"
+  server.run()
+  assert [r.tokens for r in requests] == _generated(model, params, prompts, limits)
