@@ -19,8 +19,10 @@ Parts:
   trips    where the loop's time goes, in one process, round-robin: a prefill piece of one row
            at 128 and at 512 tokens (a 120-token prompt padded to each), four such rows in one
            [4, 128] call, the model's decode step of 16 rows holding 152 tokens (the prompt and
-           half the new ones) over the paged pool and over a contiguous cache; then the runs
-           of the loop (the host's looks) and trips that `serve` makes at batch 16 and 8.
+           half the new ones) over the paged pool and over a contiguous cache, and paged
+           attention alone (one layer's shapes) with the decode kernel's pages walked in 1 and
+           in 2 partitions (`decode.PAGED_SPLITS`); then the runs of the loop (the host's
+           looks) and trips that `serve` makes at batch 16 and 8.
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ def _pieces(model, params, batch: int, length: int, new: int) -> dict:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax_mha import cache as cache_lib  # pylint: disable=import-outside-toplevel
   from flax_mha import serving  # pylint: disable=import-outside-toplevel
+  from flax_mha.cache import paged  # pylint: disable=import-outside-toplevel
+  from flax_mha.kernels import decode  # pylint: disable=import-outside-toplevel
   per_row = -(-(length + new) // PAGE)
   server = serving.Server(model, params, batch_size=batch, page_size=PAGE,
                           num_pages=batch * per_row, max_length=length + new)
@@ -155,6 +159,16 @@ def _pieces(model, params, batch: int, length: int, new: int) -> dict:
       4, 128, tuple(_rows(c, 4) for c in pool), piece(4, 128))
   fns[f"decode step [{batch}, 1], paged pool"] = lambda: run(batch, 1, rolled, step)
   fns[f"decode step [{batch}, 1], contiguous cache"] = lambda: run(batch, 1, contiguous, step)
+  layer = rolled[0]
+  query = jnp.ones((batch, 1, model.config.num_heads, layer.k_pages.shape[-1]))
+  for splits in (1, 2):
+    decode.PAGED_SPLITS = splits  # read when traced: a jit of its own per setting
+    attend = jax.jit(lambda q, c: paged.positioned_paged_attention(
+        q, c.k_pages, c.v_pages, c.page_indices, c.length[:, None] - 1, c.length))
+    jax.block_until_ready(attend(query, layer))
+    fns[f"paged attention alone, one layer, {splits} partition(s)"] = functools.partial(
+        attend, query, layer)
+  decode.PAGED_SPLITS = 1
   return {name: (lambda fn: lambda: jax.block_until_ready(fn()))(fn) for name, fn in fns.items()}
 
 
