@@ -14,7 +14,8 @@ Commands of SLOW_MODULES are marked slow (`make test-slow`), each for its reason
 - bench.speculative trains two tiny LMs and starts 7 workers (JAX or torch each), minutes on a
   loaded machine; the exporter it relies on is tested below, against transformers' logits;
 - bench.attention, sparsity, generation, ring, hf, decode, blocks and fsdp took 60-290 s each
-  (20 of the integration part's 57 minutes on the slower machine type, 2026-11-28): what they
+  (20 of the integration part's 57 minutes on the slower machine type, 2026-11-28), and
+  serving_speed 131 s (a checkpoint made by transformers, three worker processes): what they
   time is tested where it is built (the kernels against the oracle, generation and serving
   against recompute, the ring and FSDP on 8 devices, the loader against transformers), and
   their argument parsing and report writing by the cheaper commands that stay;
@@ -44,7 +45,8 @@ SLOW_MODULES = ("experiments.train", "experiments.bench.training", "experiments.
                 "experiments.bench.attention", "experiments.bench.sparsity",
                 "experiments.bench.generation", "experiments.bench.ring", "experiments.bench.hf",
                 "experiments.bench.decode", "experiments.bench.blocks", "experiments.bench.fsdp",
-                "experiments.bench.http_serving", "experiments.bench.speculative")
+                "experiments.bench.http_serving", "experiments.bench.speculative",
+                "experiments.bench.serving_speed")
 TRAIN_SMOKE = ["--config.train.steps=2", "--config.train.log_every=1",
                "--config.train.checkpoint_every=2", "--config.eval.every=2",
                "--config.eval.num_examples=4", "--config.eval.batch_size=4"]

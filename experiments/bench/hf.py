@@ -34,7 +34,6 @@ import resource
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -80,12 +79,7 @@ def _resident_mib() -> float:
 
 def _timed(run, rounds: int) -> dict:
   """A worker's report: `run()` once untimed (its tokens: row 0's), then `rounds` timed."""
-  tokens = run()
-  seconds = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    run()
-    seconds.append(time.perf_counter() - start)
+  tokens, seconds = timing.once_then_timed(run, rounds)
   return dict(seconds=seconds, tokens=[int(t) for t in tokens[0]], peak_mib=_peak_mib())
 
 

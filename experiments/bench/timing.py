@@ -63,6 +63,18 @@ def in_turns(fns: dict[Any, Callable[[], Any]], runs: int) -> dict[Any, tuple[fl
   return {name: (statistics.median(s), results[name]) for name, s in seconds.items()}
 
 
+def once_then_timed(run: Callable[[], Any], rounds: int) -> tuple[Any, list[float]]:
+  """(the result of `run()` called once untimed (compilation, warm-up), the seconds of each of
+  `rounds` timed calls after it): a worker's timing (see `isolated`)."""
+  result = run()
+  seconds = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    run()
+    seconds.append(time.perf_counter() - start)
+  return result, seconds
+
+
 def blocking(fn: Callable, *args) -> Callable[[], Any]:
   """`fn` jitted and applied to `args`, as a call of no arguments that waits for the result."""
   jitted = jax.jit(fn)

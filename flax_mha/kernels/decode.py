@@ -46,6 +46,10 @@ SPLITS = 2
 # decode steps 1.24x slower on `python -m experiments.bench.generation --part serving` than
 # blocks of 64-256 keys (level with each other there).
 PAGED_BLOCK_K = 64
+# Partitions over pages: one. Each trip gathers its block's pages, and two partitions gathered
+# together (a batched gather) made paged attention of 16 rows holding 152 tokens 2.4x slower
+# on the slower machine type (`python -m experiments.bench.serving_speed --part trips`).
+PAGED_SPLITS = 1
 
 
 def _visit_order(ctx):
@@ -403,7 +407,7 @@ def paged_entry(query, k_pages, v_pages, page_indices, lengths, *, mods, cfg, cf
   """A step over each row's pages read in place (layout "paged")."""
   del unused
   return paged(query, k_pages, v_pages, page_indices, lengths, mods, cfg, cfg_bwd,
-                      SPLITS, kv_scales=kv_scales)
+               PAGED_SPLITS, kv_scales=kv_scales)
 
 
 KERNEL = registry.register(registry.Kernel(

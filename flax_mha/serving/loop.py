@@ -1,20 +1,23 @@
 """The device side of serving (`flax_mha.serving.server`): a compiled loop over `batch_size` rows
 that runs until the host has something to do.
 
-Each trip of the loop feeds one row's prompt a piece (chunked prefill: at most `chunk` tokens,
-the last piece in the smallest of a few sizes that holds it, the oldest request first) and runs
-one decode step for every row past its prompt, so a long prompt enters between decode steps and
-no running row waits for a whole prefill. The global layers' keys and values live in a pool of
-pages (`flax_mha.cache.PagedKVCache`): a row pops pages off a free stack as its length crosses
-page boundaries and pushes them back when it ends, except its first `keep` table entries, which
-are the host's (shared prefix pages, `flax_mha.serving.page_pool`); the local layers keep rolling
+Each trip of the loop feeds prompt pieces (chunked prefill: a row's piece is at most `chunk`
+tokens, padded to the smallest power of two from 16 that holds it; the oldest request first, one
+row after another while the trip's padded tokens stay within `chunk`), then runs one decode
+step for every row past its prompt: a long prompt enters between decode steps, no running row
+waits for a whole prefill, and prompts arriving together are read in few trips (one decode step
+a trip for all of them). The global layers' keys and values live in a pool of pages
+(`flax_mha.cache.PagedKVCache`): a row pops pages off a free stack as its length crosses page
+boundaries and pushes them back when it ends, except its first `keep` table entries, which are
+the host's (shared prefix pages, `flax_mha.serving.page_pool`); the local layers keep rolling
 caches of their window.
 
 A run (`segment`) ends after `max_trips` trips, when a row's output buffer is nearly full, when
-no row is live, or, while requests wait, as soon as a row ends or finishes its prompt (a row to
-give out, or a prefix to share). Between runs the host reads the small state back (the rows, the
-table, the free stack, the tokens of the run) and writes the next requests in; the pool stays on
-the device (donated from run to run).
+no row is live, or, while requests wait, as soon as a row ends (a row to give out) or, while a
+row is free, finishes its prompt (a prefix to share with a request waiting for it; with every
+row busy no request could be admitted). Between runs the host reads the small state back (the
+rows, the table, the free stack, the tokens of the run) and writes the next requests in; the
+pool stays on the device (donated from run to run).
 
 Each row samples by its request's own parameters (temperature 0: greedy). Token t of request
 r is drawn with the key fold_in(fold_in(rng, r), t), or fold_in(key(seed), t) for a request
@@ -59,12 +62,12 @@ class Plan:
 
 
 def chunks(chunk: int) -> tuple:
-  """The prefill step's sizes: `chunk` and the powers of 4 from 16 below it (a prompt's last
-  piece takes the smallest that holds it, so short prompts are not padded to `chunk`)."""
+  """The prefill step's sizes: `chunk` and the powers of 2 from 16 below it (a prompt's last
+  piece takes the smallest that holds it: padded to less than twice its tokens, or to 16)."""
   sizes, size = [], 16
   while size < chunk:
     sizes.append(size)
-    size *= 4
+    size *= 2
   return (*sizes, chunk)
 
 
@@ -170,13 +173,36 @@ def _draw(s, rows_B, logits_BC, rng):
   return sampling.draw_rows(logits_BC, keys, *(s[k][rows_B] for k in SAMPLING))
 
 
-def _prefill(plan, params, s, stop, rng):
-  """The oldest row still reading its prompt feeds its next piece (at most `chunk` tokens); a
-  row that reads its last one samples its first new token."""
-  reading = _reading(s)
-  row = jnp.argmin(jnp.where(reading, s["req"], jnp.iinfo(jnp.int32).max))
+def _next_piece(plan, s):
+  """(row, start, count, index): the oldest row still reading its prompt, where its next piece
+  starts, its tokens (at most `chunk`), and the index in `chunks(chunk)` of the smallest size
+  that holds them (the piece's padded size)."""
+  row = jnp.argmin(jnp.where(_reading(s), s["req"], jnp.iinfo(jnp.int32).max))
   start = s["fed"][row]
   count = jnp.minimum(plan.chunk, s["plen"][row] - start)
+  return row, start, count, jnp.searchsorted(jnp.asarray(chunks(plan.chunk)), count)
+
+
+def _prefill_trip(plan, params, s, stop, rng):
+  """A trip's prefill: pieces of the oldest reading rows' prompts, one after another, while the
+  trip's padded tokens stay within `chunk` (the first piece always fits)."""
+  sizes = jnp.asarray(chunks(plan.chunk))
+
+  def more(carry):
+    s, fed = carry
+    return _reading(s).any() & (fed + sizes[_next_piece(plan, s)[3]] <= plan.chunk)
+
+  def feed(carry):
+    s, fed = carry
+    return _prefill(plan, params, s, stop, rng), fed + sizes[_next_piece(plan, s)[3]]
+
+  return jax.lax.while_loop(more, feed, (s, jnp.int32(0)))[0]
+
+
+def _prefill(plan, params, s, stop, rng):
+  """The oldest row still reading its prompt feeds its next piece (`_next_piece`); a row that
+  reads its last one samples its first new token."""
+  row, start, count, index = _next_piece(plan, s)
   is_row = jnp.arange(s["req"].shape[0]) == row
   s = _pop_pages(s, is_row[:, None] & _own(s, plan.page_size, start + count * is_row)
                  & ~owning(plan.pages_per_row, plan.page_size, s["length"]))
@@ -191,9 +217,7 @@ def _prefill(plan, params, s, stop, rng):
       return logits[:, count - 1], _put_row(cache, row, row_cache)
     return run
 
-  sizes = chunks(plan.chunk)
-  index = jnp.searchsorted(jnp.asarray(sizes), count)  # the smallest size >= count
-  last, cache = jax.lax.switch(index, [feed(size) for size in sizes],
+  last, cache = jax.lax.switch(index, [feed(size) for size in chunks(plan.chunk)],
                                _with_table(s["cache"], s["table"]))
   s = dict(s, cache=cache, fed=s["fed"] + count * is_row, length=s["length"] + count * is_row)
   s = _note_peak(s, plan.page_size)
@@ -231,13 +255,12 @@ def segment(plan: Plan, params, cache, rows: dict, rng, reset_B, copy_src_B, cop
            finished=jnp.bool_(False), prefilled=jnp.bool_(False))
 
   def more(s):
-    host_wanted = waiting & (s["finished"] | s["prefilled"])
+    host_wanted = waiting & (s["finished"] | (s["prefilled"] & (s["req"] < 0).any()))
     return ((s["req"] >= 0).any() & ~host_wanted & (s["trips"] < max_trips)
             & (s["count"].max() + 2 <= plan.out_width))
 
   def body(s):
-    s = jax.lax.cond(_reading(s).any(), lambda s: _prefill(plan, params, s, stop, rng),
-                     lambda s: s, s)
+    s = _prefill_trip(plan, params, s, stop, rng)
     writing = ~_reading(s) & (s["req"] >= 0)
     s = jax.lax.cond(writing.any(), lambda s: _decode(plan, params, s, stop, rng),
                      lambda s: s, s)

@@ -15,6 +15,7 @@ import pytest
 from helpers import random_params
 from flax_mha import serving
 from flax_mha.serving import loop as serving_loop
+from flax_mha.models import decoding
 from flax_mha.models.lm import DecoderLM, LMConfig
 
 VOCAB = 17
@@ -77,10 +78,35 @@ def test_the_loop_is_one_program_without_host_callbacks():
   assert "while" in jaxpr and "callback" not in jaxpr
 
 
-def test_prefill_pieces_are_the_chunk_and_smaller_powers_of_4():
-  assert serving_loop.chunks(512) == (16, 64, 256, 512)
+def test_prefill_pieces_are_the_chunk_and_smaller_powers_of_2():
+  assert serving_loop.chunks(512) == (16, 32, 64, 128, 256, 512)
   assert serving_loop.chunks(16) == (16,) and serving_loop.chunks(8) == (8,)
-  assert serving_loop.chunks(100) == (16, 64, 100)
+  assert serving_loop.chunks(100) == (16, 32, 64, 100)
+
+
+def test_a_trip_reads_several_rows_prompts_beside_decoding_rows():
+  """prefill_chunk=32 (pieces of 16 or 32): the first trip reads two rows' prompts (9 and 14
+  tokens, 16 each padded) and decodes both; the next reads a third's (20 tokens, 32 padded:
+  past the first trip's room) while the first two decode; every request gets the tokens of
+  `decoding.generate`, over a local layer's rolling cache and a global layer's pages."""
+  model, params = lm()
+  prompts, limits = shared_requests(2, (9, 14, 20), (5, 3, 4))
+  server = serving.Server(model, params, batch_size=3, page_size=4, num_pages=3 * 8,
+                          max_length=28, prefill_chunk=32, segment_steps=1)
+  requests = [server.submit(p, n) for p, n in zip(prompts, limits)]
+  server.step()
+  assert server.runner.state["fed"].tolist() == [9, 14, 0]
+  assert [len(r.tokens) for r in requests] == [2, 2, 0]  # the prefill's token and a decode's
+  server.step()
+  assert server.runner.state["fed"].tolist() == [9, 14, 20]
+  assert [len(r.tokens) for r in requests] == [3, 3, 2]
+  server.run()
+  padded = np.zeros((3, 20), np.int32)
+  for row, prompt in enumerate(prompts):
+    padded[row, :len(prompt)] = prompt
+  want = np.asarray(decoding.generate(model, params, (padded,), padded,
+                                      np.array([9, 14, 20], np.int32), max_new_tokens=5))
+  assert [r.tokens for r in requests] == [row[:n].tolist() for row, n in zip(want, limits)]
 
 
 def test_bad_prefill_chunk_is_named():

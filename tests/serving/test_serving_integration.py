@@ -32,13 +32,18 @@ def _generated(model, params, prompts, limits, **kwargs):
           for row, n in zip(tokens, limits)]
 
 
-def test_chunked_prefill_serves_what_generate_gives():
-  """Prompts up to 50 tokens fed in pieces of at most 16 (and 4-token pages) between decode
-  steps, 5 requests through 2 rows: each request's tokens equal generating it alone."""
+# prefill_chunk=16: one row's piece a trip; 64: several rows' pieces a trip (up to 64 tokens).
+CHUNKS = pytest.mark.parametrize("chunk", [16, 64])
+
+
+@CHUNKS
+def test_chunked_prefill_serves_what_generate_gives(chunk):
+  """Prompts up to 50 tokens fed in pieces of at most `chunk` (and 4-token pages) between
+  decode steps, 5 requests through 2 rows: each request's tokens equal generating it alone."""
   model, params = lm()
   prompts, limits = shared_requests()
   served, stats = serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
-                                num_pages=2 * 15, prefill_chunk=16)
+                                num_pages=2 * 15, prefill_chunk=chunk)
   want = _generated(model, params, prompts, limits)
   assert served == want
   assert len({t for row in want for t in row}) > 3  # the tokens vary: the check means something
@@ -62,14 +67,15 @@ def test_stop_tokens_and_pages_given_back_for_the_next_requests():
   assert served == static
 
 
-def test_shared_prefixes_and_copy_on_write_keep_every_request_s_tokens():
+@CHUNKS
+def test_shared_prefixes_and_copy_on_write_keep_every_request_s_tokens(chunk):
   """A prompt that is the shared prefix alone (its last page copied on write) is admitted while
   the request that wrote the prefix still decodes: both, and the rest, get the tokens of
   generating alone; every page comes back."""
   model, params = global_lm()
   prompts, limits = shared_prefix_requests(1, tails=(6, 0, 0, 9), limits=(12, 5, 3, 6))
   server = serving.Server(model, params, batch_size=3, page_size=4, num_pages=30,
-                          max_length=32, prefill_chunk=16, segment_steps=2)
+                          max_length=32, prefill_chunk=chunk, segment_steps=2)
   requests = [server.submit(p, n) for p, n in zip(prompts, limits)]
   server.run()
   want = _generated(model, params, prompts, limits)
@@ -80,14 +86,15 @@ def test_shared_prefixes_and_copy_on_write_keep_every_request_s_tokens():
   assert pool.n_free + pool.cached_pages == 30
 
 
-def test_online_admission_streaming_and_cancellation():
+@CHUNKS
+def test_online_admission_streaming_and_cancellation(chunk):
   """With the server's own thread running: requests submitted while others stream get their
   tokens; a cancelled one stops and gives its pages back; nothing leaks."""
   model, params = global_lm()
   prompts, limits = shared_requests(3, (5, 30, 12, 21, 7), (9, 8, 30, 6, 8))
   want = _generated(model, params, prompts, limits)
   with serving.Server(model, params, batch_size=2, page_size=4, num_pages=24, max_length=48,
-                      prefill_chunk=16, segment_steps=2) as server:
+                      prefill_chunk=chunk, segment_steps=2) as server:
     first = server.submit(prompts[0], limits[0])
     streamed, late = [], []
     for token in server.stream(first):
@@ -121,13 +128,14 @@ def test_a_full_pool_makes_requests_wait_and_loses_nothing():
   assert stats.peak_pages <= 10
 
 
-def test_an_int8_pool_serves_what_generate_gives_over_an_int8_cache():
+@CHUNKS
+def test_an_int8_pool_serves_what_generate_gives_over_an_int8_cache(chunk):
   """Pages in int8 (a scale per token and head) and shared prefixes: the tokens of generating
   alone over a contiguous int8 cache, which quantizes the same keys alike."""
   model, params = global_lm()
   prompts, limits = shared_prefix_requests(2, tails=(6, 0, 9), limits=(8, 5, 6))
   served, stats = serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
-                                num_pages=24, prefill_chunk=16, cache_dtype=jnp.int8)
+                                num_pages=24, prefill_chunk=chunk, cache_dtype=jnp.int8)
   assert served == _generated(model, params, prompts, limits, cache_dtype=jnp.int8)
   assert stats.shared_tokens > 0
 
@@ -187,3 +195,19 @@ def test_sixteen_threads_streaming_with_cancels_get_offline_serve_s_tokens(own_t
   pool = server.pool
   assert not server.busy and all(e.refs == 0 for e in pool.entries.values())
   assert pool.n_free + pool.cached_pages == 40
+
+
+def test_a_run_goes_on_past_a_read_prompt_while_every_row_is_busy():
+  """3 requests, 2 rows: while the third waits and both rows are busy, a run does not end when
+  a row finishes its prompt (nothing could be admitted), only when a row ends; the tokens are
+  those of generating alone."""
+  model, params = lm()
+  prompts, limits = shared_requests(6, (5, 6, 7), (6, 4, 5))
+  server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=2 * 4,
+                          max_length=13, prefill_chunk=16, segment_steps=8)
+  requests = [server.submit(p, n) for p, n in zip(prompts, limits)]
+  server.step()
+  # Trip 1 reads row 0's prompt, trip 2 row 1's; row 1 (4 tokens) ends at trip 4.
+  assert int(server.runner.state["trips"]) == 4 and requests[1].state == "done"
+  server.run()
+  assert [r.tokens for r in requests] == _generated(model, params, prompts, limits)
