@@ -15,7 +15,9 @@ caches of their window.
 A run (`segment`) ends after `max_trips` trips, when a row's output buffer is nearly full, when
 no row is live, or, while requests wait, as soon as a row ends (a row to give out) or, while a
 row is free, finishes its prompt (a prefix to share with a request waiting for it; with every
-row busy no request could be admitted). Between runs the host reads the small state back (the
+row busy no request could be admitted), and, with `first_tokens`, as soon as a row reads its
+prompt's last piece (its first token goes out without waiting for the run's other trips: an
+online server's time to first token). Between runs the host reads the small state back (the
 rows, the table, the free stack, the tokens of the run) and writes the next requests in; the
 pool stays on the device (donated from run to run).
 
@@ -245,17 +247,19 @@ def _decode(plan, params, s, stop, rng):
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 @cache_lib.caller_makes_room  # the host admits a request only when its pages are covered
 def segment(plan: Plan, params, cache, rows: dict, rng, reset_B, copy_src_B, copy_dst_B,
-            max_trips, waiting):
+            max_trips, waiting, first_tokens=False):
   """One run of the loop (see the module docstring): (cache, rows). `reset_B` marks the rows
   the host just gave a request (their caches emptied); pages copy_src_B are copied into
-  copy_dst_B first (copy-on-write; a destination P is none)."""
+  copy_dst_B first (copy-on-write; a destination P is none). `max_trips`, `waiting` and
+  `first_tokens` are traced: one program serves every run."""
   stop = jnp.asarray(plan.stop_tokens, jnp.int32)
   cache = tuple(c.reset_rows(reset_B).copy_pages(copy_src_B, copy_dst_B) for c in cache)
   s = dict(rows, cache=cache, count=jnp.zeros_like(rows["count"]), trips=jnp.int32(0),
            finished=jnp.bool_(False), prefilled=jnp.bool_(False))
 
   def more(s):
-    host_wanted = waiting & (s["finished"] | (s["prefilled"] & (s["req"] < 0).any()))
+    host_wanted = ((waiting & (s["finished"] | (s["prefilled"] & (s["req"] < 0).any())))
+                   | (first_tokens & s["prefilled"]))
     return ((s["req"] >= 0).any() & ~host_wanted & (s["trips"] < max_trips)
             & (s["count"].max() + 2 <= plan.out_width))
 

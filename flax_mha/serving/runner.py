@@ -56,14 +56,15 @@ class Runner:
     """Row `row` emptied (its request cancelled): no more tokens from it."""
     self.state["req"][row] = -1
 
-  def run(self, pool: page_pool.PagePool, waiting: bool) -> dict:
+  def run(self, pool: page_pool.PagePool, waiting: bool, first_tokens: bool = False) -> dict:
     """One run of the loop over the free stack `pool` lends, which it takes back; returns the
-    rows' state as the run left it (NumPy), also kept as this runner's."""
+    rows' state as the run left it (NumPy), also kept as this runner's. first_tokens: the run
+    ends as soon as a request's first token is made (`loop.segment`)."""
     free, n_free = pool.lend()
     inputs, self._inputs = self._inputs, self._no_inputs()
     self.cache, rows = loop.segment(self.plan, self.params, self.cache,
                                     dict(self.state, free=free, n_free=n_free), self.rng,
-                                    *inputs, self.segment_steps, waiting)
+                                    *inputs, self.segment_steps, waiting, first_tokens)
     rows = {k: np.array(v) for k, v in jax.device_get(rows).items()}
     pool.take_back(rows.pop("free"), rows.pop("n_free"))
     self.state = rows

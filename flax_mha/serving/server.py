@@ -102,19 +102,27 @@ class Server:
   `decoding.generate`'s. sampler: `Greedy()` or `Sampling(...)`, the requests' default (each may
   bring its own); token t of request r is drawn with fold_in(fold_in(rng, r), t), or
   fold_in(key(seed), t) for a request with its own seed. cache_dtype: the pool's dtype (None:
-  the model's; jnp.int8 where the model's caches take it).
+  the model's; jnp.int8 where the model's caches take it). eager_first_tokens: a run of the
+  loop ends as soon as a request's first token is made, so that it reaches its reader without
+  waiting for the run's other trips (the time to first token of a request that arrives alone:
+  its prefill and one trip, not `segment_steps` trips); `serve`, which hands every token out
+  at the end, turns it off.
   """
 
   def __init__(self, model, params, *, batch_size: int, page_size: int, num_pages: int,
                max_length: int, prefill_chunk: int = PREFILL_CHUNK, stop_tokens=(),
                sampler=decoding.Greedy(), rng=None, prefix_caching: bool = True,
-               segment_steps: int = SEGMENT_STEPS, cache_dtype=None):
+               segment_steps: int = SEGMENT_STEPS, cache_dtype=None,
+               eager_first_tokens: bool = True):
     for name, value in (("batch_size", batch_size), ("page_size", page_size),
                         ("num_pages", num_pages), ("max_length", max_length),
                         ("prefill_chunk", prefill_chunk), ("segment_steps", segment_steps)):
       checks.check_int(name, value)
-    if not isinstance(prefix_caching, bool):
-      raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+    for name, value in (("prefix_caching", prefix_caching),
+                        ("eager_first_tokens", eager_first_tokens)):
+      if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    self.eager_first_tokens = eager_first_tokens
     self.sampling = sampling_lib.row_params(sampler)
     self.model, self.params = decoding.decodable(model, params)
     self.vocab_size = decoding.vocabulary(self.model, self.params, "init_paged_cache",
@@ -333,7 +341,7 @@ class Server:
         if not self.scheduler.live:
           return
         waiting = bool(self.scheduler.waiting)
-      rows = self.runner.run(self.pool, waiting)
+      rows = self.runner.run(self.pool, waiting, self.eager_first_tokens)
       with self._cond:
         self.scheduler.take_out(rows, time.perf_counter())
         self._loop_seconds += time.perf_counter() - started
@@ -370,7 +378,8 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
   server = Server(model, params, batch_size=batch_size, page_size=page_size,
                   num_pages=num_pages, max_length=max(len(p) + n for p, n in zip(prompts, limits)),
                   prefill_chunk=prefill_chunk, stop_tokens=stop_tokens, sampler=sampler, rng=rng,
-                  prefix_caching=prefix_caching, segment_steps=64, cache_dtype=cache_dtype)
+                  prefix_caching=prefix_caching, segment_steps=64, cache_dtype=cache_dtype,
+                  eager_first_tokens=False)
   requests = [server.submit(p, n) for p, n in zip(prompts, limits)]
   server.run()
   return [r.tokens for r in requests], server.stats(time.perf_counter() - started)

@@ -204,10 +204,30 @@ def test_a_run_goes_on_past_a_read_prompt_while_every_row_is_busy():
   model, params = lm()
   prompts, limits = shared_requests(6, (5, 6, 7), (6, 4, 5))
   server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=2 * 4,
-                          max_length=13, prefill_chunk=16, segment_steps=8)
+                          max_length=13, prefill_chunk=16, segment_steps=8,
+                          eager_first_tokens=False)
   requests = [server.submit(p, n) for p, n in zip(prompts, limits)]
   server.step()
   # Trip 1 reads row 0's prompt, trip 2 row 1's; row 1 (4 tokens) ends at trip 4.
   assert int(server.runner.state["trips"]) == 4 and requests[1].state == "done"
   server.run()
   assert [r.tokens for r in requests] == _generated(model, params, prompts, limits)
+
+
+def test_a_first_token_goes_out_without_waiting_for_the_run():
+  """A request alone, 16 trips a run: with eager_first_tokens (the default) the first run ends
+  at the trip that reads its prompt (its first token, and the token of that trip's decode
+  step); without, the run goes on and hands out its 8 tokens at once. The same tokens either
+  way."""
+  model, params = lm()
+  prompts, _ = shared_requests()
+  got = {}
+  for eager in (True, False):
+    server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=16,
+                            max_length=32, segment_steps=16, eager_first_tokens=eager)
+    request = server.submit(prompts[1][:9], 8)
+    server.step()
+    assert len(request.tokens) == (2 if eager else 8), (eager, request.tokens)
+    server.run()
+    got[eager] = request.tokens
+  assert got[True] == got[False] == _generated(model, params, [prompts[1][:9]], [8])[0]
