@@ -30,6 +30,10 @@ from flax_mha.serving.http import chat
 from flax_mha.serving.http.engine import Engine, Served
 
 API_KEY_ENV = "FLAX_MHA_API_KEY"
+# Trips of the loop between two looks of the host: a request that arrives mid-run waits for the
+# run's end, so fewer trips admit sooner and stream in smaller pieces; a look costs a host
+# sync of the small state (see docs/serving_http_cpu.md for the measurement).
+SEGMENT_STEPS = 4
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +49,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
   add("--max-length", type=int, default=2048,
       help="the longest request, prompt and new tokens (capped at the model's positions)")
   add("--num-pages", type=int, help="pages in the pool (default: every row at --max-length)")
-  add("--segment-steps", type=int, default=server_lib.SEGMENT_STEPS,
+  add("--segment-steps", type=int, default=SEGMENT_STEPS,
       help="loop trips between two looks of the host: fewer stream tokens in smaller pieces "
       "and admit sooner, more run longer between host syncs")
   add("--max-waiting", type=int, default=256, help="requests waiting before 429")
