@@ -4,6 +4,7 @@ one) over the OpenAI protocol. `experiments.serve` serves a model trained here w
 flags (`add_flags`, `serve`).
 
   python -m flax_mha.serving.http --checkpoint path/to/model --port 8000 [--api-key KEY]
+  flax-mha-serve --checkpoint path/to/model                  # the same, as a console script
 
 It binds 127.0.0.1 unless --host says otherwise, and says so; compiles the serving loop before
 it listens (one request of one token), then prints `listening on http://HOST:PORT` (--port 0:
