@@ -27,6 +27,9 @@ TESTED_ELSEWHERE = {
         "a trained workdir: tests/test_generate_command_integration.py trains one and runs it",
     "experiments.launch":
         "several processes training: tests/test_multiprocess_integration.py runs it",
+    "experiments.serve":
+        "a trained workdir and a server that runs until a signal: "
+        "tests/serving/test_http_lm_integration.py trains one and serves it",
 }
 # Options (each with a value) that a module's --smoke run ignores, as its --help says.
 SMOKE_IGNORES = {"experiments.bench.attention": ("--ds", "--ns", "--json"),
