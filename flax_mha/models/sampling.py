@@ -41,10 +41,10 @@ class Sampling:
 
   def restrict(self, logits_BC):
     """The logits the draw sees: scaled, and -inf outside the top-k / top-p set."""
-    b = logits_BC.shape[0]
-    return restrict_rows(logits_BC, jnp.full((b,), self.temperature, jnp.float32),
-                         jnp.full((b,), self.top_k or 0, jnp.int32),
-                         jnp.full((b,), 1.0 if self.top_p is None else self.top_p, jnp.float32))
+    rows = lambda value, dtype: jnp.full((logits_BC.shape[0],), value, dtype)
+    temperature, top_k, top_p = self.row_params
+    return restrict_rows(logits_BC, rows(temperature, jnp.float32), rows(top_k, jnp.int32),
+                         rows(top_p, jnp.float32))
 
   @property
   def row_params(self) -> tuple[float, int, float]:
