@@ -240,13 +240,21 @@ def check_cache_dtype(cache_dtype):
 
 @cache_lib.caller_makes_room  # sized below for every token written
 def _prefill(model, params, context, prompts, lengths, max_new_tokens, cache_dtype=None):
-  """(cache, last logits [B, C]): the prompts run in one call, each row at its own positions."""
-  length = prompts.shape[1]
-  # The last new token is never fed back: the cache needs room for L + N - 1 tokens.
+  """(cache, last logits [B, C]): `prefill` into a cache of L + N - 1 tokens (the last new
+  token is never fed back)."""
+  return prefill(model, params, context, prompts, lengths,
+                 prompts.shape[1] + max_new_tokens - 1, cache_dtype)
+
+
+def prefill(model, params, context, prompts, lengths, max_length: int, cache_dtype=None,
+            **cache_options):
+  """(cache, last logits [B, C]): a cache of `max_length` tokens (`init_cache(*context,
+  max_length=, dtype=cache_dtype, **cache_options)`) and the prompts [B, L] run in one call,
+  each row at its own positions (the padding past lengths [B]: position -1, never written)."""
   dtype = {} if cache_dtype is None else {"dtype": cache_dtype}
-  cache = model.apply(params, *context, max_length=length + max_new_tokens - 1,
-                      method="init_cache", **dtype)
-  ar = jnp.arange(length, dtype=jnp.int32)
+  cache = model.apply(params, *context, max_length=max_length, method="init_cache", **dtype,
+                      **cache_options)
+  ar = jnp.arange(prompts.shape[1], dtype=jnp.int32)
   real = ar < lengths[:, None]
   positions = jnp.where(real, ar, -1)
   # Padding is never read, whatever its ids (`check_ids` skips it too): fed as id 0, so that

@@ -57,9 +57,7 @@ def rollback(caches, length_B):
 
 
 def _probs(sampler, logits_BC):
-  """The distribution `sampler` draws from: its restricted softmax; one-hot argmax if greedy."""
-  if isinstance(sampler, sampling.Greedy):
-    return jax.nn.one_hot(jnp.argmax(logits_BC, -1), logits_BC.shape[-1], dtype=jnp.float32)
+  """The distribution a `Sampling` draws from: its restricted softmax."""
   return jax.nn.softmax(sampler.restrict(logits_BC.astype(jnp.float32)), axis=-1)
 
 
@@ -123,17 +121,12 @@ class DraftModel:
 
   def init(self, params, model_context, prompts, lengths, capacity, rollback_slots):
     """Its cache, prefilled with the prompts."""
-    model = self.model
-    cache = model.apply(params, *model_context, max_length=capacity, rollback=rollback_slots,
-                        method="init_cache")
-    ar = jnp.arange(prompts.shape[1], dtype=jnp.int32)
-    positions = jnp.where(ar < lengths[:, None], ar, -1)
-    _, cache = model.apply(params, jnp.where(positions >= 0, prompts, 0), cache, positions,
-                           method="logits")
-    return cache
+    return decoding.prefill(self.model, params, model_context, prompts, lengths, capacity,
+                            rollback=rollback_slots)[0]
 
   def propose(self, params, cache, history_BM, length_B, k, key, sampler):
-    """k drafts per row: the tokens its cache lacks (1 or 2: the last kept ones) fed first."""
+    """k drafts per row: the tokens its cache lacks (1 or 2: the last kept ones) fed first;
+    their distributions q [B, k, C] when sampling (greedy needs none: None)."""
     model = self.model
     held = cache_length(cache)
     feed = held[:, None] + jnp.arange(2)
@@ -142,16 +135,17 @@ class DraftModel:
     logits, cache = model.apply(params, jnp.where(positions >= 0, tokens, 0), cache, positions,
                                 method="logits")
     logits = jnp.take_along_axis(logits, (length_B - held - 1)[:, None, None], axis=1)[:, 0]
+    greedy = isinstance(sampler, sampling.Greedy)
     drafts, qs = [], []
     for i in range(k):
-      q = _probs(sampler, logits)
+      if not greedy:
+        qs.append(_probs(sampler, logits))
       token = sampler(logits, jax.random.fold_in(key, i))
       drafts.append(token)
-      qs.append(q)
       if i + 1 < k:
         logits, cache = model.apply(params, token[:, None], cache, method="logits")
         logits = logits[:, 0]
-    return cache, jnp.stack(drafts, 1), jnp.stack(qs, 1)
+    return cache, jnp.stack(drafts, 1), None if greedy else jnp.stack(qs, 1)
 
   def commit(self, cache, history_BM, kept_B):
     """Its cache cut back to what the target kept (`kept_B` tokens in the target's cache)."""
@@ -275,18 +269,12 @@ def _generate(model, params, context, prompts, lengths, rng, draft_arrays, max_n
               drafter, k, sampler, stop_tokens, pad_id, cache_dtype):
   b, l = prompts.shape
   capacity = l + max_new_tokens + k
-  dtype = {} if cache_dtype is None else {"dtype": cache_dtype}
-  cache = model.apply(params, *context, max_length=capacity, rollback=k, method="init_cache",
-                      **dtype)
-  ar = jnp.arange(l, dtype=jnp.int32)
-  positions = jnp.where(ar < lengths[:, None], ar, -1)
-  logits, cache = model.apply(params, jnp.where(positions >= 0, prompts, 0), cache, positions,
-                              method="logits")
-  first = sampler(jnp.take_along_axis(logits, (lengths - 1)[:, None, None], 1)[:, 0],
-                  jax.random.fold_in(rng, 0))
+  cache, last = decoding.prefill(model, params, context, prompts, lengths, capacity,
+                                 cache_dtype, rollback=k)
+  first = sampler(last, jax.random.fold_in(rng, 0))
   stop = jnp.asarray(stop_tokens, jnp.int32)
-  history = jnp.zeros((b, capacity), jnp.int32).at[:, :l].set(jnp.where(positions >= 0,
-                                                                         prompts, 0))
+  real = jnp.arange(l) < lengths[:, None]
+  history = jnp.zeros((b, capacity), jnp.int32).at[:, :l].set(jnp.where(real, prompts, 0))
   history = history.at[jnp.arange(b), lengths].set(first)
   state = dict(round=jnp.int32(1), n=jnp.ones((b,), jnp.int32), length=lengths + 1,
                tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
