@@ -55,7 +55,9 @@ class Engine:
     self.aborted = 0  # requests whose reader went away before their end (cancelled)
     self._events: set[asyncio.Event] = set()
     self._loop = None
-    self.observers = []  # called with (request, Output, seconds since submission)
+    # called with (request, Output, seconds since submission, the (seconds, tokens) of the
+    # request's first piece, None for the first piece itself)
+    self.observers = []
 
   def start(self, loop: asyncio.AbstractEventLoop) -> None:
     """Run the server's thread; wake this loop's readers after each run of the loop."""
@@ -103,7 +105,16 @@ class Engine:
     self.active += 1
     detokenizer = text_lib.Detokenizer(self.served.tokenizer.decode)
     stops = text_lib.StopStrings(job.stops)
-    sent = 0
+    sent, first = 0, None
+
+    def seen(output: Output) -> Output:
+      nonlocal first
+      seconds = time.perf_counter() - request.submitted_at
+      for observe in self.observers:
+        observe(request, output, seconds, first)
+      first = first or (seconds, output.tokens)
+      return output
+
     try:
       while True:
         event.clear()
@@ -112,15 +123,15 @@ class Engine:
         piece = stops.add(detokenizer.add(new)) if new else ""
         if stops.stopped:
           self.server.cancel(request)
-          yield self._seen(request, Output(piece, sent, "stop"))
+          yield seen(Output(piece, sent, "stop"))
           return
         if finished:
           piece += stops.add(detokenizer.flush())
           piece += stops.flush()
-          yield self._seen(request, Output(piece, sent, self._finish(job, request, stops)))
+          yield seen(Output(piece, sent, self._finish(job, request, stops)))
           return
         if piece:
-          yield self._seen(request, Output(piece, sent))
+          yield seen(Output(piece, sent))
         if not new:
           await event.wait()
     finally:
@@ -134,8 +145,3 @@ class Engine:
     ended_by_token = (not job.ignore_eos and request.tokens
                       and request.tokens[-1] in self.served.stop_tokens)
     return "stop" if stops.stopped or ended_by_token else "length"
-
-  def _seen(self, request, output: Output) -> Output:
-    for observe in self.observers:
-      observe(request, output, time.perf_counter() - request.submitted_at)
-    return output

@@ -50,7 +50,6 @@ class Metrics:
                                               "requests answered to their end, by reason",
                                               ["reason"], **r)
     self.registry.register(_ServerState(engine))
-    self._first: dict[int, tuple[float, int]] = {}
     engine.observers.append(self.observe)
 
   def answered(self, path: str, status: int, seconds: float) -> None:
@@ -58,15 +57,14 @@ class Metrics:
     self.answers.labels(route, str(status)).inc()
     self.latency.labels(route).observe(seconds)
 
-  def observe(self, request, output, seconds: float) -> None:
-    """A piece of `request`'s answer `seconds` after its submission."""
-    first = self._first.get(request.id)
+  def observe(self, request, output, seconds: float, first) -> None:
+    """A piece of `request`'s answer `seconds` after its submission; `first`: the (seconds,
+    tokens) of its first piece, None when this is it."""
     if first is None:
-      self._first[request.id] = first = (seconds, output.tokens)
+      first = (seconds, output.tokens)
       self.first_token.observe(seconds)
       self.prompt_tokens.inc(len(request.prompt))
     if output.finish is not None:
-      del self._first[request.id]
       self.finished.labels(output.finish).inc()
       self.generation_tokens.inc(output.tokens)
       if output.tokens > first[1]:
