@@ -25,6 +25,7 @@ import time
 
 import uvicorn
 
+from flax_mha.models import decoding
 from flax_mha.serving import server as server_lib
 from flax_mha.serving.http import app as app_lib
 from flax_mha.serving.http import chat
@@ -61,8 +62,6 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_server(served: Served, args) -> server_lib.Server:
   """The Server of `served` sized by the flags."""
-  from flax_mha.models import decoding  # pylint: disable=import-outside-toplevel
-
   limit = decoding.position_limit(served.model)
   max_length = args.max_length if limit is None else min(args.max_length, limit)
   pages_per_row = -(-max_length // args.page_size)
@@ -134,7 +133,7 @@ class Draining(uvicorn.Server):
 
 def hf_served(directory, name=None, dtype=None) -> Served:
   """A Hugging Face checkpoint directory as the server serves it."""
-  from flax_mha.models import hf  # pylint: disable=import-outside-toplevel
+  from flax_mha.models import hf  # pylint: disable=import-outside-toplevel  (the hf extra)
 
   model, variables = hf.load(directory, dtype=dtype)
   return Served(name or pathlib.Path(directory).resolve().name, model, variables,
