@@ -40,7 +40,7 @@ def generate(directory: str, prompts, *, samples: int = 1, max_new_tokens: int =
   tokens; TypeError or ValueError naming `samples` when it is not a positive int.
   """
   checks.check_int("samples", samples)
-  drafter = _drafter(speculate, draft_checkpoint, dtype, serve)
+  drafter = _drafter(speculate, draft_checkpoint, dtype)
   out = sys.stdout if out is None else out
   model, variables = hf.load(directory, dtype=dtype)
   tokenizer = hf.load_tokenizer(directory)
@@ -53,11 +53,15 @@ def generate(directory: str, prompts, *, samples: int = 1, max_new_tokens: int =
   rng = jax.random.key(seed)
   start = time.perf_counter()
   if serve:
-    longest = max(map(len, ids)) + max_new_tokens
+    extra = 0 if drafter is None else num_speculative_tokens  # a round's writes past the end
+    longest = max(map(len, ids)) + max_new_tokens + extra
     num_pages = batch_size * -(-longest // page_size)
-    new, _ = serving.serve(model, variables, ids, max_new_tokens, batch_size=batch_size,
-                           page_size=page_size, num_pages=num_pages, stop_tokens=stops,
-                           sampler=sampler, rng=rng)
+    new, stats = serving.serve(model, variables, ids, max_new_tokens, batch_size=batch_size,
+                               page_size=page_size, num_pages=num_pages, stop_tokens=stops,
+                               sampler=sampler, rng=rng, drafter=drafter,
+                               num_speculative_tokens=num_speculative_tokens)
+    if drafter is not None:
+      _acceptance(out, stats.accepted, stats.drafted)
   else:
     new = _batch(model, variables, ids, max_new_tokens, sampler, stops, rng, drafter,
                  num_speculative_tokens, out)
@@ -71,16 +75,13 @@ def generate(directory: str, prompts, *, samples: int = 1, max_new_tokens: int =
   return texts
 
 
-def _drafter(speculate, draft_checkpoint, dtype, serve):
+def _drafter(speculate, draft_checkpoint, dtype):
   """The drafter --speculate names (None without it). Raises ValueError for a combination the
   command does not take."""
   if speculate is None:
     if draft_checkpoint is not None:
       raise ValueError("--draft_checkpoint is the draft model of --speculate draft")
     return None
-  if serve:
-    raise ValueError("--speculate decodes one batch (speculative.generate); it does not take "
-                     "--serve yet")
   if speculate == "ngram":
     return speculative.PromptLookup()
   if speculate == "draft":
@@ -106,6 +107,10 @@ def _batch(model, variables, ids, max_new_tokens, sampler, stops, rng, drafter=N
     tokens, stats = speculative.generate_with_stats(
         *args, drafter=drafter, num_speculative_tokens=num_speculative_tokens, **kw)
     tokens = np.asarray(tokens)
-    out.write(f"speculation: {stats.accepted} of {stats.drafted} drafts kept "
-              f"({stats.acceptance:.0%}), {stats.rounds} rounds of the model\n")
+    _acceptance(out, stats.accepted, stats.drafted, f", {stats.rounds} rounds of the model")
   return [serving.until_stop(row, stops) for row in tokens]
+
+
+def _acceptance(out, accepted: int, drafted: int, more: str = "") -> None:
+  share = f"{accepted / drafted:.0%}" if drafted else "none drafted"
+  out.write(f"speculation: {accepted} of {drafted} drafts kept ({share}){more}\n")

@@ -2,6 +2,7 @@
 configs/lm.py (the decoder-only LM), with the flags of `flax_mha.serving.http`.
 
   python -m experiments.serve --workdir runs/lm --port 8000
+  python -m experiments.serve --workdir runs/lm --speculate ngram     # prompt lookup
   curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
       -d '{"model": "lm", "prompt": "3 août 2098", "max_tokens": 12, "temperature": 0}'
 
@@ -55,6 +56,13 @@ def lm_served(workdir: str, name: str | None = None) -> Served:
                 {"params": params}, LMTokenizer(runner.task.vocab), None, (EOS,))
 
 
+def _draft_model(workdir: str):
+  """(model, variables) of --draft-checkpoint: here the workdir of an LM run on the same
+  characters (a smaller one drafts for a larger)."""
+  served = lm_served(workdir)
+  return served.model, served.params
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m experiments.serve",
                                    description=__doc__.splitlines()[0])
@@ -63,9 +71,10 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   try:
     served = lm_served(args.workdir, args.served_model_name)
+    draft = cli.drafter(args, _draft_model)
   except (run_config.ConfigMismatch, ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
-  cli.serve(served, args)
+  cli.serve(served, args, draft)
 
 
 if __name__ == "__main__":

@@ -109,20 +109,18 @@ def test_samples_with_a_checkpoint_are_each_a_draw_of_their_own(checkpoint, caps
 
 def test_speculate_prints_plain_greedy_text_and_its_acceptance(checkpoint, capsys):
   """--speculate ngram and --speculate draft (the checkpoint drafting for itself: every draft
-  kept) print the text of plain greedy decoding, then the drafts kept; a combination the
-  command does not take is one line."""
+  kept), in one batch and with --serve, print the text of plain greedy decoding, then the
+  drafts kept; a combination the command does not take is one line."""
   _main("--checkpoint", str(checkpoint), "--prompt", "the cat the cat the", "--max_new_tokens",
         "8")
   plain = capsys.readouterr().out.splitlines()[0]
-  for how in (["--speculate", "ngram"], ["--speculate", "draft", "--draft_checkpoint",
-                                         str(checkpoint)]):
+  for how in (["--speculate", "ngram"], ["--speculate", "ngram", "--serve"],
+              ["--speculate", "draft", "--draft_checkpoint", str(checkpoint)]):
     _main("--checkpoint", str(checkpoint), "--prompt", "the cat the cat the",
           "--max_new_tokens", "8", "--num_speculative_tokens", "3", *how)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("speculation: ") and lines[1] == plain, lines
   kept, drafted = map(int, re.match(r"speculation: (\d+) of (\d+) drafts kept", lines[0]).groups())
   assert 0 < kept <= drafted, lines[0]  # the model drafting for itself: its drafts are kept
-  for bad, match in (([], "--speculate draft needs --draft_checkpoint"),
-                     (["--serve"], "it does not take --serve yet")):
-    with pytest.raises(SystemExit, match=match):
-      _main("--checkpoint", str(checkpoint), "--prompt", "x", "--speculate", "draft", *bad)
+  with pytest.raises(SystemExit, match="--speculate draft needs --draft_checkpoint"):
+    _main("--checkpoint", str(checkpoint), "--prompt", "x", "--speculate", "draft")

@@ -15,6 +15,7 @@ from flax_mha.cache.kv import KVCache
 from flax_mha.cache.kv import PagedKVCache
 from flax_mha.cache.kv import ROOM_MADE_BY_CALLER
 from flax_mha.cache.kv import caller_makes_room
+from flax_mha.cache.kv import is_cache
 from flax_mha.cache.kv import next_positions
 from flax_mha.cache.kv import room_made_by_caller
 from flax_mha.cache.kv import update
@@ -25,5 +26,5 @@ from flax_mha.cache.entry import attend
 from flax_mha.cache.entry import explain
 
 __all__ = ["KVCache", "PagedKVCache", "ROOM_MADE_BY_CALLER", "attend", "caller_makes_room",
-           "explain", "next_positions", "paged", "room_made_by_caller", "steps",
+           "explain", "is_cache", "next_positions", "paged", "room_made_by_caller", "steps",
            "update", "update_pages"]

@@ -327,12 +327,25 @@ class PagedKVCache:
     """The rows `rows_B` (bool [B]) emptied: length 0 (their pages are the host's to reuse)."""
     return dataclasses.replace(self, length=jnp.where(rows_B, 0, self.length))
 
+  def rollback(self, length_B) -> "PagedKVCache":
+    """Each row cut back to its first length_B [B] tokens: slots past a row's length are hidden
+    whatever its pages hold (`flax_mha.cache.paged`), so the pages themselves are untouched;
+    those no longer reached are the host's to take back."""
+    return dataclasses.replace(
+        self, length=jnp.minimum(jnp.asarray(length_B, jnp.int32), self.length))
+
   def copy_pages(self, src_N, dst_N) -> "PagedKVCache":
     """The pool with pages dst_N [N] holding copies of pages src_N [N] (copy-on-write of a
     shared page); an index out of [0, P) in dst_N is dropped."""
     copy = lambda pool: None if pool is None else pool.at[dst_N].set(pool[src_N], mode="drop")
     return dataclasses.replace(self, k_pages=copy(self.k_pages), v_pages=copy(self.v_pages),
                                k_scales=copy(self.k_scales), v_scales=copy(self.v_scales))
+
+
+def is_cache(x) -> bool:
+  """Whether `x` is one layer's cache (`KVCache` or `PagedKVCache`): the leaves a function over
+  a model's caches maps (`jax.tree.map(..., is_leaf=is_cache)`)."""
+  return isinstance(x, (KVCache, PagedKVCache))
 
 
 def update_pages(cache: PagedKVCache, key_BTGK, value_BTGV, positions_BT) -> PagedKVCache:

@@ -41,11 +41,13 @@ class Decodable:
     return kv_caches(self.config, tokens.shape[0], max_length, dtype, rollback)
 
   def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int,
-                       pages_per_row: int, dtype=None):
+                       pages_per_row: int, dtype=None, rollback: int = 0):
     """Caches for serving (`flax_mha.serving.server`): the global layers' keys and values in a
     pool of `num_pages` pages of `page_size` tokens (each row owning up to `pages_per_row`,
-    assigned by the host), the local layers' in rolling caches of their window."""
-    return paged_caches(self.config, batch_size, num_pages, page_size, pages_per_row, dtype)
+    assigned by the host), the local layers' in rolling caches of their window (and
+    `rollback` slots more, as `init_cache`'s)."""
+    return paged_caches(self.config, batch_size, num_pages, page_size, pages_per_row, dtype,
+                        rollback)
 
 
 def embed_tokens(cfg: LMConfig, embed, tokens, positions, position_embed=None):
@@ -109,14 +111,14 @@ def kv_caches(cfg: LMConfig, batch_size: int, max_length: int, dtype=None,
 
 
 def paged_caches(cfg: LMConfig, batch_size: int, num_pages: int, page_size: int,
-                 pages_per_row: int, dtype=None) -> tuple:
+                 pages_per_row: int, dtype=None, rollback: int = 0) -> tuple:
   """`DecoderLM.init_paged_cache`'s caches (shared by the NNX twin)."""
   k = cfg.k_dim
   table = jnp.zeros((batch_size, pages_per_row), jnp.int32)
   return tuple(
       cache_lib.KVCache.create(batch_size, pages_per_row * page_size, cfg.num_kv_heads, k, k,
                                dtype or cfg.dtype, window=cfg.local_window,
-                               sink_tokens=cfg.sink_tokens)
+                               sink_tokens=cfg.sink_tokens, rollback=rollback)
       if cfg.is_local(i) else
       cache_lib.PagedKVCache.create(num_pages, page_size, table, cfg.num_kv_heads, k, k,
                                     dtype or cfg.dtype)

@@ -5,6 +5,7 @@ Shapes: B batch, C vocabulary."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -94,3 +95,37 @@ def draw_rows(logits_BC, keys_B, temperature_B, top_k_B, top_p_B):
 
   drawn = jax.lax.cond(sampling.any(), draw, lambda: greedy)
   return jnp.where(sampling, drawn, greedy)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """Each row its own sampling parameters, arrays [B] as `draw_rows` takes them (temperature
+  0: greedy): the serving loop's sampler, and what speculative decoding reads any sampler as
+  (`as_rows`). Draws take one key per row."""
+  temperature: Any
+  top_k: Any
+  top_p: Any
+
+  def draw(self, logits_BC, keys_B):
+    """A token per row [B] (`draw_rows`)."""
+    return draw_rows(logits_BC, keys_B, self.temperature, self.top_k, self.top_p)
+
+  def probs(self, logits_BTC):
+    """[B, T, C]: the distribution each row's draw takes at each of its T positions, float32
+    (a greedy row's: one-hot at the most likely token)."""
+    logits_BTC = logits_BTC.astype(jnp.float32)
+    sampling = self.temperature > 0
+    restrict = jax.vmap(restrict_rows, in_axes=(1, None, None, None), out_axes=1)
+    soft = jax.nn.softmax(restrict(logits_BTC, jnp.where(sampling, self.temperature, 1.0),
+                                   self.top_k, self.top_p), axis=-1)
+    greedy = jax.nn.one_hot(jnp.argmax(logits_BTC, -1), logits_BTC.shape[-1])
+    return jnp.where(sampling[:, None, None], soft, greedy)
+
+
+def as_rows(sampler, batch_size: int) -> Rows:
+  """`sampler` (`Greedy`, `Sampling` or already `Rows`) as `Rows` of batch_size rows."""
+  if isinstance(sampler, Rows):
+    return sampler
+  temperature, top_k, top_p = row_params(sampler)
+  full = lambda value, dtype: jnp.full((batch_size,), value, dtype)
+  return Rows(full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32))

@@ -21,7 +21,7 @@ tokens' distribution is exactly the target's p (its sampler's temperature / top-
 whatever the drafter proposes. q is the drafter's: one-hot for prompt lookup, the draft
 model's own sampler distribution for a draft model.
 
-Drafters, behind one interface (`init`, `propose`, `commit`):
+Drafters, behind one interface (`split`, `init`, `read`, `propose`, `commit`):
 - `PromptLookup(ngram)`: the last n tokens (n = ngram, then shorter) matched against the
   prompt and what has been generated, the latest match's continuation proposed. No model.
 - `DraftModel(model, params)`: any decodable decoder with the target's vocabulary, with its own
@@ -50,15 +50,15 @@ from flax_mha.models import sampling
 
 
 def rollback(caches, length_B):
-  """Every KVCache in the pytree `caches` cut back to length_B [B] tokens per row."""
-  is_cache = lambda x: isinstance(x, cache_lib.KVCache)
-  return jax.tree.map(lambda c: c.rollback(length_B) if is_cache(c) else c, caches,
-                      is_leaf=is_cache)
+  """Every cache (KVCache or PagedKVCache) in the pytree `caches` cut back to length_B [B]
+  tokens per row."""
+  return jax.tree.map(lambda c: c.rollback(length_B) if cache_lib.is_cache(c) else c, caches,
+                      is_leaf=cache_lib.is_cache)
 
 
-def _probs(sampler, logits_BC):
-  """The distribution a `Sampling` draws from: its restricted softmax."""
-  return jax.nn.softmax(sampler.restrict(logits_BC.astype(jnp.float32)), axis=-1)
+def fold_rows(keys_B, data):
+  """Each row's key [B] folded with `data`."""
+  return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +79,14 @@ class PromptLookup:
     del arrays, model_context, prompts, lengths, capacity, rollback_slots
     return ()
 
-  def propose(self, arrays, state, history_BM, length_B, k, key, sampler):
+  def read(self, arrays, state, tokens, positions):
+    """Prompt tokens read (a serving loop's prefill piece): nothing to keep."""
+    del arrays, tokens, positions
+    return state
+
+  def propose(self, arrays, state, history_BM, length_B, live_B, k, keys_B, sampler):
     """(state, drafts [B, k], q [B, k, C] or None: one-hot, the drafts are certain)."""
-    del arrays, key, sampler
+    del arrays, live_B, keys_B, sampler
     b, m = history_BM.shape
     at = jnp.arange(m)
     best = jnp.full((b,), -1, jnp.int32)  # where the matched n-gram ends
@@ -109,7 +114,8 @@ class PromptLookup:
 class DraftModel:
   """A smaller decoder with the target's vocabulary drafts with its own cache (rolled back as
   the target's): `model` linen with `params`, or NNX with params None. It draws its drafts
-  with the target's sampler (greedy: its argmax)."""
+  with the target's sampler (greedy: its argmax). Its caches may be paged (a serving loop's,
+  on the target's page table)."""
   model: Any
   params: Any = None
 
@@ -124,26 +130,35 @@ class DraftModel:
     return decoding.prefill(self.model, params, model_context, prompts, lengths, capacity,
                             rollback=rollback_slots)[0]
 
-  def propose(self, params, cache, history_BM, length_B, k, key, sampler):
+  def read(self, params, cache, tokens, positions):
+    """Its cache after reading prompt tokens [B, T] at positions [B, T] (-1: none)."""
+    return self.model.apply(params, tokens, cache, positions, method="logits")[1]
+
+  def propose(self, params, cache, history_BM, length_B, live_B, k, keys_B, sampler):
     """k drafts per row: the tokens its cache lacks (1 or 2: the last kept ones) fed first;
-    their distributions q [B, k, C] when sampling (greedy needs none: None)."""
+    their distributions q [B, k, C] when sampling (greedy needs none: None). Rows not live_B
+    [B] write nothing."""
     model = self.model
     held = cache_length(cache)
     feed = held[:, None] + jnp.arange(2)
-    positions = jnp.where(feed < length_B[:, None], feed, -1)
+    positions = jnp.where((feed < length_B[:, None]) & live_B[:, None], feed, -1)
     tokens = jnp.take_along_axis(history_BM, jnp.clip(feed, 0, history_BM.shape[1] - 1), 1)
     logits, cache = model.apply(params, jnp.where(positions >= 0, tokens, 0), cache, positions,
                                 method="logits")
-    logits = jnp.take_along_axis(logits, (length_B - held - 1)[:, None, None], axis=1)[:, 0]
+    logits = jnp.take_along_axis(logits, jnp.clip(length_B - held - 1, 0, 1)[:, None, None],
+                                 axis=1)[:, 0]
     greedy = isinstance(sampler, sampling.Greedy)
+    rows = sampling.as_rows(sampler, history_BM.shape[0])
     drafts, qs = [], []
     for i in range(k):
       if not greedy:
-        qs.append(_probs(sampler, logits))
-      token = sampler(logits, jax.random.fold_in(key, i))
+        qs.append(rows.probs(logits[:, None])[:, 0])
+      token = rows.draw(logits, fold_rows(keys_B, i))
       drafts.append(token)
       if i + 1 < k:
-        logits, cache = model.apply(params, token[:, None], cache, method="logits")
+        logits, cache = model.apply(params, token[:, None], cache,
+                                    jnp.where(live_B, length_B + i, -1)[:, None],
+                                    method="logits")
         logits = logits[:, 0]
     return cache, jnp.stack(drafts, 1), None if greedy else jnp.stack(qs, 1)
 
@@ -153,11 +168,29 @@ class DraftModel:
     return rollback(cache, jnp.minimum(cache_length(cache), kept_B))
 
 
+def check_drafter(drafter, vocab_size: int | None = None, method: str = "init_cache",
+                  static=(8,)):
+  """`drafter` as it is, refused when it is not a `PromptLookup()` or a `DraftModel(...)`
+  (TypeError), or, given vocab_size, when a draft model's logits are not over vocab_size tokens
+  (ValueError); method and static: the draft model's cache method and its int arguments, for
+  its shapes."""
+  if not isinstance(drafter, (PromptLookup, DraftModel)):
+    raise TypeError("drafter must be a PromptLookup() or a DraftModel(...), got "
+                    f"{type(drafter).__name__}")
+  if isinstance(drafter, DraftModel) and vocab_size is not None:
+    model, params = decoding.decodable(drafter.model, drafter.params)
+    context = (jnp.zeros((1, 1), jnp.int32),) if method == "init_cache" else ()
+    size = decoding.vocabulary(model, params, method, context, static)
+    if size != vocab_size:
+      raise ValueError(f"the draft model's vocabulary must be the model's ({vocab_size} "
+                       f"tokens), got {size}")
+  return drafter
+
+
 def cache_length(caches):
-  """[B]: the tokens the first KVCache of the pytree `caches` holds per row."""
-  is_cache = lambda x: isinstance(x, cache_lib.KVCache)
-  first = next(c for c in jax.tree.leaves(caches, is_leaf=is_cache) if is_cache(c))
-  return first.length
+  """[B]: the tokens the first cache of the pytree `caches` holds per row."""
+  leaves = jax.tree.leaves(caches, is_leaf=cache_lib.is_cache)
+  return next(c for c in leaves if cache_lib.is_cache(c)).length
 
 
 def generate(model, params, context, prompts, prompt_lengths=None, *, max_new_tokens: int,
@@ -197,12 +230,12 @@ def generate_with_stats(model, params, context, prompts, prompt_lengths=None, *,
   """`generate`'s tokens and the run's `Stats`."""
   model, params = decoding.decodable(model, params)
   k = checks.check_int("num_speculative_tokens", num_speculative_tokens)
-  if not isinstance(drafter, (PromptLookup, DraftModel)):
-    raise TypeError("drafter must be a PromptLookup() or a DraftModel(...), got "
-                    f"{type(drafter).__name__}")
   context, prompts, prompt_lengths = decoding.as_token_arrays(context, prompts, prompt_lengths)
+  check_drafter(drafter)
   prompts, prompt_lengths = decoding.check_generation(model, params, context, prompts,
                                                       prompt_lengths, max_new_tokens)
+  check_drafter(drafter, decoding.vocabulary(model, params, "init_cache", context, (1,),
+                                             prompts.shape[0]))
   if isinstance(sampler, sampling.Sampling) and rng is None:
     raise ValueError("sampling needs rng (a jax.random.key): the same key gives the same tokens")
   try:
@@ -233,10 +266,13 @@ def ks(k: int) -> tuple[int, ...]:
   return (*sizes, k)
 
 
-def _accept(sampler, logits_BTC, drafts_BK, q_BKC, key, proposed_BK=None):
-  """(count [B] of new tokens, new tokens [B, k + 1]): the drafts kept, then the target's own.
-  A draft not `proposed_BK` (past its row's own k) is never kept; the token in its place is
-  drawn from p, as from a draft distribution q of 0."""
+def accept(sampler, logits_BTC, drafts_BK, q_BKC, keys_B, proposed_BK=None):
+  """(count [B] of new tokens, new tokens [B, k + 1]): the drafts kept, then the target's own,
+  by the rule of the module docstring over the target's logits [B, k + 1, C] at the pending
+  token and the k drafts. sampler: `Greedy()`, `Sampling(...)` or `sampling.Rows` (a greedy
+  row's p is one-hot: the rule keeps a draft exactly while it is the argmax); keys_B: a key per
+  row. A draft not `proposed_BK` (past its row's own k) is never kept; the token in its place
+  is drawn from p, as from a draft distribution q of 0."""
   k = drafts_BK.shape[1]
   proposed_BK = jnp.ones(drafts_BK.shape, bool) if proposed_BK is None else proposed_BK
   if isinstance(sampler, sampling.Greedy):
@@ -246,18 +282,21 @@ def _accept(sampler, logits_BTC, drafts_BK, q_BKC, key, proposed_BK=None):
     return kept + 1, jnp.where(jnp.arange(k + 1) < kept[:, None],
                                jnp.pad(drafts_BK, ((0, 0), (0, 1))), own)
   b, _, c = logits_BTC.shape
-  p = _probs(sampler, logits_BTC.reshape(b * (k + 1), c)).reshape(b, k + 1, c)
+  p = sampling.as_rows(sampler, b).probs(logits_BTC)
   q = jax.nn.one_hot(drafts_BK, c, dtype=jnp.float32) if q_BKC is None else q_BKC
   q = jnp.where(proposed_BK[..., None], q, 0.0)
   take = lambda x: jnp.take_along_axis(x, drafts_BK[..., None], -1)[..., 0]
-  u = jax.random.uniform(jax.random.fold_in(key, 0), (b, k))
+  # u [B, k]: a draw per row and position (not per round: a row's draws do not depend on how
+  # many drafts its batch's round proposes)
+  u = jax.vmap(lambda key: jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(
+      jnp.arange(k)))(fold_rows(keys_B, 0))
   agree = (u * take(q) < take(p[:, :k])) & proposed_BK  # u < p(d) / q(d)
   kept = jnp.sum(jnp.cumprod(agree, axis=1), axis=1)
   residual = jnp.maximum(p[:, :k] - q, 0.0)
   residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p[:, :k])
   last = jnp.concatenate([residual, p[:, k:]], axis=1)  # [B, k + 1, C]: where the row stops
   at = jnp.take_along_axis(last, kept[:, None, None], axis=1)[:, 0]
-  own = jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(at)).astype(jnp.int32)
+  own = jax.vmap(jax.random.categorical)(fold_rows(keys_B, 1), jnp.log(at)).astype(jnp.int32)
   new = jnp.where(jnp.arange(k + 1) < kept[:, None], jnp.pad(drafts_BK, ((0, 0), (0, 1))),
                   own[:, None])
   return kept + 1, new
@@ -286,16 +325,17 @@ def _generate(model, params, context, prompts, lengths, rng, draft_arrays, max_n
   def round_of(kk):
     """A round of kk drafts per row (a row's own k may be fewer: the rest are not kept)."""
     def run(s):
-      key = jax.random.fold_in(rng, s["round"])
+      keys = jax.random.split(jax.random.fold_in(rng, s["round"]), b)
       dstate, drafts, q = drafter.propose(draft_arrays, s["drafter"], s["history"],
-                                          s["length"], kk, jax.random.fold_in(key, 0), sampler)
+                                          s["length"], ~s["done"], kk, fold_rows(keys, 0),
+                                          sampler)
       pending = jnp.take_along_axis(s["history"], s["length"][:, None] - 1, axis=1)
       held = s["length"] - 1
       positions = jnp.where(s["done"][:, None], -1, held[:, None] + jnp.arange(kk + 1))
       logits, cache = model.apply(params, jnp.concatenate([pending, drafts], 1), s["cache"],
                                   positions, method="logits")
       proposed = jnp.arange(kk) < s["own_k"][:, None]
-      count, new = _accept(sampler, logits, drafts, q, jax.random.fold_in(key, 1), proposed)
+      count, new = accept(sampler, logits, drafts, q, fold_rows(keys, 1), proposed)
       stops = jnp.isin(new, stop) & (jnp.arange(kk + 1) < count[:, None])
       count = jnp.where(stops.any(1), jnp.argmax(stops, axis=1) + 1, count)
       count = jnp.where(s["done"], 0, jnp.minimum(count, max_new_tokens - s["n"]))

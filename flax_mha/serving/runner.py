@@ -14,7 +14,8 @@ from flax_mha.serving.scheduler import Start
 
 
 class Runner:
-  """The device side of `plan` (a `loop.Plan`) with `params`; `rng` keys the sampler."""
+  """The device side of `plan` (a `loop.Plan`) with `params` (the model's, and its drafter's
+  arrays: None without one); `rng` keys the sampler."""
 
   def __init__(self, plan: loop.Plan, params, rng, segment_steps: int):
     self.plan, self.params, self.rng, self.segment_steps = plan, params, rng, segment_steps
@@ -42,6 +43,7 @@ class Runner:
       s[name][b] = value
     s["seed"][b] = -1 if request.seed is None else request.seed
     s["stops"][b] = request.stops
+    s["own_k"][b] = self.plan.speculative_tokens
     s["prompt"][b] = 0
     s["prompt"][b, :n] = request.prompt
     s["keep"][b], s["fed"][b], s["length"][b], s["gen"][b] = (admission.keep, admission.start,

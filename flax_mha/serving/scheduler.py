@@ -47,10 +47,12 @@ class Start:
 
 
 class Scheduler:
-  """The waiting queue and the busy rows' requests of `batch_size` rows over `pool`."""
+  """The waiting queue and the busy rows' requests of `batch_size` rows over `pool`, each
+  request taking `extra_tokens` more than its prompt and new tokens (what a speculative round
+  writes past them before it rolls back)."""
 
-  def __init__(self, pool: page_pool.PagePool, batch_size: int):
-    self.pool = pool
+  def __init__(self, pool: page_pool.PagePool, batch_size: int, extra_tokens: int = 0):
+    self.pool, self.extra_tokens = pool, extra_tokens
     self.rows: list[Request | None] = [None] * batch_size
     self.waiting: list[Request] = []
     self.new_tokens = self.shared_tokens = 0
@@ -91,7 +93,7 @@ class Scheduler:
         continue
       live = {row: held_tokens[row] for row, r in enumerate(self.rows) if r is not None}
       for request in self.waiting:
-        total = len(request.prompt) + request.max_new_tokens
+        total = len(request.prompt) + request.max_new_tokens + self.extra_tokens
         admission = self.pool.lease(b, request.prompt, total, live)
         if isinstance(admission, page_pool.Admission):
           self.waiting.remove(request)

@@ -60,6 +60,7 @@ from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha.models import decoding
 from flax_mha.models import sampling as sampling_lib
+from flax_mha.models import speculative
 from flax_mha.serving import loop as serving_loop
 from flax_mha.serving import page_pool
 from flax_mha.serving import runner as runner_lib
@@ -86,6 +87,8 @@ class ServeStats:
   peak_tokens: int = 0
   peak_tokens_in_pages: int = 0  # the same, each row's rounded up to whole pages
   shared_tokens: int = 0
+  drafted: int = 0  # speculative decoding's drafts proposed
+  accepted: int = 0  # and kept
 
   @property
   def tokens_per_second(self) -> float:
@@ -106,14 +109,18 @@ class Server:
   loop ends as soon as a request's first token is made, so that it reaches its reader without
   waiting for the run's other trips (the time to first token of a request that arrives alone:
   its prefill and one trip, not `segment_steps` trips); `serve`, which hands every token out
-  at the end, turns it off.
+  at the end, turns it off. drafter: speculative decoding (`flax_mha.models.speculative`'s
+  `PromptLookup()` or `DraftModel(...)` of the model's vocabulary; None: none), up to
+  num_speculative_tokens drafts a row a round, k adapting to each row's acceptance (see
+  `flax_mha.serving.loop`): greedy tokens stay plain decoding's, sampled ones keep each
+  request's distribution; each request takes k more tokens' pages while it runs.
   """
 
   def __init__(self, model, params, *, batch_size: int, page_size: int, num_pages: int,
                max_length: int, prefill_chunk: int = PREFILL_CHUNK, stop_tokens=(),
                sampler=decoding.Greedy(), rng=None, prefix_caching: bool = True,
                segment_steps: int = SEGMENT_STEPS, cache_dtype=None,
-               eager_first_tokens: bool = True):
+               eager_first_tokens: bool = True, drafter=None, num_speculative_tokens: int = 4):
     for name, value in (("batch_size", batch_size), ("page_size", page_size),
                         ("num_pages", num_pages), ("max_length", max_length),
                         ("prefill_chunk", prefill_chunk), ("segment_steps", segment_steps)):
@@ -127,15 +134,22 @@ class Server:
     self.model, self.params = decoding.decodable(model, params)
     self.vocab_size = decoding.vocabulary(self.model, self.params, "init_paged_cache",
                                           static=(1, 1, 1, 1))
+    k, draft_arrays = 0, None
+    if drafter is not None:
+      speculative.check_drafter(drafter, self.vocab_size, "init_paged_cache", (1, 1, 1, 1))
+      k = checks.check_int("num_speculative_tokens", num_speculative_tokens)
+      drafter, draft_arrays = drafter.split()
+    self._max_length = math.ceil(max_length / page_size) * page_size
     self.plan = serving_loop.Plan(self.model, tuple(int(t) for t in stop_tokens),
                                   prefill_chunk, page_size, batch_size, num_pages,
-                                  math.ceil(max_length / page_size),
-                                  2 * segment_steps + 2, cache_dtype)
-    self.runner = runner_lib.Runner(self.plan, self.params,
+                                  math.ceil((max_length + k) / page_size),
+                                  (k + 2) * segment_steps + 2, cache_dtype, drafter, k)
+    self.runner = runner_lib.Runner(self.plan, (self.params, draft_arrays),
                                     jax.random.key(0) if rng is None else rng, segment_steps)
-    paged_only = all(isinstance(c, cache_lib.PagedKVCache) for c in self.runner.cache)
+    paged_only = all(isinstance(c, cache_lib.PagedKVCache)
+                     for c in jax.tree.leaves(self.runner.cache, is_leaf=cache_lib.is_cache))
     self.pool = page_pool.PagePool(num_pages, page_size, prefix_caching and paged_only)
-    self.scheduler = scheduler_lib.Scheduler(self.pool, batch_size)
+    self.scheduler = scheduler_lib.Scheduler(self.pool, batch_size, k)
     self._next_id = 0
     self._cond = threading.Condition()
     self._thread, self._stopping, self._error = None, False, None
@@ -147,7 +161,7 @@ class Server:
   def max_length(self) -> int:
     """The longest request (prompt and new tokens): the constructor's max_length rounded up to
     whole pages."""
-    return self.plan.pages_per_row * self.plan.page_size
+    return self._max_length
 
   # The caller's side.
 
@@ -170,9 +184,12 @@ class Server:
       raise ValueError(f"a prompt of {len(prompt)} tokens and max_new_tokens={max_new_tokens} "
                        f"need {total} tokens, more than max_length "
                        f"({self.max_length} in pages)")
-    if self.pool.pages_for(total) > self.pool.num_pages:
-      raise ValueError(f"a request of {total} tokens needs {self.pool.pages_for(total)} pages; "
-                       f"the pool has num_pages={self.pool.num_pages}")
+    k = self.plan.speculative_tokens
+    pages = self.pool.pages_for(total + k)
+    if pages > self.pool.num_pages:
+      rounds = f" (and {k} a speculative round writes past them)" if k else ""
+      raise ValueError(f"a request of {total} tokens{rounds} needs {pages} pages; the pool has "
+                       f"num_pages={self.pool.num_pages}")
     with self._cond:
       request = Request(self._next_id, prompt, max_new_tokens, row_sampling,
                         None if seed is None else int(seed), not ignore_stop_tokens,
@@ -199,13 +216,15 @@ class Server:
   def snapshot(self) -> dict:
     """The server's state now, read under the lock: requests waiting and running, pages free
     (on the free stack), pages held by prefix entries, tokens made, prompt tokens taken from
-    shared pages."""
+    shared pages, and speculation's drafts proposed and accepted."""
     with self._cond:
       return dict(waiting=len(self.scheduler.waiting),
                   running=sum(r is not None for r in self.scheduler.rows),
                   free_pages=int(self.pool.n_free), cached_pages=self.pool.cached_pages,
                   new_tokens=self.scheduler.new_tokens,
-                  shared_tokens=self.scheduler.shared_tokens)
+                  shared_tokens=self.scheduler.shared_tokens,
+                  drafted=int(self.runner.state["drafted"]),
+                  accepted=int(self.runner.state["accepted"]))
 
   def add_listener(self, listener) -> None:
     """Call listener() after each run of the loop and each cancel (on the thread that did it,
@@ -256,8 +275,10 @@ class Server:
     compilation included) is what tokens_per_second divides by."""
     peak = self.runner.state["peak"]
     seconds = self._loop_seconds if seconds is None else seconds
+    state = self.runner.state
     return ServeStats(self.scheduler.new_tokens, seconds, int(peak[0]), self.plan.page_size,
-                      int(peak[1]), int(peak[2]), self.scheduler.shared_tokens)
+                      int(peak[1]), int(peak[2]), self.scheduler.shared_tokens,
+                      int(state["drafted"]), int(state["accepted"]))
 
   # A thread of its own.
 
@@ -354,7 +375,8 @@ class Server:
 
 def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size: int,
           num_pages: int, prefill_chunk: int = PREFILL_CHUNK, stop_tokens=(),
-          sampler=decoding.Greedy(), rng=None, prefix_caching: bool = True, cache_dtype=None):
+          sampler=decoding.Greedy(), rng=None, prefix_caching: bool = True, cache_dtype=None,
+          drafter=None, num_speculative_tokens: int = 4):
   """Every request up front through a `Server`, run until all are done: (new tokens per prompt,
   ServeStats).
 
@@ -379,7 +401,8 @@ def serve(model, params, prompts, max_new_tokens, *, batch_size: int, page_size:
                   num_pages=num_pages, max_length=max(len(p) + n for p, n in zip(prompts, limits)),
                   prefill_chunk=prefill_chunk, stop_tokens=stop_tokens, sampler=sampler, rng=rng,
                   prefix_caching=prefix_caching, segment_steps=64, cache_dtype=cache_dtype,
-                  eager_first_tokens=False)
+                  eager_first_tokens=False, drafter=drafter,
+                  num_speculative_tokens=num_speculative_tokens)
   requests = [server.submit(p, n) for p, n in zip(prompts, limits)]
   server.run()
   return [r.tokens for r in requests], server.stats(time.perf_counter() - started)

@@ -142,7 +142,7 @@ def test_the_final_cache_is_what_the_kept_tokens_alone_make():
                                    want_layer.key[b, :, want_at[p]], rtol=1e-4, atol=1e-5)
 
 
-def accept_rule(p_C, q_C, k, n, seed, rule=speculative._accept):  # pylint: disable=protected-access
+def accept_rule(p_C, q_C, k, n, seed, rule=speculative.accept):
   """n runs of the rule on fixed one-step distributions (the same p at every position, drafts
   drawn from q): (first new tokens [n], second new tokens [n], counts [n])."""
   c = p_C.shape[0]
@@ -151,7 +151,7 @@ def accept_rule(p_C, q_C, k, n, seed, rule=speculative._accept):  # pylint: disa
   def one(key):
     drafts = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(q_C), shape=(1, k))
     q = jnp.broadcast_to(q_C, (1, k, c))
-    count, new = rule(sampling.Sampling(), logits, drafts.astype(jnp.int32), q, key)
+    count, new = rule(sampling.Sampling(), logits, drafts.astype(jnp.int32), q, key[None])
     return new[0, 0], new[0, 1], count[0]
 
   return jax.vmap(one)(jax.random.split(jax.random.key(seed), n))
@@ -211,3 +211,26 @@ def test_sampled_tokens_are_reproducible_and_bad_arguments_named():
     call(drafter=speculative.PromptLookup(), num_speculative_tokens=0)
   with pytest.raises(ValueError, match="sampling needs rng"):
     call(drafter=speculative.PromptLookup(), sampler=decoding.Sampling())
+
+
+def test_greedy_rows_of_a_per_row_sampler_keep_exactly_the_argmax_prefix():
+  """The serving loop's sampler (`sampling.Rows`, temperature 0 on some rows) through the
+  sampling rule: its greedy rows get the greedy rule's tokens and counts, drafts from a draft
+  model's one-hot q or from lookup's alike, whatever the keys."""
+  c, k = 7, 3
+  logits = jax.random.normal(jax.random.key(0), (4, k + 1, c))
+  own = np.asarray(jnp.argmax(logits, -1))
+  drafts = own[:, :k].copy()
+  drafts[0, 0] = (drafts[0, 0] + 1) % c  # row 0 rejects at once, row 1 at its second draft
+  drafts[1, 1] = (drafts[1, 1] + 1) % c  # rows 2 and 3 keep all three
+  drafts = jnp.asarray(drafts, jnp.int32)
+  want = speculative.accept(sampling.Greedy(), logits, drafts, None, None)
+  rows = sampling.Rows(jnp.array([0.0, 0.0, 0.0, 1.0]), jnp.zeros(4, jnp.int32), jnp.ones(4))
+  for q in (None, jax.nn.one_hot(drafts, c)):
+    for seed in range(3):
+      count, new = speculative.accept(rows, logits, drafts, q,
+                                      jax.random.split(jax.random.key(seed), 4))
+      np.testing.assert_array_equal(count[:3], want[0][:3])
+      made = np.arange(k + 1) < np.asarray(count)[:3, None]  # the tokens past count are not
+      np.testing.assert_array_equal(np.where(made, new[:3], -1), np.where(made, want[1][:3], -1))
+  np.testing.assert_array_equal(want[0], [1, 2, 4, 4])

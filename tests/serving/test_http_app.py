@@ -5,8 +5,10 @@ tests/serving/test_http_integration.py."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
+import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("fastapi")
@@ -14,10 +16,13 @@ pytest.importorskip("fastapi")
 from fastapi import testclient  # noqa: E402
 
 from flax_mha import serving  # noqa: E402
+from flax_mha.models import speculative  # noqa: E402
+from flax_mha.serving.http import cli  # noqa: E402
 from flax_mha.serving.http import app as app_lib  # noqa: E402
 from flax_mha.serving.http import chat  # noqa: E402
 from flax_mha.serving.http.engine import Engine, Served  # noqa: E402
 
+from helpers import random_params  # noqa: E402
 from test_serving import VOCAB, lm  # noqa: E402
 
 
@@ -146,3 +151,28 @@ def test_metrics_count_answers_and_show_the_pool(server):
   assert 'flax_mha_http_requests_total{route="/v1/completions",status="404"} 1.0' in page
   assert "flax_mha_free_pages 16.0" in page and "flax_mha_pages 16.0" in page
   assert "flax_mha_requests_waiting 0.0" in page
+
+
+def test_the_speculation_flags_name_a_drafter_or_what_is_missing():
+  """--speculate ngram is prompt lookup, --speculate draft the checkpoint --draft-checkpoint
+  names (read by the loader it is given), and a flag without its partner is refused by name;
+  a draft model of another vocabulary is refused by the Server."""
+  parser = argparse.ArgumentParser()
+  cli.add_flags(parser)
+  loaded = []
+  load = lambda directory: (loaded.append(directory), lm())[1]
+  pick = lambda *flags: cli.drafter(parser.parse_args(list(flags)), load)
+  assert pick() is None and isinstance(pick("--speculate", "ngram"), speculative.PromptLookup)
+  draft = pick("--speculate", "draft", "--draft-checkpoint", "d")
+  assert isinstance(draft, speculative.DraftModel) and loaded == ["d"]
+  for flags, match in ((["--draft-checkpoint", "d"], "--draft-checkpoint needs --speculate"),
+                       (["--speculate", "draft"], "needs --draft-checkpoint DIR"),
+                       (["--speculate", "ngram", "--draft-checkpoint", "d"], "not ngram")):
+    with pytest.raises(ValueError, match=match):
+      pick(*flags)
+  model, params = lm()
+  other = type(model)(dataclasses.replace(model.config, vocab_size=VOCAB + 1))
+  x = jnp.zeros((1, 8), jnp.int32)
+  with pytest.raises(ValueError, match=r"vocabulary must be the model's \(17 tokens\), got 18"):
+    serving.Server(model, params, batch_size=2, page_size=4, num_pages=16, max_length=32,
+                   drafter=speculative.DraftModel(other, random_params(other, x, x, x)))

@@ -1,13 +1,16 @@
 """A model trained here over HTTP: `python -m experiments.serve --workdir DIR` on a tiny
-configs/lm.py run answers the openai client with the run's own greedy answers (its held-out
-decoding), names a character outside its vocabulary, refuses chat (no template), and a workdir
+configs/lm.py run, speculating with the run drafting for itself (`--speculate draft`), answers
+the openai client with the run's own greedy answers (its held-out decoding), counts the drafts
+kept in its metrics, names a character outside its vocabulary, refuses chat (no template), and a workdir
 of the encoder-decoder model is refused in one line."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from configs import dates as dates_config
@@ -27,8 +30,10 @@ def test_a_trained_lm_answers_its_own_greedy_answers(tmp_path):
   runner, params = generate.restore_params(str(tmp_path))
   sources = [source for source, _ in runner.pairs[:4]]
   want = runner.decode(params)[:4]
-  with launch.Launched(["--workdir", str(tmp_path), "--batch-size", "2", "--max-length", "64"],
-                       module="experiments.serve", cwd=ROOT) as server:
+  flags = ["--batch-size", "2", "--max-length", "64", "--speculate", "draft",
+           "--num-speculative-tokens", "3", "--draft-checkpoint", str(tmp_path)]
+  with launch.Launched(["--workdir", str(tmp_path), *flags], module="experiments.serve",
+                       cwd=ROOT) as server:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     name = client.models.list().data[0].id
     for source, answer in zip(sources, want):
@@ -39,6 +44,10 @@ def test_a_trained_lm_answers_its_own_greedy_answers(tmp_path):
       client.completions.create(model=name, prompt="3 ☃ 2098", max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="no chat template"):
       client.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}])
+    page = httpx.get(server.url + "/metrics").text
+    drafted, kept = (float(re.search(rf"^flax_mha_spec_decode_{what}_tokens_total (\S+)$", page,
+                                     re.M).group(1)) for what in ("draft", "accepted"))
+    assert 0 < kept == drafted, page  # the run drafting for itself: every draft kept
     assert server.stop() == 0
 
 

@@ -74,7 +74,8 @@ def test_the_loop_is_one_program_without_host_callbacks():
   rows = serving_loop.rows_state(server.plan)
   none = np.zeros((2,), bool), np.zeros((2,), np.int32), np.full((2,), 24, np.int32)
   jaxpr = str(jax.make_jaxpr(serving_loop.segment.__wrapped__, static_argnums=0)(
-      server.plan, params, server.runner.cache, rows, jax.random.key(0), *none, 4, False))
+      server.plan, (params, None), server.runner.cache, rows, jax.random.key(0), *none, 4,
+      False))
   assert "while" in jaxpr and "callback" not in jaxpr
 
 

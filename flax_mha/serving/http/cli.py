@@ -26,6 +26,7 @@ import time
 import uvicorn
 
 from flax_mha.models import decoding
+from flax_mha.models import speculative
 from flax_mha.serving import server as server_lib
 from flax_mha.serving.http import app as app_lib
 from flax_mha.serving.http import chat
@@ -58,10 +59,32 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
   add("--grace", type=float, default=30.0, help="seconds a shutdown waits for requests")
   add("--max-body-bytes", type=int, default=1 << 20, help="the largest request body")
   add("--max-prompt-chars", type=int, default=1 << 18, help="the longest prompt text")
+  add("--speculate", choices=("ngram", "draft"),
+      help="speculative decoding: prompt lookup (ngram) or a draft model (--draft-checkpoint)")
+  add("--num-speculative-tokens", type=int, default=4,
+      help="with --speculate: the most drafts a row proposes a round")
+  add("--draft-checkpoint", help="with --speculate draft: the draft model's checkpoint, in the "
+      "model's form, with the model's vocabulary")
 
 
-def build_server(served: Served, args) -> server_lib.Server:
-  """The Server of `served` sized by the flags."""
+def drafter(args, load):
+  """The drafter the flags name (None without --speculate); load(directory) -> (model,
+  params) reads a draft checkpoint. Raises ValueError for flags that do not go together."""
+  if args.speculate is None:
+    if args.draft_checkpoint is not None:
+      raise ValueError("--draft-checkpoint needs --speculate draft")
+    return None
+  if args.speculate == "ngram":
+    if args.draft_checkpoint is not None:
+      raise ValueError("--draft-checkpoint goes with --speculate draft, not ngram")
+    return speculative.PromptLookup()
+  if args.draft_checkpoint is None:
+    raise ValueError("--speculate draft needs --draft-checkpoint DIR")
+  return speculative.DraftModel(*load(args.draft_checkpoint))
+
+
+def build_server(served: Served, args, draft=None) -> server_lib.Server:
+  """The Server of `served` sized by the flags, speculating with `draft` (a drafter, or None)."""
   limit = decoding.position_limit(served.model)
   max_length = args.max_length if limit is None else min(args.max_length, limit)
   pages_per_row = -(-max_length // args.page_size)
@@ -69,12 +92,13 @@ def build_server(served: Served, args) -> server_lib.Server:
                            page_size=args.page_size,
                            num_pages=args.num_pages or args.batch_size * pages_per_row,
                            max_length=max_length, stop_tokens=served.stop_tokens,
-                           segment_steps=args.segment_steps)
+                           segment_steps=args.segment_steps, drafter=draft,
+                           num_speculative_tokens=args.num_speculative_tokens)
 
 
-def serve(served: Served, args) -> None:
+def serve(served: Served, args, draft=None) -> None:
   """Build, compile, bind, and answer until a signal (see the module docstring)."""
-  server = build_server(served, args)
+  server = build_server(served, args, draft)
   warm = server.submit([0], 1, ignore_stop_tokens=True)
   server.run()  # compiles the loop before anyone waits on it
   assert warm.finished
@@ -89,8 +113,10 @@ def serve(served: Served, args) -> None:
       "every interface: anyone who reaches this machine" if args.host in ("0.0.0.0", "::")
       else args.host)
   key = "an API key" if args.api_key else "no API key"
+  speculating = "" if draft is None else (f", speculating with {type(draft).__name__} (up to "
+                                          f"{args.num_speculative_tokens} drafts a round)")
   print(f"serving {served.name!r} on {host} ({where}), {key}; max_length "
-        f"{server.max_length}, {args.batch_size} rows", flush=True)
+        f"{server.max_length}, {args.batch_size} rows{speculating}", flush=True)
   config = uvicorn.Config(app, log_level="warning", access_log=False,
                           timeout_graceful_shutdown=max(int(args.grace), 1))
   Draining(config, engine, args.grace, f"http://{host}:{port}").run(sockets=[sock])
@@ -150,6 +176,8 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   try:
     served = hf_served(args.checkpoint, args.served_model_name, args.dtype)
+    from flax_mha.models import hf  # pylint: disable=import-outside-toplevel  (the hf extra)
+    draft = drafter(args, lambda directory: hf.load(directory, dtype=args.dtype))
   except (ValueError, FileNotFoundError, TypeError) as e:
     sys.exit(f"error: {e}")
-  serve(served, args)
+  serve(served, args, draft)

@@ -12,6 +12,8 @@ the app's own:
   flax_mha_requests_waiting, flax_mha_requests_running, flax_mha_requests_active
   flax_mha_free_pages, flax_mha_cached_pages, flax_mha_pages
   flax_mha_prefix_cache_hit_tokens_total          prompt tokens taken from shared pages
+  flax_mha_spec_decode_draft_tokens_total         speculative decoding's drafts proposed
+  flax_mha_spec_decode_accepted_tokens_total      and kept (both 0 without --speculate)
 """
 
 from __future__ import annotations
@@ -99,3 +101,7 @@ class _ServerState:
     yield core.CounterMetricFamily("flax_mha_prefix_cache_hit_tokens",
                                    "prompt tokens taken from shared pages",
                                    value=now["shared_tokens"])
+    yield core.CounterMetricFamily("flax_mha_spec_decode_draft_tokens",
+                                   "speculative decoding's drafts proposed", value=now["drafted"])
+    yield core.CounterMetricFamily("flax_mha_spec_decode_accepted_tokens",
+                                   "speculative decoding's drafts kept", value=now["accepted"])
