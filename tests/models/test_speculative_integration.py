@@ -1,16 +1,17 @@
 """Speculative decoding end to end beyond the unit part (tests/models/test_speculative.py): the
 same greedy tokens as plain decoding with a draft model (partial acceptance) and with the model
-drafting for itself (every draft kept), with an int8 cache, under the caller's jit, and for one
-new token."""
+drafting for itself (every draft kept), with an int8 cache, under the caller's jit and inside
+its lax.scan, with the NNX twin, and for one new token."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 import numpy as np
 import pytest
 
-from flax_mha.models import decoding, speculative
+from flax_mha.models import decoding, lm_nnx, speculative
 
 from test_speculative import lm, prompts, test_greedy_tokens_are_plain_decodings
 
@@ -48,3 +49,26 @@ def test_a_row_whose_drafts_fail_drafts_fewer():
   np.testing.assert_array_equal(got, want)
   assert stats.acceptance < 0.2 and stats.drafted < 1.6 * 3 * stats.rounds, stats
   assert speculative.ks(4) == (1, 2, 4) and speculative.ks(6) == (1, 2, 4, 6)
+
+
+def test_inside_the_callers_scan_and_with_the_nnx_twin():
+  """speculative.generate traced inside the caller's lax.scan (two batches, one program) gives
+  each batch's plain greedy tokens; the NNX twin of the model speculates to the same tokens."""
+  model, params = lm()
+  rows, lengths = prompts()
+  batches = np.stack([rows, np.roll(rows, 1, axis=0)])
+  lengths2 = np.stack([lengths, np.roll(lengths, 1)])
+  kw = dict(max_new_tokens=10)
+  want = [decoding.generate(model, params, (r,), r, n, **kw) for r, n in zip(batches, lengths2)]
+
+  def step(carry, batch):
+    r, n = batch
+    return carry, speculative.generate(model, params, (r,), r, n, num_speculative_tokens=3,
+                                       drafter=speculative.PromptLookup(), **kw)
+
+  _, got = jax.jit(lambda b, n: jax.lax.scan(step, 0, (b, n)))(batches, lengths2)
+  np.testing.assert_array_equal(got, np.stack(want))
+  twin = lm_nnx.load_linen_params(lm_nnx.DecoderLM(model.config, rngs=nnx.Rngs(1)), params)
+  nnx_tokens = speculative.generate(twin, None, (rows,), rows, lengths, num_speculative_tokens=3,
+                                    drafter=speculative.DraftModel(twin), **kw)
+  np.testing.assert_array_equal(nnx_tokens, want[0])
