@@ -87,7 +87,8 @@ def build_server(served: Served, args, draft=None) -> server_lib.Server:
   """The Server of `served` sized by the flags, speculating with `draft` (a drafter, or None)."""
   limit = decoding.position_limit(served.model)
   max_length = args.max_length if limit is None else min(args.max_length, limit)
-  pages_per_row = -(-max_length // args.page_size)
+  extra = 0 if draft is None else args.num_speculative_tokens  # a round's writes past the end
+  pages_per_row = -(-(max_length + extra) // args.page_size)
   return server_lib.Server(served.model, served.params, batch_size=args.batch_size,
                            page_size=args.page_size,
                            num_pages=args.num_pages or args.batch_size * pages_per_row,
