@@ -27,7 +27,8 @@ import numpy as np
 if TYPE_CHECKING:  # imported lazily below
   import tokenizers
 
-FAMILIES = ("gpt2", "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+FAMILIES = ("gpt2", "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
+            "olmo2", "phi3")
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2, in this order
@@ -96,6 +97,12 @@ def _family_spec(family):
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         sliding_window=8, query_pre_attn_scalar=16, rope_parameters=_GEMMA3_ROPE,
         tie_word_embeddings=True)
+  if family == "olmo2":
+    return "Olmo2Config", "Olmo2ForCausalLM", dict(_LLAMA)
+  if family == "phi3":
+    # Phi-3 mini's sliding window (every layer) and Phi-4 mini's partial rotary (half of K).
+    return "Phi3Config", "Phi3ForCausalLM", dict(_LLAMA, sliding_window=8, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
   raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 

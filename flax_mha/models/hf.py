@@ -65,6 +65,13 @@ def _split3(x, c):
   return tuple(p.reshape(*p.shape[:-1], c.num_heads, -1) for p in np.split(x, 3, axis=-1))
 
 
+def _split_qkv_rows(x, c):
+  """Phi-3's fused qkv_proj [(H + 2·G)·K, D] -> query [D, H, K], key and value [D, G, K]."""
+  k, h, g = c.k_dim, c.num_heads, c.num_kv_heads
+  parts = np.split(x, [h * k, (h + g) * k], axis=0)
+  return tuple(p.T.reshape(x.shape[1], n, k) for p, n in zip(parts, (h, g, g)))
+
+
 # name -> (checkpoint array [torch's layout], LMConfig) -> our arrays, one per target.
 TRANSFORMS = {
     "same": lambda x, c: (x,),
@@ -76,6 +83,8 @@ TRANSFORMS = {
     "kv_bias": lambda x, c: (x.reshape(c.num_kv_heads, -1),),
     "qkv": _split3,
     "heads_in": lambda x, c: (x.reshape(c.num_heads, -1, x.shape[-1]),),  # [H·K, D] -> [H, K, D]
+    "qkv_rows": _split_qkv_rows,
+    "gate_up": lambda x, c: tuple(p.T for p in np.split(x, 2, axis=0)),  # [2F, D] -> 2 x [D, F]
 }
 
 _LAYER = "model.layers.{i}."
@@ -83,17 +92,24 @@ _BLOCK = "block_{i}/"
 _ATTN = _BLOCK + "attention/"
 
 
-def _llama_table(norms: dict[str, str], extra=()) -> tuple[Rule, ...]:
+def _llama_table(norms: dict[str, str], extra=(), *, fused: bool = False) -> tuple[Rule, ...]:
   """The Llama-shaped tables: embeddings, q/k/v/o (with optional biases), the gated MLP, the
-  block norms named by `norms` (checkpoint name -> ours) and `extra` rules."""
+  block norms named by `norms` (checkpoint name -> ours) and `extra` rules; `fused`: q/k/v in
+  one qkv_proj and gate/up in one gate_up_proj (Phi-3)."""
   attn = [Rule(_LAYER + f"self_attn.{p}_proj.weight", (_ATTN + f"{ours}/kernel",), t)
           for p, ours, t in (("q", "query", "q"), ("k", "key", "kv"), ("v", "value", "kv"),
-                             ("o", "out", "o"))]
+                             ("o", "out", "o")) if not fused or p == "o"]
   attn += [Rule(_LAYER + f"self_attn.{p}_proj.bias", (_ATTN + f"{ours}/bias",), t)
            for p, ours, t in (("q", "query", "q_bias"), ("k", "key", "kv_bias"),
                               ("v", "value", "kv_bias"), ("o", "out", "same"))]
   mlp = [Rule(_LAYER + f"mlp.{p}_proj.weight", (_BLOCK + f"mlp_{ours}/kernel",), "t")
-         for p, ours in (("gate", "gate"), ("up", "in"), ("down", "out"))]
+         for p, ours in (("gate", "gate"), ("up", "in"), ("down", "out"))
+         if not fused or p == "down"]
+  if fused:
+    attn.append(Rule(_LAYER + "self_attn.qkv_proj.weight",
+                     tuple(_ATTN + f"{p}/kernel" for p in ("query", "key", "value")), "qkv_rows"))
+    mlp.append(Rule(_LAYER + "mlp.gate_up_proj.weight",
+                    (_BLOCK + "mlp_gate/kernel", _BLOCK + "mlp_in/kernel"), "gate_up"))
   block_norms = [Rule(_LAYER + f"{theirs}.weight", (_BLOCK + f"{ours}/scale",))
                  for theirs, ours in norms.items()]
   return (Rule("model.embed_tokens.weight", ("embed/embedding",)),
@@ -107,6 +123,8 @@ _GEMMA2_NORMS = {"input_layernorm": "attention_norm",
                  "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "mlp_norm",
                  "post_feedforward_layernorm": "post_mlp_norm"}
+_OLMO2_NORMS = {"post_attention_layernorm": "post_attention_norm",
+                "post_feedforward_layernorm": "post_mlp_norm"}
 _QK_NORMS = (Rule(_LAYER + "self_attn.q_norm.weight", (_ATTN + "query_ln/scale",)),
              Rule(_LAYER + "self_attn.k_norm.weight", (_ATTN + "key_ln/scale",)))
 
@@ -142,6 +160,8 @@ TABLES = {
     "gemma": _llama_table(_LLAMA_NORMS),
     "gemma2": _llama_table(_GEMMA2_NORMS),
     "gemma3": _llama_table(_GEMMA2_NORMS, _QK_NORMS),
+    "olmo2": _llama_table(_OLMO2_NORMS, _QK_NORMS),
+    "phi3": _llama_table(_LLAMA_NORMS, fused=True),
 }
 # Buffers that older checkpoints saved beside the parameters (GPT-2's causal mask): skipped.
 IGNORED = {"gpt2": re.compile(r"h\.\d+\.attn\.(masked_)?bias")}

@@ -9,6 +9,9 @@ Conventions, where the two libraries say one thing two ways:
   Gemma 3's per-layer-type rope parameters give its local layers their own base.
 - Gemma's `hidden_act="gelu"` is its legacy spelling of the tanh approximation, as transformers
   reads it.
+- OLMo 2 normalises only the sublayers' outputs (no pre-norms), and its qk-norm spans all heads
+  (`Norm.across_heads`). Phi-3 takes the default rope only: transformers reads its "su" and
+  "yarn" as "longrope" (short and long factors switched by the sequence's length), refused.
 
 Anything a family's config sets that this decoder does not implement is refused by name: never
 approximated. A key the family needs that the config lacks is a `MissingKey` naming it; a dtype
@@ -29,7 +32,8 @@ from flax_mha.rotary import Rope
 
 # model_type -> the family whose preset and tensor table serve it.
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen2",
-            "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+            "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
+            "olmo2": "olmo2", "phi3": "phi3"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # What `config_from_hf(dtype=...)` (and so `hf.load`) takes: float64 only under jax_enable_x64,
 # without which jax computes it in float32.
@@ -148,6 +152,8 @@ def _rotary_family(c: Mapping, fam: str) -> dict:
   if act not in _GATED:
     raise ValueError(f"hidden_act {act!r} is not supported: {sorted(_GATED)}")
   _refuse(c, mlp_bias=(False, None), attention_dropout=(0.0, 0, None))
+  if fam == "phi3":
+    _phi3_rope(c)
   heads = c["num_attention_heads"]
   k = c.get("head_dim") or c["hidden_size"] // heads
   layer_types = _layer_types(c, fam)
@@ -160,17 +166,31 @@ def _rotary_family(c: Mapping, fam: str) -> dict:
       logit_soft_cap=c.get("attn_logit_softcapping"),
       final_logit_soft_cap=c.get("final_logit_softcapping"),
       norm=Norm("rms_one_plus" if gemma else "rms", c.get("rms_norm_eps", 1e-6), use_bias=False),
-      post_norms=fam in ("gemma2", "gemma3"), mlp=_GATED[act], mlp_bias=False,
+      pre_norms=fam != "olmo2", post_norms=fam in ("gemma2", "gemma3", "olmo2"),
+      mlp=_GATED[act], mlp_bias=False,
       qkv_bias=fam == "qwen2" or bool(c.get("attention_bias", False)),
       out_bias=bool(c.get("attention_bias", False)) and fam != "qwen2",
       tie_embeddings=_tied(c, gemma or fam == "qwen2"), scale_embeddings=gemma,
       scale_logits=False, positions="rotary", **_ropes(c, k, layer_types))
-  if fam in ("qwen3", "gemma3"):
+  if fam in ("qwen3", "gemma3", "olmo2"):
     fields["normalize_qk"] = Norm("rms_one_plus" if gemma else "rms", c.get("rms_norm_eps", 1e-6),
-                                  use_bias=False)
+                                  use_bias=False, across_heads=fam == "olmo2")
   if "query_pre_attn_scalar" in c and fam != "gemma":
     fields["attention_scale"] = c["query_pre_attn_scalar"] ** -0.5
   return fields
+
+
+def _phi3_rope(c: Mapping) -> None:
+  """Phi-3's rope: the default only (with its partial rotary). transformers takes "longrope"
+  beside it and reads a 4.x config's "su" and "yarn" as "longrope"; refused by name."""
+  params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind != "default":
+    read_as = (" (which transformers reads as 'longrope' for phi3)" if kind in ("su", "yarn")
+               else "")
+    raise ValueError(f"rope scaling type {kind!r}{read_as} is not supported for phi3 (longrope "
+                     "switches between short and long factors with the sequence's length); "
+                     "supported: the default rope")
 
 
 def _layer_types(c: Mapping, fam: str) -> tuple[str, ...] | None:

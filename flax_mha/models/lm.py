@@ -42,7 +42,7 @@ PARAM_AXES = ATTENTION_PARAM_AXES + (
 
 class Block(nn.Module):
   """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)); with post_norms, each branch's output
-  is normalised too (Gemma 2, 3)."""
+  is normalised too (Gemma 2, 3), and without pre_norms only the outputs are (OLMo 2)."""
   config: LMConfig
   local: bool
 
@@ -78,14 +78,15 @@ class Block(nn.Module):
     `train` is static (positional for nn.remat)."""
     cfg = self.config
     drop = nn.Dropout(cfg.dropout_rate, deterministic=not train)
-    post = self.norm if cfg.post_norms else lambda name: lambda h: h
-    h = self.attention()(self.norm("attention_norm")(x), is_causal=cache is None,
+    pre, post = (self.norm if on else lambda name: lambda h: h
+                 for on in (cfg.pre_norms, cfg.post_norms))
+    h = self.attention()(pre("attention_norm")(x), is_causal=cache is None,
                          segment_ids=segment_ids, positions=cfg.attention_positions(positions, cache),
                          cache=cache)
     if cache is not None:
       h, cache = h
     x = x + drop(post("post_attention_norm")(h))
-    h = post("post_mlp_norm")(self.mlp(self.norm("mlp_norm")(x)))
+    h = post("post_mlp_norm")(self.mlp(pre("mlp_norm")(x)))
     return x + drop(h) if cache is None else (x + drop(h), cache)
 
 

@@ -47,6 +47,7 @@ class LMConfig:
   param_dtype: Any = jnp.float32      # parameters' dtype (a bfloat16 checkpoint's stay bfloat16)
   head_dim: int | None = None         # K (None: d_model / num_heads; Gemma's is larger)
   norm: Norm = Norm("layer", 1e-6)    # the blocks' and the final norm
+  pre_norms: bool = True              # norms on the attention's and the MLP's inputs (not OLMo 2)
   post_norms: bool = False            # norms on the attention's and the MLP's outputs (Gemma 2, 3)
   mlp: str = "gelu"                   # MLPS: gelu(x·in)·out, or gated silu / gelu (SwiGLU, GeGLU)
   mlp_bias: bool = True               # biases in the MLP
@@ -86,6 +87,9 @@ class LMConfig:
         raise ValueError(f"LMConfig.{name} must be one of {allowed}, got {value!r}")
     if not isinstance(self.norm, Norm):
       raise TypeError(f"LMConfig.norm must be a flax_mha.Norm, got {type(self.norm).__name__}")
+    if self.norm.across_heads:
+      raise ValueError("LMConfig.norm normalises the residual: across_heads is a qk-norm's "
+                       "(normalize_qk)")
     for name in ("rope", "local_rope"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), Rope):
         raise TypeError(f"LMConfig.{name} must be a flax_mha.rotary.Rope or None, got "

@@ -22,7 +22,7 @@ from flax_mha.nn.nnx import SelfAttention, make_norm
 
 class Block(nnx.Module):
   """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)) (post_norms: each branch's output
-  normalised too), as `flax_mha.models.lm.Block`."""
+  normalised too; without pre_norms only the outputs), as `flax_mha.models.lm.Block`."""
 
   def __init__(self, cfg: LMConfig, local: bool, *, rngs: nnx.Rngs):
     d, f = cfg.d_model, cfg.d_ff
@@ -31,14 +31,14 @@ class Block(nnx.Module):
     dense = functools.partial(nnx.Linear, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                               use_bias=cfg.mlp_bias, rngs=rngs)
     self.config = cfg
-    self.attention_norm = norm()
+    if cfg.pre_norms:
+      self.attention_norm, self.mlp_norm = norm(), norm()
     self.attention = SelfAttention(
         cfg.num_heads, d, qkv_features=cfg.num_heads * cfg.k_dim, out_features=d,
         num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
         use_bias=cfg.qkv_bias, out_use_bias=cfg.out_bias, normalize_qk=cfg.normalize_qk,
         attention_options=cfg.attention_options(local),
         implementation=cfg.attention_implementation, rngs=rngs)
-    self.mlp_norm = norm()
     if cfg.mlp != "gelu":
       self.mlp_gate = dense(d, f)
     self.mlp_in = dense(d, f)
@@ -55,14 +55,14 @@ class Block(nnx.Module):
 
   def __call__(self, x, segment_ids, positions, cache=None):
     """x [B, L, D] -> (x, this layer's updated cache, or None without one)."""
-    post = lambda name, h: getattr(self, name)(h) if hasattr(self, name) else h
-    h = self.attention(self.attention_norm(x), is_causal=cache is None,
+    norm = lambda name, h: getattr(self, name)(h) if hasattr(self, name) else h  # if it has one
+    h = self.attention(norm("attention_norm", x), is_causal=cache is None,
                        segment_ids=segment_ids,
                        positions=self.config.attention_positions(positions, cache), cache=cache)
     if cache is not None:
       h, cache = h
-    x = x + post("post_attention_norm", h)
-    return x + post("post_mlp_norm", self.mlp(self.mlp_norm(x))), cache
+    x = x + norm("post_attention_norm", h)
+    return x + norm("post_mlp_norm", self.mlp(norm("mlp_norm", x))), cache
 
 
 class DecoderLM(lm_shared.Decodable, nnx.Module):

@@ -10,6 +10,7 @@ Dimension key: D d_model, H heads, G kv heads, K head dim, F MLP width, C vocabu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -115,7 +116,7 @@ def test_a_tied_config_refuses_a_saved_lm_head(tmp_path, rng):
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(model_type="phi3"), r"model_type 'phi3' is not supported: supported are \["),
+    (dict(model_type="falcon"), r"model_type 'falcon' is not supported: supported are \["),
     (dict(model_type="gemma3"), r"model_type 'gemma3' is not supported.*gemma3_text"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      r"rope scaling type 'dynamic' is not supported"),
@@ -126,6 +127,13 @@ def test_a_tied_config_refuses_a_saved_lm_head(tmp_path, rng):
     (dict(dtype="float8_e4m3fn"), r"checkpoint dtype 'float8_e4m3fn' is not supported"),
     (dict(layer_types=["sliding_attention", "full_attention"]),
      r"layer_types has sliding layers but sliding_window is None"),
+    (dict(model_type="phi3", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                              "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}),
+     r"rope scaling type 'longrope' is not supported for phi3"),
+    (dict(model_type="phi3", rope_parameters=None, rope_scaling={"type": "su"}),
+     r"rope scaling type 'su' \(which transformers reads as 'longrope' for phi3\)"),
+    (dict(model_type="phi3", rope_parameters={"rope_type": "linear", "factor": 2.0}),
+     r"rope scaling type 'linear' is not supported for phi3"),
 ])
 def test_an_unsupported_config_is_refused_by_name(change, match):
   with pytest.raises(ValueError, match=match):
@@ -296,3 +304,37 @@ def test_the_presets_read_each_familys_conventions():
   assert gpt2.positions == "learned" and gpt2.max_positions == 32 and gpt2.norm.epsilon == 1e-5
   assert gpt2.qkv_bias and gpt2.out_bias and gpt2.d_ff == 4 * D and gpt2.attention_options(
       False).rotary is None
+
+
+def test_phi3s_fused_tensors_split_into_llamas_parameters(tmp_path, rng):
+  """A Phi-3 checkpoint whose qkv_proj and gate_up_proj fuse a Llama checkpoint's tensors
+  (rows q, k, v; gate, up) loads to the very parameters of that Llama checkpoint."""
+  tensors = _llama_tensors(rng)
+  fused = dict(tensors)
+  for i in range(LAYERS):
+    p = f"model.layers.{i}."
+    fused[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+        [fused.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+    fused[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+        [fused.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+  config = {**LLAMA, "head_dim": K}
+  llama = hc.write_checkpoint(tmp_path / "llama", config, tensors)
+  phi3 = hc.write_checkpoint(tmp_path / "phi3", {**config, "model_type": "phi3"}, fused)
+  jax.tree.map(np.testing.assert_array_equal, hf.load(phi3)[1], hf.load(llama)[1])
+
+
+def test_olmo2_and_phi3_presets():
+  """OLMo 2 normalises the sublayers' outputs only, its qk-norm across all heads (a model norm
+  cannot be: refused by name); Phi-3's sliding window makes every layer local, its
+  partial_rotary_factor rotates a share of K."""
+  olmo2 = hf_config.config_from_hf({**LLAMA, "model_type": "olmo2"})
+  assert not olmo2.pre_norms and olmo2.post_norms and olmo2.local_window is None
+  assert olmo2.normalize_qk == Norm("rms", 1e-5, use_bias=False, across_heads=True)
+  with pytest.raises(ValueError, match="LMConfig.norm normalises the residual: across_heads"):
+    dataclasses.replace(olmo2, norm=olmo2.normalize_qk)
+  phi3 = hf_config.config_from_hf({**LLAMA, "model_type": "phi3", "sliding_window": 8,
+                                   "head_dim": 8,
+                                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                       "partial_rotary_factor": 0.5}})
+  assert phi3.layer_types == ("local", "local") and phi3.local_window == 7
+  assert phi3.rope.fraction == 0.5 and phi3.pre_norms and not phi3.post_norms
