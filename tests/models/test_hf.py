@@ -20,6 +20,7 @@ import pytest
 
 import hf_checkpoints as hc
 from flax_mha.models import hf, hf_config
+from flax_mha.models.lm_config import MoE
 from flax_mha.nn.options import Norm
 from flax_mha.rotary import Llama3Scaling, LinearScaling
 
@@ -338,3 +339,75 @@ def test_olmo2_and_phi3_presets():
                                                        "partial_rotary_factor": 0.5}})
   assert phi3.layer_types == ("local", "local") and phi3.local_window == 7
   assert phi3.rope.fraction == 0.5 and phi3.pre_norms and not phi3.post_norms
+
+
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "head_dim": K, "num_local_experts": 3,
+           "num_experts_per_tok": 2}
+
+
+def _mixtral_tensors(rng) -> dict:
+  """LLAMA's tensors with each layer's MLP replaced by a router and 3 experts (w1 gate, w3 up,
+  w2 down), as Mixtral's checkpoints name them."""
+  tensors = {n: t for n, t in _llama_tensors(rng).items() if ".mlp." not in n}
+  for i in range(LAYERS):
+    p = f"model.layers.{i}.block_sparse_moe."
+    tensors[p + "gate.weight"] = rng.standard_normal((3, D)).astype(np.float32)
+    for e in range(3):
+      for w, shape in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F))):
+        tensors[p + f"experts.{e}.{w}.weight"] = rng.standard_normal(shape).astype(np.float32)
+  return tensors
+
+
+def test_each_experts_tensors_fill_its_row_of_a_stacked_parameter(tmp_path, rng):
+  tensors = _mixtral_tensors(rng)
+  directory = hc.write_checkpoint(tmp_path / "mixtral", MIXTRAL, tensors)
+  model, variables = hf.load(directory)
+  experts = variables["params"]["block_1"]["moe"]
+  p = "model.layers.1.block_sparse_moe."
+  np.testing.assert_array_equal(experts["router"]["kernel"], tensors[p + "gate.weight"].T)
+  for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+    np.testing.assert_array_equal(experts[ours], np.stack(
+        [tensors[p + f"experts.{e}.{theirs}.weight"].T for e in range(3)]))
+  logits = model.apply(variables, jnp.arange(5)[None])
+  np.testing.assert_allclose(hf.load_nnx(directory)(jnp.arange(5)[None]), logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t: t.pop("model.layers.0.block_sparse_moe.experts.2.w3.weight"),
+     r"lacks tensors for 1 parameters .*'block_0/moe/up'.* \(each filled by "
+     r"'model.layers.0.block_sparse_moe.experts.\{e\}.w3.weight'\); experts missing: "
+     r"\{'block_0/moe/up': \[2\]\}"),
+    (lambda t: t.update({"model.layers.0.block_sparse_moe.experts.3.w1.weight":
+                         np.ones((F, D), np.float32)}),
+     r"tensor 'model.layers.0.block_sparse_moe.experts.3.w1.weight' gives expert 3 of parameter "
+     r"'block_0/moe/gate' shape \(24, 40\), its config wants 3 experts of \(24, 40\)"),
+    (lambda t: t.update({"model.layers.0.mlp.gate_proj.weight": np.ones((F, D), np.float32)}),
+     r"'model.layers.0.mlp.gate_proj.weight' fills parameter 'block_0/mlp_gate/kernel', which "
+     r"its config does not have"),
+])
+def test_experts_that_do_not_fit_the_config_are_refused_by_name(tmp_path, rng, change, match):
+  tensors = _mixtral_tensors(rng)
+  change(tensors)
+  with pytest.raises(ValueError, match=match):
+    hf.load(hc.write_checkpoint(tmp_path / "bad", MIXTRAL, tensors))
+
+
+def test_the_moe_presets_read_each_variant():
+  """Mixtral: every layer sparse, renormalised, experts intermediate_size wide, jitter refused;
+  Qwen3-MoE: num_experts (or transformers 5's num_local_experts), decoder_sparse_step and
+  mlp_only_layers, norm_topk_prob (default off), no experts at all when num_experts is 0."""
+  mixtral = hf_config.config_from_hf(MIXTRAL)
+  assert mixtral.moe == MoE(3, 2, F, normalize=True) and mixtral.is_sparse(1)
+  with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 is not supported"):
+    hf_config.config_from_hf({**MIXTRAL, "router_jitter_noise": 0.1})
+  qwen = {**LLAMA, "model_type": "qwen3_moe", "num_hidden_layers": 6, "num_experts": 8,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 12}
+  every = hf_config.config_from_hf(qwen)
+  assert every.moe == MoE(8, 2, 12, normalize=False, layers=tuple(range(6)))
+  assert every.normalize_qk == Norm("rms", 1e-5, use_bias=False) and every.d_ff == F
+  some = hf_config.config_from_hf({**qwen, "decoder_sparse_step": 2, "mlp_only_layers": [3],
+                                   "norm_topk_prob": True, "num_experts": None,
+                                   "num_local_experts": 8})
+  assert some.moe == MoE(8, 2, 12, normalize=True, layers=(1, 5))
+  assert [some.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+  assert hf_config.config_from_hf({**qwen, "num_experts": 0}).moe is None
