@@ -148,7 +148,8 @@ def _GPT2(c: Mapping) -> dict:  # pylint: disable=invalid-name
 
 
 def _rotary_family(c: Mapping, fam: str) -> dict:
-  """The fields of the rotary families (Llama, Mistral, Qwen2/3, Gemma 1-3)."""
+  """The fields of the rotary families (Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo 2, Phi-3,
+  Mixtral, Qwen3-MoE)."""
   gemma = fam.startswith("gemma")
   act = c.get("hidden_activation") or c.get("hidden_act", "silu")
   if gemma and act == "gelu":  # Gemma's legacy spelling of the tanh approximation
