@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # imported lazily below
   import tokenizers
 
 FAMILIES = ("gpt2", "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
-            "olmo2", "phi3", "mixtral", "qwen3_moe", "qwen3_moe_sparse")
+            "olmo2", "phi3", "mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss")
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2, in this order
@@ -119,6 +119,14 @@ def _family_spec(family):
         _LLAMA, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=2,
         mlp_only_layers=[3])
+  if family == "gpt_oss":
+    # Sliding and full layers alternating, YaRN (truncate off, as gpt-oss's), learned sinks,
+    # biases in attention, router and experts; swiglu_limit 1.5 so that the clamps bite.
+    return "GptOssConfig", "GptOssForCausalLM", dict(
+        _LLAMA, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=40,
+        sliding_window=8, swiglu_limit=1.5, max_position_embeddings=2048, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False})
   raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 

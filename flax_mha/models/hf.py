@@ -13,9 +13,9 @@ name, our parameter paths, a transform as data), cast, and placed (on a mesh by 
 sharding rules, `flax_mha.models.lm.PARAM_AXES`), so the host holds about one tensor beyond
 what is placed (a mixture of experts' per-expert tensors are gathered into their stacked
 parameter [X, ...] first: one such parameter). A tensor that no rule matches, a parameter that
-no tensor fills, and a tensor of the wrong shape are refused by name: nothing is guessed. A file that cannot be read (cut
-short, not JSON, lacking a key) is a `CheckpointError`, a ValueError naming the file, and the
-shard where there are several.
+no tensor fills, and a tensor of the wrong shape are refused by name: nothing is guessed. A
+file that cannot be read (cut short, not JSON, lacking a key) is a `CheckpointError`, a
+ValueError naming the file, and the shard where there are several.
 
 Needs the `hf` extra (safetensors; tokenizers for `load_tokenizer`). Dimension key: D d_model,
 H heads, G kv heads, K head dim, F MLP width, C vocabulary.
@@ -89,6 +89,8 @@ TRANSFORMS = {
     "heads_in": lambda x, c: (x.reshape(c.num_heads, -1, x.shape[-1]),),  # [H·K, D] -> [H, K, D]
     "qkv_rows": _split_qkv_rows,
     "gate_up": lambda x, c: tuple(p.T for p in np.split(x, 2, axis=0)),  # [2F, D] -> 2 x [D, F]
+    # gpt-oss's experts [X, D, 2F] (biases [X, 2F]), gate and up interleaved -> 2 x [X, D, F].
+    "interleaved": lambda x, c: (x[..., 0::2], x[..., 1::2]),
 }
 
 _LAYER = "model.layers.{i}."
@@ -133,12 +135,26 @@ _QK_NORMS = (Rule(_LAYER + "self_attn.q_norm.weight", (_ATTN + "query_ln/scale",
              Rule(_LAYER + "self_attn.k_norm.weight", (_ATTN + "key_ln/scale",)))
 
 
+_MOE = _BLOCK + "moe/"
+# gpt-oss: learned sinks; the router's bias; the experts stored stacked, [in, out] already.
+_GPT_OSS = (
+    Rule(_LAYER + "self_attn.sinks", (_ATTN + "sinks",)),
+    Rule(_LAYER + "mlp.router.weight", (_MOE + "router/kernel",), "t"),
+    Rule(_LAYER + "mlp.router.bias", (_MOE + "router/bias",)),
+    Rule(_LAYER + "mlp.experts.gate_up_proj", (_MOE + "gate", _MOE + "up"), "interleaved"),
+    Rule(_LAYER + "mlp.experts.gate_up_proj_bias", (_MOE + "gate_bias", _MOE + "up_bias"),
+         "interleaved"),
+    Rule(_LAYER + "mlp.experts.down_proj", (_MOE + "down",)),
+    Rule(_LAYER + "mlp.experts.down_proj_bias", (_MOE + "down_bias",)),
+)
+
+
 def _experts(prefix: str, names: tuple[str, str, str]) -> tuple[Rule, ...]:
   """A mixture of experts' router `prefix`gate.weight [X, D] and each expert's gate, up and
   down projections, `prefix`experts.{e}.<name>.weight, as the rows of moe/gate, up, down."""
-  return (Rule(_LAYER + prefix + "gate.weight", (_BLOCK + "moe/router/kernel",), "t"),
-          *(Rule(_LAYER + prefix + "experts.{e}." + theirs + ".weight", (_BLOCK + "moe/" + ours,),
-                 "t", stack=True) for theirs, ours in zip(names, ("gate", "up", "down"))))
+  return (Rule(_LAYER + prefix + "gate.weight", (_MOE + "router/kernel",), "t"),
+          *(Rule(_LAYER + prefix + "experts.{e}." + theirs + ".weight", (_MOE + ours,), "t",
+                 stack=True) for theirs, ours in zip(names, ("gate", "up", "down"))))
 
 
 def _gpt2_table() -> tuple[Rule, ...]:
@@ -177,6 +193,7 @@ TABLES = {
     "mixtral": _llama_table(_LLAMA_NORMS, _experts("block_sparse_moe.", ("w1", "w3", "w2"))),
     "qwen3_moe": _llama_table(_LLAMA_NORMS, _QK_NORMS + _experts(
         "mlp.", ("gate_proj", "up_proj", "down_proj"))),
+    "gpt_oss": _llama_table(_LLAMA_NORMS, _GPT_OSS),
 }
 # Buffers that older checkpoints saved beside the parameters (GPT-2's causal mask): skipped.
 IGNORED = {"gpt2": re.compile(r"h\.\d+\.attn\.(masked_)?bias")}

@@ -15,7 +15,10 @@ Conventions, where the two libraries say one thing two ways:
 - Mixtral and Qwen3-MoE put experts in place of the MLP (`LMConfig.moe`): Mixtral's top
   `num_experts_per_tok` of `num_local_experts` renormalised, Qwen3-MoE's when `norm_topk_prob`,
   on the layers `decoder_sparse_step` and `mlp_only_layers` leave sparse (the others dense,
-  `intermediate_size` wide; the experts `moe_intermediate_size`).
+  `intermediate_size` wide; the experts `moe_intermediate_size`). gpt-oss's experts have
+  biases and its clamped unit (`swiglu_alpha`, `swiglu_limit`); its attention learned sinks.
+  A quantized checkpoint (`quantization_config`: gpt-oss's MXFP4) is refused: load a
+  dequantized one.
 
 Anything a family's config sets that this decoder does not implement is refused by name: never
 approximated. A key the family needs that the config lacks is a `MissingKey` naming it; a dtype
@@ -37,7 +40,8 @@ from flax_mha.rotary import Rope
 # model_type -> the family whose preset and tensor table serve it.
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen2",
             "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
-            "olmo2": "olmo2", "phi3": "phi3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
+            "olmo2": "olmo2", "phi3": "phi3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
+            "gpt_oss": "gpt_oss"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # What `config_from_hf(dtype=...)` (and so `hf.load`) takes: float64 only under jax_enable_x64,
 # without which jax computes it in float32.
@@ -149,14 +153,15 @@ def _GPT2(c: Mapping) -> dict:  # pylint: disable=invalid-name
 
 def _rotary_family(c: Mapping, fam: str) -> dict:
   """The fields of the rotary families (Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo 2, Phi-3,
-  Mixtral, Qwen3-MoE)."""
+  Mixtral, Qwen3-MoE, gpt-oss)."""
   gemma = fam.startswith("gemma")
   act = c.get("hidden_activation") or c.get("hidden_act", "silu")
   if gemma and act == "gelu":  # Gemma's legacy spelling of the tanh approximation
     act = "gelu_pytorch_tanh"
   if act not in _GATED:
     raise ValueError(f"hidden_act {act!r} is not supported: {sorted(_GATED)}")
-  _refuse(c, mlp_bias=(False, None), attention_dropout=(0.0, 0, None))
+  _refuse(c, mlp_bias=(False, None), attention_dropout=(0.0, 0, None),
+          quantization_config=(None,))
   if fam == "phi3":
     _phi3_rope(c)
   heads = c["num_attention_heads"]
@@ -177,8 +182,10 @@ def _rotary_family(c: Mapping, fam: str) -> dict:
       out_bias=bool(c.get("attention_bias", False)) and fam != "qwen2",
       tie_embeddings=_tied(c, gemma or fam == "qwen2"), scale_embeddings=gemma,
       scale_logits=False, positions="rotary", **_ropes(c, k, layer_types))
-  if fam in ("mixtral", "qwen3_moe"):
+  if fam in ("mixtral", "qwen3_moe", "gpt_oss"):
     fields["moe"] = _moe(c, fam)
+  if fam == "gpt_oss":
+    fields["learned_sinks"] = True
   if fam in ("qwen3", "gemma3", "olmo2", "qwen3_moe"):
     fields["normalize_qk"] = Norm("rms_one_plus" if gemma else "rms", c.get("rms_norm_eps", 1e-6),
                                   use_bias=False, across_heads=fam == "olmo2")
@@ -195,6 +202,9 @@ def _moe(c: Mapping, fam: str) -> MoE | None:
   count = c.get("num_local_experts") if "num_local_experts" in c else c["num_experts"]
   if fam == "mixtral":
     return MoE(count, c["num_experts_per_tok"], c["intermediate_size"], normalize=True)
+  if fam == "gpt_oss":  # a softmax over the top k logits: the top k probabilities renormalised
+    return MoE(count, c["num_experts_per_tok"], c["intermediate_size"], normalize=True,
+               bias=True, clamped_glu=(c.get("swiglu_alpha", 1.702), c.get("swiglu_limit", 7.0)))
   dense = set(c.get("mlp_only_layers") or ())
   step = c.get("decoder_sparse_step", 1)
   layers = tuple(i for i in range(c["num_hidden_layers"])

@@ -31,10 +31,20 @@ class MoE:
   d_ff: int                           # each expert's MLP width (LMConfig.d_ff: the dense layers')
   normalize: bool = True              # top-k weights renormalised (Qwen3-MoE: norm_topk_prob)
   layers: tuple[int, ...] | None = None  # the layers with experts, the others dense (None: all)
+  bias: bool = False                  # biases in the router and the experts (gpt-oss)
+  clamped_glu: tuple[float, float] | None = None  # (alpha, limit): gpt-oss's unit (moe.gated_unit)
 
   def __post_init__(self):
     for name in ("num_experts", "top_k", "d_ff"):
       checks.check_int(f"MoE.{name}", getattr(self, name))
+    if not isinstance(self.bias, bool):
+      raise TypeError(f"MoE.bias must be a bool, got {type(self.bias).__name__}")
+    if self.clamped_glu is not None:
+      if not isinstance(self.clamped_glu, tuple) or len(self.clamped_glu) != 2:
+        raise ValueError(f"MoE.clamped_glu must be None or (alpha, limit), got "
+                         f"{self.clamped_glu!r}")
+      for name, value in zip(("alpha", "limit"), self.clamped_glu):
+        checks.check_positive_real(f"MoE.clamped_glu's {name}", value)
     if self.top_k > self.num_experts:
       raise ValueError(f"MoE.top_k={self.top_k} must be at most num_experts={self.num_experts}")
     if not isinstance(self.normalize, bool):

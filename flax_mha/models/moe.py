@@ -29,8 +29,11 @@ from flax_mha.models.lm_config import LMConfig
 # the dense MLP is (gate and up column-, down row-parallel), the router replicated.
 PARAM_AXES = (
     (r"moe/router/kernel$", ("embed", None)),
+    (r"moe/router/bias$", (None,)),
     (r"moe/(gate|up)$", (None, "embed", "mlp")),
+    (r"moe/(gate|up)_bias$", (None, "mlp")),
     (r"moe/down$", (None, "mlp", "embed")),
+    (r"moe/down_bias$", (None, "embed")),
 )
 
 
@@ -72,18 +75,22 @@ def tiles(experts_M, num_experts: int):
   return jnp.where(used, order_M[place], m), expert
 
 
-def experts_mlp(x_YD, weights_YA, experts_YA, gate_XDF, up_XDF, down_XFD, act):
+def experts_mlp(x_YD, weights_YA, experts_YA, gate_XDF, up_XDF, down_XFD, glu, biases=None):
   """The experts' outputs [Y, D], x's dtype: sum over each token's A experts e of weight ·
-  (act(x·gate[e]) * (x·up[e]))·down[e], every tile of rows through its own expert's weights
-  (`tiles`), the weights' sum in float32 (float64 for float64 x)."""
+  glu(x·gate[e], x·up[e])·down[e] (each product plus expert e's bias of `biases`, (gate [X, F],
+  up [X, F], down [X, D]), when given), every tile of rows through its own expert's weights
+  (`tiles`), the weights' sum in float32 (float64 for float64 x). `glu` (`gated_unit`) takes
+  the gate's and the up projection's [..., F]."""
   y, a = experts_YA.shape
   rows, expert = tiles(experts_YA.reshape(-1), gate_XDF.shape[0])
   token = rows // a  # [tiles, block]: y in empty slots, which read token y - 1 and add nowhere
   x = x_YD[jnp.minimum(token, y - 1)]  # [tiles, block, D]
-  h = act(jnp.einsum("tbd,tdf->tbf", x, gate_XDF[expert])) * jnp.einsum(
-      "tbd,tdf->tbf", x, up_XDF[expert])
+  bias = (lambda i, out: out) if biases is None else (
+      lambda i, out: out + biases[i][expert][:, None].astype(out.dtype))
+  h = glu(bias(0, jnp.einsum("tbd,tdf->tbf", x, gate_XDF[expert])),
+          bias(1, jnp.einsum("tbd,tdf->tbf", x, up_XDF[expert])))
   wide = _wide(x_YD.dtype)
-  out = jnp.einsum("tbf,tfd->tbd", h, down_XFD[expert]).astype(wide)
+  out = bias(2, jnp.einsum("tbf,tfd->tbd", h, down_XFD[expert])).astype(wide)
   out = out * weights_YA.reshape(-1)[jnp.minimum(rows, y * a - 1)][..., None]
   return jnp.zeros((y, x_YD.shape[-1]), wide).at[token].add(out, mode="drop").astype(x_YD.dtype)
 
@@ -112,16 +119,27 @@ def load_balancing_loss(logits_YX, top_k: int, mask_Y=None):
 EXPERT_INIT = jax.nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
 
 
-def activation(mlp: str):
-  """The experts' gated activation of `LMConfig.mlp` (gated, as LMConfig checks with moe):
-  silu (SwiGLU) or gelu's tanh form (GeGLU, as the dense MLP's)."""
-  return jax.nn.silu if mlp == "swiglu" else jax.nn.gelu
+def gated_unit(cfg: LMConfig):
+  """The experts' glu(gate, up): `MoE.clamped_glu`'s (alpha, limit) when set (gpt-oss:
+  g·sigmoid(alpha·g)·(u + 1), g = min(gate, limit), u = up clipped to ±limit), else
+  `LMConfig.mlp`'s act(gate)·up, silu (SwiGLU) or gelu's tanh form (GeGLU, as the dense MLP's;
+  LMConfig checks that the MLP is gated)."""
+  if cfg.moe.clamped_glu is not None:
+    alpha, limit = cfg.moe.clamped_glu
+
+    def clamped(gate, up):
+      gate = jnp.minimum(gate, limit)
+      return gate * jax.nn.sigmoid(alpha * gate) * (jnp.clip(up, -limit, limit) + 1)
+    return clamped
+  act = jax.nn.silu if cfg.mlp == "swiglu" else jax.nn.gelu
+  return lambda gate, up: act(gate) * up
 
 
 class MoEMLP(nn.Module):
   """x [B, L, D] -> [B, L, D]: `config.moe`'s experts (`flax_mha.models.lm_config.MoE`) with
-  `config.mlp`'s gated activation. Params: router/kernel [D, X], gate and up [X, D, F], down
-  [X, F, D]. Sows the router logits [B·L, X] in 'intermediates'."""
+  their `gated_unit`. Params: router/kernel [D, X], gate and up [X, D, F], down [X, F, D]; with
+  `MoE.bias`, router/bias [X], gate_bias and up_bias [X, F], down_bias [X, D] (zeros at init).
+  Sows the router logits [B·L, X] in 'intermediates'."""
   config: LMConfig
 
   @nn.compact
@@ -129,13 +147,19 @@ class MoEMLP(nn.Module):
     cfg, moe = self.config, self.config.moe
     d, num_experts, f = cfg.d_model, moe.num_experts, moe.d_ff
     x_YD = x_BLD.reshape(-1, d)
-    logits_YX = nn.Dense(num_experts, use_bias=False, dtype=cfg.dtype,
+    logits_YX = nn.Dense(num_experts, use_bias=moe.bias, dtype=cfg.dtype,
                          param_dtype=cfg.param_dtype, name="router")(x_YD)
     self.sow("intermediates", "router_logits", logits_YX)
-    param = lambda name, *shape: self.param(name, EXPERT_INIT, shape, cfg.param_dtype).astype(
-        cfg.dtype)
+    param = lambda name, *shape, init=EXPERT_INIT: self.param(
+        name, init, shape, cfg.param_dtype).astype(cfg.dtype)
+    biases = None
+    if moe.bias:
+      zeros = jax.nn.initializers.zeros
+      biases = (param("gate_bias", num_experts, f, init=zeros),
+                param("up_bias", num_experts, f, init=zeros),
+                param("down_bias", num_experts, d, init=zeros))
     weights_YA, experts_YA = route(logits_YX, moe.top_k, moe.normalize)
     out_YD = experts_mlp(x_YD.astype(cfg.dtype), weights_YA, experts_YA,
                          param("gate", num_experts, d, f), param("up", num_experts, d, f),
-                         param("down", num_experts, f, d), activation(cfg.mlp))
+                         param("down", num_experts, f, d), gated_unit(cfg), biases)
     return out_YD.reshape(x_BLD.shape)

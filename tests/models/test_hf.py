@@ -135,6 +135,8 @@ def test_a_tied_config_refuses_a_saved_lm_head(tmp_path, rng):
      r"rope scaling type 'su' \(which transformers reads as 'longrope' for phi3\)"),
     (dict(model_type="phi3", rope_parameters={"rope_type": "linear", "factor": 2.0}),
      r"rope scaling type 'linear' is not supported for phi3"),
+    (dict(model_type="gpt_oss", quantization_config={"quant_method": "mxfp4"}),
+     r"quantization_config=\{'quant_method': 'mxfp4'\} is not supported"),
 ])
 def test_an_unsupported_config_is_refused_by_name(change, match):
   with pytest.raises(ValueError, match=match):
@@ -395,7 +397,8 @@ def test_experts_that_do_not_fit_the_config_are_refused_by_name(tmp_path, rng, c
 def test_the_moe_presets_read_each_variant():
   """Mixtral: every layer sparse, renormalised, experts intermediate_size wide, jitter refused;
   Qwen3-MoE: num_experts (or transformers 5's num_local_experts), decoder_sparse_step and
-  mlp_only_layers, norm_topk_prob (default off), no experts at all when num_experts is 0."""
+  mlp_only_layers, norm_topk_prob (default off), no experts at all when num_experts is 0;
+  gpt-oss: biases, the clamped unit, learned sinks, its layer types and YaRN."""
   mixtral = hf_config.config_from_hf(MIXTRAL)
   assert mixtral.moe == MoE(3, 2, F, normalize=True) and mixtral.is_sparse(1)
   with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 is not supported"):
@@ -411,3 +414,13 @@ def test_the_moe_presets_read_each_variant():
   assert some.moe == MoE(8, 2, 12, normalize=True, layers=(1, 5))
   assert [some.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
   assert hf_config.config_from_hf({**qwen, "num_experts": 0}).moe is None
+  oss = hf_config.config_from_hf({
+      **LLAMA, "model_type": "gpt_oss", "head_dim": 16, "num_local_experts": 4,
+      "num_experts_per_tok": 2, "sliding_window": 8, "attention_bias": True,
+      "swiglu_limit": 1.5, "layer_types": ["sliding_attention", "full_attention"],
+      "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0,
+                          "original_max_position_embeddings": 64, "truncate": False}})
+  assert oss.moe == MoE(4, 2, F, normalize=True, bias=True, clamped_glu=(1.702, 1.5))
+  assert oss.learned_sinks and oss.qkv_bias and oss.out_bias and oss.layer_types == (
+      "local", "global")
+  assert not oss.rope.scaling.truncate and oss.local_window == 7

@@ -35,21 +35,35 @@ def np_route(logits, top_k, normalize):
   return (weights / weights.sum(-1, keepdims=True) if normalize else weights), experts
 
 
-def np_experts(x, weights, experts, gate, up, down):
-  """The oracle: every expert on every token (SwiGLU), combined by the routing weights."""
+def np_experts(x, weights, experts, gate, up, down, biases=(0, 0, 0), clamped=None):
+  """The oracle: every expert on every token, SwiGLU (or with `clamped` (alpha, limit)
+  gpt-oss's min(g, limit)·sigmoid(alpha·min(g, limit))·(clip(u, ±limit) + 1)), plus each
+  expert's `biases` (gate, up, down), combined by the routing weights."""
   x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
+  b_gate, b_up, b_down = (np.asarray(b, np.float64) for b in biases)
   combine = np.zeros((x.shape[0], gate.shape[0]))
   np.add.at(combine, (np.arange(x.shape[0])[:, None], np.asarray(experts)),
             np.asarray(weights, np.float64))
-  g, u = np.einsum("yd,xdf->yxf", x, gate), np.einsum("yd,xdf->yxf", x, up)
-  return np.einsum("yxf,xfd,yx->yd", g / (1 + np.exp(-g)) * u, down, combine)
+  g = np.einsum("yd,xdf->yxf", x, gate) + b_gate
+  u = np.einsum("yd,xdf->yxf", x, up) + b_up
+  if clamped is None:
+    h = g / (1 + np.exp(-g)) * u
+  else:
+    alpha, limit = clamped
+    g = np.minimum(g, limit)
+    h = g / (1 + np.exp(-alpha * g)) * (np.clip(u, -limit, limit) + 1)
+  return np.einsum("yxd,yx->yd", np.einsum("yxf,xfd->yxd", h, down) + b_down, combine)
 
 
-def _dense(x, weights, experts, gate, up, down, act=jax.nn.silu):
+def swiglu(gate, up):
+  return jax.nn.silu(gate) * up
+
+
+def _dense(x, weights, experts, gate, up, down, glu=swiglu):
   """The oracle in jax (for gradients): every expert on every token."""
   combine = jnp.zeros((x.shape[0], gate.shape[0]), weights.dtype).at[
       jnp.arange(x.shape[0])[:, None], experts].add(weights)
-  h = act(jnp.einsum("yd,xdf->yxf", x, gate)) * jnp.einsum("yd,xdf->yxf", x, up)
+  h = glu(jnp.einsum("yd,xdf->yxf", x, gate), jnp.einsum("yd,xdf->yxf", x, up))
   return jnp.einsum("yxf,xfd,yx->yd", h, down, combine)
 
 
@@ -80,18 +94,24 @@ def test_the_tiles_hold_every_routed_row_once_with_its_expert(rng, routing):
   assert rows.size <= 2 * m  # slots: at most twice the rows
 
 
-@pytest.mark.parametrize("routing", ["random", "one_expert"])
+@pytest.mark.parametrize("routing", ["random", "one_expert", "gpt_oss"])
 def test_the_grouped_experts_equal_every_expert_on_every_token(rng, routing):
-  """Against the float64 oracle, with some experts taking no token (one_expert: all on one)."""
+  """Against the float64 oracle, with some experts taking no token (one_expert: all on one);
+  gpt_oss: biases and the clamped unit, its limit low enough that the clamps bite."""
   x = rng.standard_normal((Y, D)).astype(np.float32)
   gate, up, down = _weights(rng)
   weights, experts = np_route(rng.standard_normal((Y, X)), A, True)
   if routing == "one_expert":
     experts = np.stack([np.full(Y, 4), np.full(Y, 1)], -1)
+  cfg = CONFIG if routing != "gpt_oss" else dataclasses.replace(
+      CONFIG, moe=dataclasses.replace(CONFIG.moe, bias=True, clamped_glu=(1.702, 1.5)))
+  biases = ((0, 0, 0) if routing != "gpt_oss" else
+            tuple(rng.standard_normal(s).astype(np.float32) for s in ((X, F), (X, F), (X, D))))
   got = jax.jit(moe.experts_mlp, static_argnums=6)(
-      x, weights.astype(np.float32), experts.astype(np.int32), gate, up, down, jax.nn.silu)
-  np.testing.assert_allclose(got, np_experts(x, weights, experts, gate, up, down), rtol=1e-5,
-                             atol=1e-4)
+      x, weights.astype(np.float32), experts.astype(np.int32), gate, up, down,
+      moe.gated_unit(cfg), None if routing != "gpt_oss" else biases)
+  want = np_experts(x, weights, experts, gate, up, down, biases, cfg.moe.clamped_glu)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def _flops(fn, x_count, a_count):
@@ -107,7 +127,7 @@ def test_compiled_flops_grow_with_the_experts_a_token_takes_not_with_the_experts
   """XLA's count of the compiled program: the grouped experts cost between 1 and 2.2 times the
   routed rows' matmuls (3 of 64·A rows by 32·48) for 4 or 64 experts, and A = 1 to 4; the
   dense oracle grows with X."""
-  grouped = lambda *a: moe.experts_mlp(*a, jax.nn.silu)
+  grouped = lambda *a: moe.experts_mlp(*a, swiglu)
   for x_count, a_count in ((4, 2), (64, 2), (16, 1), (16, 4)):
     routed = 3 * 2 * 64 * a_count * 32 * 48
     assert routed <= _flops(grouped, x_count, a_count) <= 2.2 * routed, (x_count, a_count)
@@ -118,7 +138,7 @@ def _layer(params, x):
   """Router and experts, as `MoEMLP` runs them (top A of X, renormalised)."""
   weights, experts = moe.route(x @ params["router"], A, True)
   return moe.experts_mlp(x, weights, experts, params["gate"], params["up"], params["down"],
-                         jax.nn.silu)
+                         swiglu)
 
 
 def test_gradients_equal_finite_differences_and_the_dense_computation(rng):
