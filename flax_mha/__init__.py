@@ -19,8 +19,8 @@ circle (tests/test_layering.py reads this list):
   cache/      the KV cache as data (int8 too), the steps that read it, paged
               attention, `attend` and `explain` (see `flax_mha.cache`)
   nn/         the front ends: `linen` (MultiHeadAttention, SelfAttention) and `nnx`
-  models/     the Transformer, the decoder-only LM (its config, linen and NNX), decoding and
-              sampling, Hugging Face checkpoints
+  models/     the Transformer, the decoder-only LM (its config, linen and NNX, its mixture of
+              experts), decoding and sampling, Hugging Face checkpoints
   serving/    the page pool, the compiled serving loop, the Server and `serve`
   selftest/   `python -m flax_mha.selftest`: every kernel on this device against the oracle
   experiments/
@@ -47,6 +47,8 @@ experiments:
   Q, P                 rows of a query tile and columns of a key tile (flax_mha.kernels.chunked)
   U, E                 (batch, key head) units per trip and the keys a tile reaches
                        (flax_mha.kernels.rows)
+  X, A                 experts, and the experts each token takes (top-k; flax_mha.models.moe)
+  Y, M                 tokens of a batch flattened (B·L), and their Y·A routed rows
 
 `jax.nn.dot_product_attention` and gemma call the heads N and the head dim H; here H is the head
 count. Sizes without a letter above get their own, never a reused one.

@@ -27,7 +27,8 @@ import numpy as np
 if TYPE_CHECKING:  # imported lazily below
   import tokenizers
 
-FAMILIES = ("gpt2", "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+FAMILIES = ("gpt2", "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
+            "olmo2", "phi3", "mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss")
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2, in this order
@@ -96,6 +97,36 @@ def _family_spec(family):
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         sliding_window=8, query_pre_attn_scalar=16, rope_parameters=_GEMMA3_ROPE,
         tie_word_embeddings=True)
+  if family == "olmo2":
+    return "Olmo2Config", "Olmo2ForCausalLM", dict(_LLAMA)
+  if family == "phi3":
+    # Phi-3 mini's sliding window (every layer) and Phi-4 mini's partial rotary (half of K).
+    return "Phi3Config", "Phi3ForCausalLM", dict(_LLAMA, sliding_window=8, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+  if family == "mixtral":
+    # 5 experts, top 2, every layer; Mixtral 8x7B's config has no sliding window.
+    return "MixtralConfig", "MixtralForCausalLM", dict(
+        _LLAMA, num_local_experts=5, num_experts_per_tok=2, intermediate_size=40)
+  if family == "qwen3_moe":
+    # Qwen3-30B-A3B's variant: every layer sparse, top-k weights not renormalised.
+    return "Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        _LLAMA, head_dim=32, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+  if family == "qwen3_moe_sparse":
+    # The other variants: renormalised, every 2nd layer sparse but layer 3 (mlp_only_layers),
+    # the dense layers intermediate_size wide: layers 0 and 2 dense, 1 sparse, 3 dense.
+    return "Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        _LLAMA, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=2,
+        mlp_only_layers=[3])
+  if family == "gpt_oss":
+    # Sliding and full layers alternating, YaRN (truncate off, as gpt-oss's), learned sinks,
+    # biases in attention, router and experts; swiglu_limit 1.5 so that the clamps bite.
+    return "GptOssConfig", "GptOssForCausalLM", dict(
+        _LLAMA, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=40,
+        sliding_window=8, swiglu_limit=1.5, max_position_embeddings=2048, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False})
   raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 

@@ -1,6 +1,7 @@
 """Models built on the front ends: the encoder-decoder `transformer` of "Attention Is All You
 Need" (with its greedy and beam decoding), the decoder-only LM (`lm_config` its config, `lm` the
-linen model, `lm_nnx` its NNX twin, `lm_shared` what both share), `decoding` and `sampling`
+linen model, `lm_nnx` its NNX twin, `lm_shared` what both share, `moe` and `moe_nnx` its
+mixture of experts), `decoding` and `sampling`
 for linen and NNX models alike, and Hugging Face checkpoints (`hf`, `hf_config`). The names
 below load on first access: importing a config loads no model."""
 

@@ -11,10 +11,11 @@ A checkpoint directory holds `config.json` and `model.safetensors`, or shards li
 a time from the memory-mapped files, each mapped by its family's table below (the checkpoint's
 name, our parameter paths, a transform as data), cast, and placed (on a mesh by the model's
 sharding rules, `flax_mha.models.lm.PARAM_AXES`), so the host holds about one tensor beyond
-what is placed. A tensor that no rule matches, a parameter that no tensor fills, and a tensor
-of the wrong shape are refused by name: nothing is guessed. A file that cannot be read (cut
-short, not JSON, lacking a key) is a `CheckpointError`, a ValueError naming the file, and the
-shard where there are several.
+what is placed (a mixture of experts' per-expert tensors are gathered into their stacked
+parameter [X, ...] first: one such parameter). A tensor that no rule matches, a parameter that
+no tensor fills, and a tensor of the wrong shape are refused by name: nothing is guessed. A
+file that cannot be read (cut short, not JSON, lacking a key) is a `CheckpointError`, a
+ValueError naming the file, and the shard where there are several.
 
 Needs the `hf` extra (safetensors; tokenizers for `load_tokenizer`). Dimension key: D d_model,
 H heads, G kv heads, K head dim, F MLP width, C vocabulary.
@@ -48,10 +49,13 @@ class CheckpointError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Rule:
   """One checkpoint tensor `name` ({i}: a layer index) fills `targets`, our parameter paths
-  ('/'-joined, {i} likewise), through the transform named `transform` (TRANSFORMS)."""
+  ('/'-joined, {i} likewise), through the transform named `transform` (TRANSFORMS). With
+  `stack`, the name's {e} (an expert's index) picks the row of each target that the tensor
+  fills: one expert of a stacked parameter [X, ...]."""
   name: str
   targets: tuple[str, ...]
   transform: str = "same"
+  stack: bool = False
 
 
 def _heads(n: str):
@@ -65,6 +69,13 @@ def _split3(x, c):
   return tuple(p.reshape(*p.shape[:-1], c.num_heads, -1) for p in np.split(x, 3, axis=-1))
 
 
+def _split_qkv_rows(x, c):
+  """Phi-3's fused qkv_proj [(H + 2·G)·K, D] -> query [D, H, K], key and value [D, G, K]."""
+  k, h, g = c.k_dim, c.num_heads, c.num_kv_heads
+  parts = np.split(x, [h * k, (h + g) * k], axis=0)
+  return tuple(p.T.reshape(x.shape[1], n, k) for p, n in zip(parts, (h, g, g)))
+
+
 # name -> (checkpoint array [torch's layout], LMConfig) -> our arrays, one per target.
 TRANSFORMS = {
     "same": lambda x, c: (x,),
@@ -76,6 +87,10 @@ TRANSFORMS = {
     "kv_bias": lambda x, c: (x.reshape(c.num_kv_heads, -1),),
     "qkv": _split3,
     "heads_in": lambda x, c: (x.reshape(c.num_heads, -1, x.shape[-1]),),  # [H·K, D] -> [H, K, D]
+    "qkv_rows": _split_qkv_rows,
+    "gate_up": lambda x, c: tuple(p.T for p in np.split(x, 2, axis=0)),  # [2F, D] -> 2 x [D, F]
+    # gpt-oss's experts [X, D, 2F] (biases [X, 2F]), gate and up interleaved -> 2 x [X, D, F].
+    "interleaved": lambda x, c: (x[..., 0::2], x[..., 1::2]),
 }
 
 _LAYER = "model.layers.{i}."
@@ -83,17 +98,24 @@ _BLOCK = "block_{i}/"
 _ATTN = _BLOCK + "attention/"
 
 
-def _llama_table(norms: dict[str, str], extra=()) -> tuple[Rule, ...]:
+def _llama_table(norms: dict[str, str], extra=(), *, fused: bool = False) -> tuple[Rule, ...]:
   """The Llama-shaped tables: embeddings, q/k/v/o (with optional biases), the gated MLP, the
-  block norms named by `norms` (checkpoint name -> ours) and `extra` rules."""
+  block norms named by `norms` (checkpoint name -> ours) and `extra` rules; `fused`: q/k/v in
+  one qkv_proj and gate/up in one gate_up_proj (Phi-3)."""
   attn = [Rule(_LAYER + f"self_attn.{p}_proj.weight", (_ATTN + f"{ours}/kernel",), t)
           for p, ours, t in (("q", "query", "q"), ("k", "key", "kv"), ("v", "value", "kv"),
-                             ("o", "out", "o"))]
+                             ("o", "out", "o")) if not fused or p == "o"]
   attn += [Rule(_LAYER + f"self_attn.{p}_proj.bias", (_ATTN + f"{ours}/bias",), t)
            for p, ours, t in (("q", "query", "q_bias"), ("k", "key", "kv_bias"),
                               ("v", "value", "kv_bias"), ("o", "out", "same"))]
   mlp = [Rule(_LAYER + f"mlp.{p}_proj.weight", (_BLOCK + f"mlp_{ours}/kernel",), "t")
-         for p, ours in (("gate", "gate"), ("up", "in"), ("down", "out"))]
+         for p, ours in (("gate", "gate"), ("up", "in"), ("down", "out"))
+         if not fused or p == "down"]
+  if fused:
+    attn.append(Rule(_LAYER + "self_attn.qkv_proj.weight",
+                     tuple(_ATTN + f"{p}/kernel" for p in ("query", "key", "value")), "qkv_rows"))
+    mlp.append(Rule(_LAYER + "mlp.gate_up_proj.weight",
+                    (_BLOCK + "mlp_gate/kernel", _BLOCK + "mlp_in/kernel"), "gate_up"))
   block_norms = [Rule(_LAYER + f"{theirs}.weight", (_BLOCK + f"{ours}/scale",))
                  for theirs, ours in norms.items()]
   return (Rule("model.embed_tokens.weight", ("embed/embedding",)),
@@ -107,8 +129,32 @@ _GEMMA2_NORMS = {"input_layernorm": "attention_norm",
                  "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "mlp_norm",
                  "post_feedforward_layernorm": "post_mlp_norm"}
+_OLMO2_NORMS = {"post_attention_layernorm": "post_attention_norm",
+                "post_feedforward_layernorm": "post_mlp_norm"}
 _QK_NORMS = (Rule(_LAYER + "self_attn.q_norm.weight", (_ATTN + "query_ln/scale",)),
              Rule(_LAYER + "self_attn.k_norm.weight", (_ATTN + "key_ln/scale",)))
+
+
+_MOE = _BLOCK + "moe/"
+# gpt-oss: learned sinks; the router's bias; the experts stored stacked, [in, out] already.
+_GPT_OSS = (
+    Rule(_LAYER + "self_attn.sinks", (_ATTN + "sinks",)),
+    Rule(_LAYER + "mlp.router.weight", (_MOE + "router/kernel",), "t"),
+    Rule(_LAYER + "mlp.router.bias", (_MOE + "router/bias",)),
+    Rule(_LAYER + "mlp.experts.gate_up_proj", (_MOE + "gate", _MOE + "up"), "interleaved"),
+    Rule(_LAYER + "mlp.experts.gate_up_proj_bias", (_MOE + "gate_bias", _MOE + "up_bias"),
+         "interleaved"),
+    Rule(_LAYER + "mlp.experts.down_proj", (_MOE + "down",)),
+    Rule(_LAYER + "mlp.experts.down_proj_bias", (_MOE + "down_bias",)),
+)
+
+
+def _experts(prefix: str, names: tuple[str, str, str]) -> tuple[Rule, ...]:
+  """A mixture of experts' router `prefix`gate.weight [X, D] and each expert's gate, up and
+  down projections, `prefix`experts.{e}.<name>.weight, as the rows of moe/gate, up, down."""
+  return (Rule(_LAYER + prefix + "gate.weight", (_MOE + "router/kernel",), "t"),
+          *(Rule(_LAYER + prefix + "experts.{e}." + theirs + ".weight", (_MOE + ours,), "t",
+                 stack=True) for theirs, ours in zip(names, ("gate", "up", "down"))))
 
 
 def _gpt2_table() -> tuple[Rule, ...]:
@@ -142,6 +188,12 @@ TABLES = {
     "gemma": _llama_table(_LLAMA_NORMS),
     "gemma2": _llama_table(_GEMMA2_NORMS),
     "gemma3": _llama_table(_GEMMA2_NORMS, _QK_NORMS),
+    "olmo2": _llama_table(_OLMO2_NORMS, _QK_NORMS),
+    "phi3": _llama_table(_LLAMA_NORMS, fused=True),
+    "mixtral": _llama_table(_LLAMA_NORMS, _experts("block_sparse_moe.", ("w1", "w3", "w2"))),
+    "qwen3_moe": _llama_table(_LLAMA_NORMS, _QK_NORMS + _experts(
+        "mlp.", ("gate_proj", "up_proj", "down_proj"))),
+    "gpt_oss": _llama_table(_LLAMA_NORMS, _GPT_OSS),
 }
 # Buffers that older checkpoints saved beside the parameters (GPT-2's causal mask): skipped.
 IGNORED = {"gpt2": re.compile(r"h\.\d+\.attn\.(masked_)?bias")}
@@ -250,7 +302,7 @@ def read_params(directory, fam: str, cfg: lm.LMConfig, want: dict, places: dict)
   tensor through the family's table and placed by `places` (path -> sharding; default device
   otherwise). A file that safetensors cannot read is a CheckpointError naming it and its shard."""
   rules = [(_pattern(rule.name), rule) for rule in TABLES[fam]]
-  got = {}
+  got, stacks = {}, {}
   files = tensor_files(directory)
   for number, path in enumerate(files, 1):
     where = _shard(number, len(files), path)
@@ -260,20 +312,26 @@ def read_params(directory, fam: str, cfg: lm.LMConfig, want: dict, places: dict)
       short = name.removeprefix(_PREFIX.get(fam, ""))
       if fam in IGNORED and IGNORED[fam].fullmatch(short):
         continue
-      rule, layer = _rule_for(name, short, rules, fam)
-      targets = [target.replace("{i}", layer) for target in rule.targets]
+      rule, index = _rule_for(name, short, rules, fam)
+      targets = [target.replace("{i}", index.get("i", "")) for target in rule.targets]
       # The file mapped for one tensor at a time: the pages read count in the resident set
       # while mapped, so a mapping held across the load would add the whole checkpoint.
       with _safetensors(path, where) as f:
         tensor = f.get_tensor(name)
       for target, array in zip(targets, _transform(rule, tensor, name, targets, cfg, want)):
-        _place(got, target, array, name, want, places)
+        if rule.stack:
+          _stack(stacks, got, target, int(index["e"]), array, name, want, places)
+        else:
+          _place(got, target, array, name, want, places)
       del tensor
   missing = sorted(set(want) - set(got))
   if missing:
+    partial = {t: sorted(set(range(want[t].shape[0])) - filled)
+               for t, (_, filled) in sorted(stacks.items())}
     raise ValueError(f"the checkpoint in {directory} lacks tensors for {len(missing)} "
                      f"parameters of its {fam} config, e.g. {missing[:6]} (each filled by "
-                     f"{_filled_by(missing[0], fam)})")
+                     f"{_filled_by(missing[0], fam)})"
+                     + (f"; experts missing: {partial}" if partial else ""))
   return got
 
 
@@ -297,18 +355,19 @@ def _safetensors(path: pathlib.Path, where: str):
 
 
 def _pattern(name: str) -> re.Pattern:
-  return re.compile(re.escape(name).replace(r"\{i\}", r"(\d+)"))
+  return re.compile(re.escape(name).replace(r"\{i\}", r"(?P<i>\d+)").replace(
+      r"\{e\}", r"(?P<e>\d+)"))
 
 
 def _rule_for(name: str, short: str, rules, fam: str):
-  """(the one rule matching tensor `short`, its layer index as a string)."""
+  """(the one rule matching tensor `short`, its indices {'i': layer, 'e': expert} as strings)."""
   hits = [(rule, m) for pattern, rule in rules if (m := pattern.fullmatch(short))]
   if len(hits) != 1:
     raise ValueError(f"tensor {name!r} matches {len(hits)} rules of the {fam} table "
                      f"{[rule.name for rule, _ in hits]}: an unexpected tensor (a family this "
                      "loader does not read, or an architecture variant it does not implement)")
   rule, m = hits[0]
-  return rule, (m.group(1) if m.groups() else "")
+  return rule, m.groupdict()
 
 
 def _transform(rule: Rule, tensor, name: str, targets: list[str], cfg, want: dict):
@@ -335,6 +394,27 @@ def _place(got: dict, target: str, array, name: str, want: dict, places: dict) -
     raise ValueError(f"parameter {target!r} is filled twice (again by {name!r})")
   array = np.ascontiguousarray(array, dtype=spec.dtype)
   got[target] = jax.device_put(array, places.get(target))
+
+
+def _stack(stacks: dict, got: dict, target: str, row: int, array, name: str, want: dict,
+           places: dict) -> None:
+  """One expert's `array` into row `row` of the stacked parameter `target` (a host buffer in
+  `stacks`), placed in `got` once every row is filled."""
+  if target not in want:
+    _place(got, target, array, name, want, places)  # refused by name there
+  spec = want[target]
+  if row >= spec.shape[0] or tuple(array.shape) != tuple(spec.shape[1:]):
+    raise ValueError(f"tensor {name!r} gives expert {row} of parameter {target!r} shape "
+                     f"{tuple(array.shape)}, its config wants {spec.shape[0]} experts of "
+                     f"{tuple(spec.shape[1:])}")
+  buffer, filled = stacks.setdefault(target, (np.empty(spec.shape, spec.dtype), set()))
+  if row in filled or target in got:
+    raise ValueError(f"expert {row} of parameter {target!r} is filled twice (again by {name!r})")
+  buffer[row] = array
+  filled.add(row)
+  if len(filled) == spec.shape[0]:
+    _place(got, target, buffer, name, want, places)
+    del stacks[target]
 
 
 def _filled_by(path: str, fam: str) -> str:

@@ -9,6 +9,16 @@ Conventions, where the two libraries say one thing two ways:
   Gemma 3's per-layer-type rope parameters give its local layers their own base.
 - Gemma's `hidden_act="gelu"` is its legacy spelling of the tanh approximation, as transformers
   reads it.
+- OLMo 2 normalises only the sublayers' outputs (no pre-norms), and its qk-norm spans all heads
+  (`Norm.across_heads`). Phi-3 takes the default rope only: transformers reads its "su" and
+  "yarn" as "longrope" (short and long factors switched by the sequence's length), refused.
+- Mixtral and Qwen3-MoE put experts in place of the MLP (`LMConfig.moe`): Mixtral's top
+  `num_experts_per_tok` of `num_local_experts` renormalised, Qwen3-MoE's when `norm_topk_prob`,
+  on the layers `decoder_sparse_step` and `mlp_only_layers` leave sparse (the others dense,
+  `intermediate_size` wide; the experts `moe_intermediate_size`). gpt-oss's experts have
+  biases and its clamped unit (`swiglu_alpha`, `swiglu_limit`); its attention learned sinks.
+  A quantized checkpoint (`quantization_config`: gpt-oss's MXFP4) is refused: load a
+  dequantized one.
 
 Anything a family's config sets that this decoder does not implement is refused by name: never
 approximated. A key the family needs that the config lacks is a `MissingKey` naming it; a dtype
@@ -23,13 +33,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flax_mha.models.lm_config import LMConfig
+from flax_mha.models.lm_config import LMConfig, MoE
 from flax_mha.nn.options import Norm
 from flax_mha.rotary import Rope
 
 # model_type -> the family whose preset and tensor table serve it.
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen2",
-            "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+            "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
+            "olmo2": "olmo2", "phi3": "phi3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
+            "gpt_oss": "gpt_oss"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # What `config_from_hf(dtype=...)` (and so `hf.load`) takes: float64 only under jax_enable_x64,
 # without which jax computes it in float32.
@@ -140,14 +152,18 @@ def _GPT2(c: Mapping) -> dict:  # pylint: disable=invalid-name
 
 
 def _rotary_family(c: Mapping, fam: str) -> dict:
-  """The fields of the rotary families (Llama, Mistral, Qwen2/3, Gemma 1-3)."""
+  """The fields of the rotary families (Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo 2, Phi-3,
+  Mixtral, Qwen3-MoE, gpt-oss)."""
   gemma = fam.startswith("gemma")
   act = c.get("hidden_activation") or c.get("hidden_act", "silu")
   if gemma and act == "gelu":  # Gemma's legacy spelling of the tanh approximation
     act = "gelu_pytorch_tanh"
   if act not in _GATED:
     raise ValueError(f"hidden_act {act!r} is not supported: {sorted(_GATED)}")
-  _refuse(c, mlp_bias=(False, None), attention_dropout=(0.0, 0, None))
+  _refuse(c, mlp_bias=(False, None), attention_dropout=(0.0, 0, None),
+          quantization_config=(None,))
+  if fam == "phi3":
+    _phi3_rope(c)
   heads = c["num_attention_heads"]
   k = c.get("head_dim") or c["hidden_size"] // heads
   layer_types = _layer_types(c, fam)
@@ -160,17 +176,56 @@ def _rotary_family(c: Mapping, fam: str) -> dict:
       logit_soft_cap=c.get("attn_logit_softcapping"),
       final_logit_soft_cap=c.get("final_logit_softcapping"),
       norm=Norm("rms_one_plus" if gemma else "rms", c.get("rms_norm_eps", 1e-6), use_bias=False),
-      post_norms=fam in ("gemma2", "gemma3"), mlp=_GATED[act], mlp_bias=False,
+      pre_norms=fam != "olmo2", post_norms=fam in ("gemma2", "gemma3", "olmo2"),
+      mlp=_GATED[act], mlp_bias=False,
       qkv_bias=fam == "qwen2" or bool(c.get("attention_bias", False)),
       out_bias=bool(c.get("attention_bias", False)) and fam != "qwen2",
       tie_embeddings=_tied(c, gemma or fam == "qwen2"), scale_embeddings=gemma,
       scale_logits=False, positions="rotary", **_ropes(c, k, layer_types))
-  if fam in ("qwen3", "gemma3"):
+  if fam in ("mixtral", "qwen3_moe", "gpt_oss"):
+    fields["moe"] = _moe(c, fam)
+  if fam == "gpt_oss":
+    fields["learned_sinks"] = True
+  if fam in ("qwen3", "gemma3", "olmo2", "qwen3_moe"):
     fields["normalize_qk"] = Norm("rms_one_plus" if gemma else "rms", c.get("rms_norm_eps", 1e-6),
-                                  use_bias=False)
+                                  use_bias=False, across_heads=fam == "olmo2")
   if "query_pre_attn_scalar" in c and fam != "gemma":
     fields["attention_scale"] = c["query_pre_attn_scalar"] ** -0.5
   return fields
+
+
+def _moe(c: Mapping, fam: str) -> MoE | None:
+  """The experts of Mixtral (every layer, renormalised) and Qwen3-MoE (the layers (i + 1) %
+  decoder_sparse_step == 0 outside mlp_only_layers, renormalised when norm_topk_prob; None when
+  num_experts is 0). transformers 5 saves num_experts as num_local_experts."""
+  _refuse(c, router_jitter_noise=(0.0, 0, None))
+  count = c.get("num_local_experts") if "num_local_experts" in c else c["num_experts"]
+  if fam == "mixtral":
+    return MoE(count, c["num_experts_per_tok"], c["intermediate_size"], normalize=True)
+  if fam == "gpt_oss":  # a softmax over the top k logits: the top k probabilities renormalised
+    return MoE(count, c["num_experts_per_tok"], c["intermediate_size"], normalize=True,
+               bias=True, clamped_glu=(c.get("swiglu_alpha", 1.702), c.get("swiglu_limit", 7.0)))
+  dense = set(c.get("mlp_only_layers") or ())
+  step = c.get("decoder_sparse_step", 1)
+  layers = tuple(i for i in range(c["num_hidden_layers"])
+                 if i not in dense and count > 0 and (i + 1) % step == 0)
+  if not layers:
+    return None
+  return MoE(count, c["num_experts_per_tok"], c["moe_intermediate_size"],
+             normalize=bool(c.get("norm_topk_prob", False)), layers=layers)
+
+
+def _phi3_rope(c: Mapping) -> None:
+  """Phi-3's rope: the default only (with its partial rotary). transformers takes "longrope"
+  beside it and reads a 4.x config's "su" and "yarn" as "longrope"; refused by name."""
+  params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind != "default":
+    read_as = (" (which transformers reads as 'longrope' for phi3)" if kind in ("su", "yarn")
+               else "")
+    raise ValueError(f"rope scaling type {kind!r}{read_as} is not supported for phi3 (longrope "
+                     "switches between short and long factors with the sequence's length); "
+                     "supported: the default rope")
 
 
 def _layer_types(c: Mapping, fam: str) -> tuple[str, ...] | None:

@@ -19,6 +19,7 @@ import flax.linen as nn
 
 from flax_mha import checks
 from flax_mha import remat as remat_lib
+from flax_mha.models import moe
 from flax_mha.models.lm_config import LMConfig
 from flax_mha.models.lm_shared import Decodable, embed_tokens, one_document, output_logits
 from flax_mha.nn.linen import SelfAttention, make_norm
@@ -27,7 +28,7 @@ from flax_mha.nn.shared import PARAM_AXES as ATTENTION_PARAM_AXES
 
 # Logical axes of every parameter (see `flax_mha.parallel.sharding`): the attention projections', the
 # MLP's Megatron split (mlp_in column-, mlp_out row-parallel), the tied embedding and norms.
-PARAM_AXES = ATTENTION_PARAM_AXES + (
+PARAM_AXES = ATTENTION_PARAM_AXES + moe.PARAM_AXES + (
     (r"mlp_(in|gate)/kernel$", ("embed", "mlp")),
     (r"mlp_gate/bias$", ("mlp",)),
     (r"mlp_in/bias$", ("mlp",)),
@@ -42,9 +43,10 @@ PARAM_AXES = ATTENTION_PARAM_AXES + (
 
 class Block(nn.Module):
   """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)); with post_norms, each branch's output
-  is normalised too (Gemma 2, 3)."""
+  is normalised too (Gemma 2, 3), and without pre_norms only the outputs are (OLMo 2)."""
   config: LMConfig
   local: bool
+  sparse: bool = False  # experts in place of the MLP (`flax_mha.models.moe`)
 
   def attention(self):
     cfg = self.config
@@ -62,8 +64,11 @@ class Block(nn.Module):
     return make_norm(cfg.norm, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name)
 
   def mlp(self, h):
-    """h [B, L, D] -> [B, L, D]: gelu(h·in)·out, or act(h·gate) * (h·in) then ·out."""
+    """h [B, L, D] -> [B, L, D]: gelu(h·in)·out, or act(h·gate) * (h·in) then ·out (or each
+    token's experts' of that, sparse)."""
     cfg = self.config
+    if self.sparse:
+      return moe.MoEMLP(cfg, name="moe")(h)
     dense = functools.partial(nn.Dense, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                               use_bias=cfg.mlp_bias)
     if cfg.mlp == "gelu":
@@ -78,14 +83,15 @@ class Block(nn.Module):
     `train` is static (positional for nn.remat)."""
     cfg = self.config
     drop = nn.Dropout(cfg.dropout_rate, deterministic=not train)
-    post = self.norm if cfg.post_norms else lambda name: lambda h: h
-    h = self.attention()(self.norm("attention_norm")(x), is_causal=cache is None,
+    pre, post = (self.norm if on else lambda name: lambda h: h
+                 for on in (cfg.pre_norms, cfg.post_norms))
+    h = self.attention()(pre("attention_norm")(x), is_causal=cache is None,
                          segment_ids=segment_ids, positions=cfg.attention_positions(positions, cache),
                          cache=cache)
     if cache is not None:
       h, cache = h
     x = x + drop(post("post_attention_norm")(h))
-    h = post("post_mlp_norm")(self.mlp(self.norm("mlp_norm")(x)))
+    h = post("post_mlp_norm")(self.mlp(pre("mlp_norm")(x)))
     return x + drop(h) if cache is None else (x + drop(h), cache)
 
 
@@ -137,7 +143,7 @@ class DecoderLM(Decodable, nn.Module):
     # `train` is Block's 4th argument (`self` is 0): static under nn.remat.
     block_cls = remat_lib.layer_class(cfg.remat if cache is None else "none", Block, (4,))
     for i in range(cfg.num_layers):
-      block = block_cls(cfg, local=cfg.is_local(i), name=f"block_{i}")
+      block = block_cls(cfg, local=cfg.is_local(i), sparse=cfg.is_sparse(i), name=f"block_{i}")
       if cache is None:
         x = block(x, segment_ids, positions, train)
       else:

@@ -23,6 +23,38 @@ LAYER_TYPES = ("local", "global")
 
 
 @dataclasses.dataclass(frozen=True)
+class MoE:
+  """A sparse mixture of experts in place of the dense MLP (`flax_mha.models.moe`): each token's
+  router picks `top_k` of `num_experts` gated MLPs of width `d_ff` (Mixtral, Qwen3-MoE)."""
+  num_experts: int                    # X
+  top_k: int                          # A, the experts each token takes
+  d_ff: int                           # each expert's MLP width (LMConfig.d_ff: the dense layers')
+  normalize: bool = True              # top-k weights renormalised (Qwen3-MoE: norm_topk_prob)
+  layers: tuple[int, ...] | None = None  # the layers with experts, the others dense (None: all)
+  bias: bool = False                  # biases in the router and the experts (gpt-oss)
+  clamped_glu: tuple[float, float] | None = None  # (alpha, limit): gpt-oss's unit (moe.gated_unit)
+
+  def __post_init__(self):
+    for name in ("num_experts", "top_k", "d_ff"):
+      checks.check_int(f"MoE.{name}", getattr(self, name))
+    if not isinstance(self.bias, bool):
+      raise TypeError(f"MoE.bias must be a bool, got {type(self.bias).__name__}")
+    if self.clamped_glu is not None:
+      if not isinstance(self.clamped_glu, tuple) or len(self.clamped_glu) != 2:
+        raise ValueError(f"MoE.clamped_glu must be None or (alpha, limit), got "
+                         f"{self.clamped_glu!r}")
+      for name, value in zip(("alpha", "limit"), self.clamped_glu):
+        checks.check_positive_real(f"MoE.clamped_glu's {name}", value)
+    if self.top_k > self.num_experts:
+      raise ValueError(f"MoE.top_k={self.top_k} must be at most num_experts={self.num_experts}")
+    if not isinstance(self.normalize, bool):
+      raise TypeError(f"MoE.normalize must be a bool, got {type(self.normalize).__name__}")
+    if self.layers is not None and (not isinstance(self.layers, tuple) or not all(
+        isinstance(i, int) and i >= 0 for i in self.layers)):
+      raise ValueError(f"MoE.layers must be None or a tuple of layer indices, got {self.layers!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class LMConfig:
   """Architecture only; training settings live in the experiment configs. The defaults are
   this repository's own LM; `flax_mha.models.hf.config_from_hf` fills the rest for a family."""
@@ -47,6 +79,7 @@ class LMConfig:
   param_dtype: Any = jnp.float32      # parameters' dtype (a bfloat16 checkpoint's stay bfloat16)
   head_dim: int | None = None         # K (None: d_model / num_heads; Gemma's is larger)
   norm: Norm = Norm("layer", 1e-6)    # the blocks' and the final norm
+  pre_norms: bool = True              # norms on the attention's and the MLP's inputs (not OLMo 2)
   post_norms: bool = False            # norms on the attention's and the MLP's outputs (Gemma 2, 3)
   mlp: str = "gelu"                   # MLPS: gelu(x·in)·out, or gated silu / gelu (SwiGLU, GeGLU)
   mlp_bias: bool = True               # biases in the MLP
@@ -62,6 +95,7 @@ class LMConfig:
   local_rope: Rope | None = None      # the local layers' rotary (None: the global layers')
   layer_types: tuple[str, ...] | None = None  # LAYER_TYPES per layer (None: global_every's)
   attention_scale: float | None = None  # the logits' scale (None: 1/sqrt(K))
+  moe: MoE | None = None              # experts in place of the MLP (None: every layer dense)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "d_ff", "global_every"):
@@ -86,6 +120,9 @@ class LMConfig:
         raise ValueError(f"LMConfig.{name} must be one of {allowed}, got {value!r}")
     if not isinstance(self.norm, Norm):
       raise TypeError(f"LMConfig.norm must be a flax_mha.Norm, got {type(self.norm).__name__}")
+    if self.norm.across_heads:
+      raise ValueError("LMConfig.norm normalises the residual: across_heads is a qk-norm's "
+                       "(normalize_qk)")
     for name in ("rope", "local_rope"):
       if getattr(self, name) is not None and not isinstance(getattr(self, name), Rope):
         raise TypeError(f"LMConfig.{name} must be a flax_mha.rotary.Rope or None, got "
@@ -101,6 +138,15 @@ class LMConfig:
         raise ValueError("LMConfig.layer_types has local layers: give local_window")
     for name in ("final_logit_soft_cap", "attention_scale"):
       checks.check_positive_real(f"LMConfig.{name}", getattr(self, name), optional=True)
+    if self.moe is not None:
+      if not isinstance(self.moe, MoE):
+        raise TypeError(f"LMConfig.moe must be a MoE or None, got {type(self.moe).__name__}")
+      if self.mlp == "gelu":
+        raise ValueError("LMConfig.moe's experts are gated MLPs: mlp must be 'swiglu' or "
+                         "'geglu', got 'gelu'")
+      past = [i for i in self.moe.layers or () if i >= self.num_layers]
+      if past:
+        raise ValueError(f"LMConfig.moe.layers {past} past num_layers={self.num_layers}")
 
   @property
   def k_dim(self) -> int:
@@ -128,6 +174,10 @@ class LMConfig:
     """The positions a layer's attention takes: rotary angles, or a cache's slots (learned
     positions are added to the embeddings and the attention has no use for them otherwise)."""
     return positions if self.positions == "rotary" or cache is not None else None
+
+  def is_sparse(self, layer: int) -> bool:
+    """Whether `layer` has experts (`moe`) rather than the dense MLP."""
+    return self.moe is not None and (self.moe.layers is None or layer in self.moe.layers)
 
   def is_local(self, layer: int) -> bool:
     """`layer_types[layer]` when given; else layers global_every - 1, 2·global_every - 1, ...

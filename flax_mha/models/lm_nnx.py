@@ -16,38 +16,44 @@ from flax import nnx
 
 from flax_mha import checks
 from flax_mha.models import lm_shared
+from flax_mha.models.moe_nnx import MoEMLP
 from flax_mha.models.lm_config import LMConfig
 from flax_mha.nn.nnx import SelfAttention, make_norm
 
 
 class Block(nnx.Module):
   """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)) (post_norms: each branch's output
-  normalised too), as `flax_mha.models.lm.Block`."""
+  normalised too; without pre_norms only the outputs), as `flax_mha.models.lm.Block`."""
 
-  def __init__(self, cfg: LMConfig, local: bool, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: LMConfig, local: bool, *, rngs: nnx.Rngs, sparse: bool = False):
     d, f = cfg.d_model, cfg.d_ff
     norm = lambda: make_norm(cfg.norm, d, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                              rngs=rngs)
     dense = functools.partial(nnx.Linear, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                               use_bias=cfg.mlp_bias, rngs=rngs)
     self.config = cfg
-    self.attention_norm = norm()
+    if cfg.pre_norms:
+      self.attention_norm, self.mlp_norm = norm(), norm()
     self.attention = SelfAttention(
         cfg.num_heads, d, qkv_features=cfg.num_heads * cfg.k_dim, out_features=d,
         num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
         use_bias=cfg.qkv_bias, out_use_bias=cfg.out_bias, normalize_qk=cfg.normalize_qk,
         attention_options=cfg.attention_options(local),
         implementation=cfg.attention_implementation, rngs=rngs)
-    self.mlp_norm = norm()
-    if cfg.mlp != "gelu":
-      self.mlp_gate = dense(d, f)
-    self.mlp_in = dense(d, f)
-    self.mlp_out = dense(f, d)
+    if sparse:  # experts in place of the MLP (`flax_mha.models.moe`)
+      self.moe = MoEMLP(cfg, rngs=rngs)
+    else:
+      if cfg.mlp != "gelu":
+        self.mlp_gate = dense(d, f)
+      self.mlp_in, self.mlp_out = dense(d, f), dense(f, d)
     if cfg.post_norms:
       self.post_attention_norm, self.post_mlp_norm = norm(), norm()
 
   def mlp(self, h):
-    """As the linen Block's: gelu(h·in)·out, or act(h·gate) * (h·in) then ·out."""
+    """As the linen Block's: gelu(h·in)·out, or act(h·gate) * (h·in) then ·out (or the
+    experts', sparse)."""
+    if hasattr(self, "moe"):
+      return self.moe(h)
     if self.config.mlp == "gelu":
       return self.mlp_out(nnx.gelu(self.mlp_in(h)))
     act = nnx.silu if self.config.mlp == "swiglu" else nnx.gelu
@@ -55,14 +61,14 @@ class Block(nnx.Module):
 
   def __call__(self, x, segment_ids, positions, cache=None):
     """x [B, L, D] -> (x, this layer's updated cache, or None without one)."""
-    post = lambda name, h: getattr(self, name)(h) if hasattr(self, name) else h
-    h = self.attention(self.attention_norm(x), is_causal=cache is None,
+    norm = lambda name, h: getattr(self, name)(h) if hasattr(self, name) else h  # if it has one
+    h = self.attention(norm("attention_norm", x), is_causal=cache is None,
                        segment_ids=segment_ids,
                        positions=self.config.attention_positions(positions, cache), cache=cache)
     if cache is not None:
       h, cache = h
-    x = x + post("post_attention_norm", h)
-    return x + post("post_mlp_norm", self.mlp(self.mlp_norm(x))), cache
+    x = x + norm("post_attention_norm", h)
+    return x + norm("post_mlp_norm", self.mlp(norm("mlp_norm", x))), cache
 
 
 class DecoderLM(lm_shared.Decodable, nnx.Module):
@@ -82,7 +88,8 @@ class DecoderLM(lm_shared.Decodable, nnx.Module):
     if config.positions == "learned":
       self.position_embed = table(config.max_positions)
     for i in range(config.num_layers):  # named as the linen model's blocks
-      setattr(self, f"block_{i}", Block(config, config.is_local(i), rngs=rngs))
+      setattr(self, f"block_{i}", Block(config, config.is_local(i), rngs=rngs,
+                                        sparse=config.is_sparse(i)))
     self.final_norm = make_norm(config.norm, config.d_model, dtype=config.dtype,
                                 param_dtype=config.param_dtype, rngs=rngs)
     if not config.tie_embeddings:

@@ -47,8 +47,9 @@ class MultiHeadAttention(nn.Module):
       the cache as data, rolling caches for local layers, rows of different lengths).
     normalize_qk: flax.linen's `normalize_qk` (ViT-22B, arXiv:2302.05442): True for LayerNorm
       over the head dim K of the projected queries and keys (scale [K], no bias, epsilon 1e-6),
-      params `query_ln` and `key_ln`; or a `flax_mha.Norm` for another kind (RMSNorm: Qwen3,
-      OLMo 2; Gemma 3's (1 + scale)), under the same names; applied before rotary and the cache.
+      params `query_ln` and `key_ln`; or a `flax_mha.Norm` for another kind (RMSNorm: Qwen3;
+      Gemma 3's (1 + scale); over all heads at once with `across_heads`, scales [H·K] and
+      [G·K]: OLMo 2), under the same names; applied before rotary and the cache.
     attention_options: a `flax_mha.AttentionOptions`, this layer's own options (soft cap, window,
       sink tokens, rotary, learned sinks): see there.
     logit_soft_cap, local_window_size, sink_tokens, rotary_max_wavelength, learned_sinks: the
@@ -193,9 +194,9 @@ class MultiHeadAttention(nn.Module):
     value_SGV = dense(features=(g, v_dim), name="value")(inputs_v)
     norm = qk_norm(self.normalize_qk)
     if norm is not None:
-      norm = functools.partial(make_norm, norm, dtype=self.dtype, param_dtype=self.param_dtype)
-      query_THK = norm(name="query_ln")(query_THK)
-      key_SGK = norm(name="key_ln")(key_SGK)
+      layer = functools.partial(make_norm, norm, dtype=self.dtype, param_dtype=self.param_dtype)
+      query_THK = norm.apply(layer(name="query_ln"), query_THK)
+      key_SGK = norm.apply(layer(name="key_ln"), key_SGK)
     return query_THK, key_SGK, value_SGV
 
   def project_out(self, out_THV, in_features: int):

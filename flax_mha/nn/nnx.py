@@ -84,8 +84,8 @@ class MultiHeadAttention(nnx.Module):
     decode: default of the call argument: KV-cache decoding after `init_cache`.
     normalize_qk: True for LayerNorm over K of the projected queries and keys (scale [K], no
       bias, epsilon 1e-6), `query_ln`/`key_ln` as in flax; or a `flax_mha.Norm` of another
-      kind (RMSNorm, Gemma's one-plus), under the same names; applied before rotary and the
-      cache.
+      kind (RMSNorm, Gemma's one-plus; over all heads at once with `across_heads`: OLMo 2),
+      under the same names; applied before rotary and the cache.
     attention_options: a `flax_mha.AttentionOptions`, this layer's own options (soft cap, window,
       sink tokens, rotary, learned sinks): see there.
     logit_soft_cap, local_window_size, sink_tokens, rotary_max_wavelength, learned_sinks: the
@@ -148,10 +148,10 @@ class MultiHeadAttention(nnx.Module):
     self.key = linear("key", self.in_kv_features, (g, k), kernel_init, bias_init)
     self.value = linear("value", self.in_v_features, (g, v), kernel_init, bias_init)
     norm = qk_norm(normalize_qk)
-    norm = functools.partial(_qk_norm, k, norm=norm, dtype=dtype, param_dtype=param_dtype,
-                             rngs=rngs)
-    self.query_ln = norm("query_ln") if normalize_qk else _data(None)
-    self.key_ln = norm("key_ln") if normalize_qk else _data(None)
+    layer = functools.partial(_qk_norm, norm=norm, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
+    self.query_ln = layer(norm.width(h, k), "query_ln") if norm else _data(None)
+    self.key_ln = layer(norm.width(g, k), "key_ln") if norm else _data(None)
     self.out_use_bias = use_bias if out_use_bias is None else out_use_bias
     self.out = linear("out", (h, v), self.out_features, out_kernel_init or kernel_init,
                       out_bias_init or bias_init, axis=(-2, -1), use_bias=self.out_use_bias)
@@ -251,8 +251,9 @@ class MultiHeadAttention(nnx.Module):
   def project_qkv(self, inputs_q, inputs_k, inputs_v):
     """query [..., T, H, K], key [..., S, G, K], value [..., S, G, V] (query/key normalised)."""
     query_THK, key_SGK = self.query(inputs_q), self.key(inputs_k)
-    if self.normalize_qk:
-      query_THK, key_SGK = self.query_ln(query_THK), self.key_ln(key_SGK)
+    norm = qk_norm(self.normalize_qk)
+    if norm is not None:
+      query_THK, key_SGK = norm.apply(self.query_ln, query_THK), norm.apply(self.key_ln, key_SGK)
     return query_THK, key_SGK, self.value(inputs_v)
 
   def project_out(self, out_THV, in_features: int):
@@ -397,9 +398,10 @@ def _linear(name, in_features, out_features, kernel_init, bias_init, *, axis=-1,
       bias_init=_partitioned(bias_init, f"{name}/bias", len(out)), **kwargs)
 
 
-def _qk_norm(head_dim: int, name: str, *, norm: Norm, **kwargs) -> nnx.Module:
-  """The qk-norm over K (flax's: LayerNorm, scale only, epsilon 1e-6)."""
-  return make_norm(norm, head_dim, partition=_partitioned_as(f"{name}/scale"), **kwargs)
+def _qk_norm(width: int, name: str, *, norm: Norm, **kwargs) -> nnx.Module:
+  """The qk-norm over `width`: K (flax's: LayerNorm, scale only, epsilon 1e-6), or all heads'
+  (`Norm.across_heads`)."""
+  return make_norm(norm, width, partition=_partitioned_as(f"{name}/scale"), **kwargs)
 
 
 class RMSNorm(nnx.Module):

@@ -126,10 +126,14 @@ class Norm:
       Face's do.
     epsilon: added to the variance (or mean square) before the root, a number > 0.
     use_bias: a LayerNorm's bias (None: True for a LayerNorm; the RMS kinds have none).
+    across_heads: a qk-norm's reach: False normalises each head over its K (Qwen3, Gemma 3;
+      scale [K]), True each token's queries (keys) over all heads at once, H·K (G·K) wide
+      (OLMo 2; scale [H·K], [G·K]). Only the modules' normalize_qk takes it.
   """
   kind: str = "layer"
   epsilon: float = 1e-6
   use_bias: bool | None = None
+  across_heads: bool = False
 
   def __post_init__(self):
     if self.kind not in NORM_KINDS:
@@ -141,6 +145,19 @@ class Norm:
       raise TypeError(f"Norm.use_bias must be a bool, got {type(self.use_bias).__name__}")
     if self.use_bias and self.kind != "layer":
       raise ValueError(f"Norm.use_bias is a LayerNorm's: kind {self.kind!r} has no bias")
+    if not isinstance(self.across_heads, bool):
+      raise TypeError(f"Norm.across_heads must be a bool, got {type(self.across_heads).__name__}")
+
+  def width(self, heads: int, head_dim: int) -> int:
+    """The width a qk-norm of `heads` heads of `head_dim` normalises over (its scale's size)."""
+    return heads * head_dim if self.across_heads else head_dim
+
+  def apply(self, layer, x_THK):
+    """`layer` (this norm's module) on queries or keys [..., T, H, K]: over K, or over H·K at
+    once with across_heads."""
+    if not self.across_heads:
+      return layer(x_THK)
+    return layer(x_THK.reshape(*x_THK.shape[:-2], -1)).reshape(x_THK.shape)
 
   @property
   def scale_init(self):

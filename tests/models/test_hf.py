@@ -10,6 +10,7 @@ Dimension key: D d_model, H heads, G kv heads, K head dim, F MLP width, C vocabu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -19,6 +20,7 @@ import pytest
 
 import hf_checkpoints as hc
 from flax_mha.models import hf, hf_config
+from flax_mha.models.lm_config import MoE
 from flax_mha.nn.options import Norm
 from flax_mha.rotary import Llama3Scaling, LinearScaling
 
@@ -115,7 +117,7 @@ def test_a_tied_config_refuses_a_saved_lm_head(tmp_path, rng):
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(model_type="phi3"), r"model_type 'phi3' is not supported: supported are \["),
+    (dict(model_type="falcon"), r"model_type 'falcon' is not supported: supported are \["),
     (dict(model_type="gemma3"), r"model_type 'gemma3' is not supported.*gemma3_text"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      r"rope scaling type 'dynamic' is not supported"),
@@ -126,6 +128,15 @@ def test_a_tied_config_refuses_a_saved_lm_head(tmp_path, rng):
     (dict(dtype="float8_e4m3fn"), r"checkpoint dtype 'float8_e4m3fn' is not supported"),
     (dict(layer_types=["sliding_attention", "full_attention"]),
      r"layer_types has sliding layers but sliding_window is None"),
+    (dict(model_type="phi3", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                              "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}),
+     r"rope scaling type 'longrope' is not supported for phi3"),
+    (dict(model_type="phi3", rope_parameters=None, rope_scaling={"type": "su"}),
+     r"rope scaling type 'su' \(which transformers reads as 'longrope' for phi3\)"),
+    (dict(model_type="phi3", rope_parameters={"rope_type": "linear", "factor": 2.0}),
+     r"rope scaling type 'linear' is not supported for phi3"),
+    (dict(model_type="gpt_oss", quantization_config={"quant_method": "mxfp4"}),
+     r"quantization_config=\{'quant_method': 'mxfp4'\} is not supported"),
 ])
 def test_an_unsupported_config_is_refused_by_name(change, match):
   with pytest.raises(ValueError, match=match):
@@ -296,3 +307,120 @@ def test_the_presets_read_each_familys_conventions():
   assert gpt2.positions == "learned" and gpt2.max_positions == 32 and gpt2.norm.epsilon == 1e-5
   assert gpt2.qkv_bias and gpt2.out_bias and gpt2.d_ff == 4 * D and gpt2.attention_options(
       False).rotary is None
+
+
+def test_phi3s_fused_tensors_split_into_llamas_parameters(tmp_path, rng):
+  """A Phi-3 checkpoint whose qkv_proj and gate_up_proj fuse a Llama checkpoint's tensors
+  (rows q, k, v; gate, up) loads to the very parameters of that Llama checkpoint."""
+  tensors = _llama_tensors(rng)
+  fused = dict(tensors)
+  for i in range(LAYERS):
+    p = f"model.layers.{i}."
+    fused[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+        [fused.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+    fused[p + "mlp.gate_up_proj.weight"] = np.concatenate(
+        [fused.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+  config = {**LLAMA, "head_dim": K}
+  llama = hc.write_checkpoint(tmp_path / "llama", config, tensors)
+  phi3 = hc.write_checkpoint(tmp_path / "phi3", {**config, "model_type": "phi3"}, fused)
+  jax.tree.map(np.testing.assert_array_equal, hf.load(phi3)[1], hf.load(llama)[1])
+
+
+def test_olmo2_and_phi3_presets():
+  """OLMo 2 normalises the sublayers' outputs only, its qk-norm across all heads (a model norm
+  cannot be: refused by name); Phi-3's sliding window makes every layer local, its
+  partial_rotary_factor rotates a share of K."""
+  olmo2 = hf_config.config_from_hf({**LLAMA, "model_type": "olmo2"})
+  assert not olmo2.pre_norms and olmo2.post_norms and olmo2.local_window is None
+  assert olmo2.normalize_qk == Norm("rms", 1e-5, use_bias=False, across_heads=True)
+  with pytest.raises(ValueError, match="LMConfig.norm normalises the residual: across_heads"):
+    dataclasses.replace(olmo2, norm=olmo2.normalize_qk)
+  phi3 = hf_config.config_from_hf({**LLAMA, "model_type": "phi3", "sliding_window": 8,
+                                   "head_dim": 8,
+                                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                       "partial_rotary_factor": 0.5}})
+  assert phi3.layer_types == ("local", "local") and phi3.local_window == 7
+  assert phi3.rope.fraction == 0.5 and phi3.pre_norms and not phi3.post_norms
+
+
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "head_dim": K, "num_local_experts": 3,
+           "num_experts_per_tok": 2}
+
+
+def _mixtral_tensors(rng) -> dict:
+  """LLAMA's tensors with each layer's MLP replaced by a router and 3 experts (w1 gate, w3 up,
+  w2 down), as Mixtral's checkpoints name them."""
+  tensors = {n: t for n, t in _llama_tensors(rng).items() if ".mlp." not in n}
+  for i in range(LAYERS):
+    p = f"model.layers.{i}.block_sparse_moe."
+    tensors[p + "gate.weight"] = rng.standard_normal((3, D)).astype(np.float32)
+    for e in range(3):
+      for w, shape in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F))):
+        tensors[p + f"experts.{e}.{w}.weight"] = rng.standard_normal(shape).astype(np.float32)
+  return tensors
+
+
+def test_each_experts_tensors_fill_its_row_of_a_stacked_parameter(tmp_path, rng):
+  tensors = _mixtral_tensors(rng)
+  directory = hc.write_checkpoint(tmp_path / "mixtral", MIXTRAL, tensors)
+  model, variables = hf.load(directory)
+  experts = variables["params"]["block_1"]["moe"]
+  p = "model.layers.1.block_sparse_moe."
+  np.testing.assert_array_equal(experts["router"]["kernel"], tensors[p + "gate.weight"].T)
+  for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+    np.testing.assert_array_equal(experts[ours], np.stack(
+        [tensors[p + f"experts.{e}.{theirs}.weight"].T for e in range(3)]))
+  logits = model.apply(variables, jnp.arange(5)[None])
+  np.testing.assert_allclose(hf.load_nnx(directory)(jnp.arange(5)[None]), logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t: t.pop("model.layers.0.block_sparse_moe.experts.2.w3.weight"),
+     r"lacks tensors for 1 parameters .*'block_0/moe/up'.* \(each filled by "
+     r"'model.layers.0.block_sparse_moe.experts.\{e\}.w3.weight'\); experts missing: "
+     r"\{'block_0/moe/up': \[2\]\}"),
+    (lambda t: t.update({"model.layers.0.block_sparse_moe.experts.3.w1.weight":
+                         np.ones((F, D), np.float32)}),
+     r"tensor 'model.layers.0.block_sparse_moe.experts.3.w1.weight' gives expert 3 of parameter "
+     r"'block_0/moe/gate' shape \(24, 40\), its config wants 3 experts of \(24, 40\)"),
+    (lambda t: t.update({"model.layers.0.mlp.gate_proj.weight": np.ones((F, D), np.float32)}),
+     r"'model.layers.0.mlp.gate_proj.weight' fills parameter 'block_0/mlp_gate/kernel', which "
+     r"its config does not have"),
+])
+def test_experts_that_do_not_fit_the_config_are_refused_by_name(tmp_path, rng, change, match):
+  tensors = _mixtral_tensors(rng)
+  change(tensors)
+  with pytest.raises(ValueError, match=match):
+    hf.load(hc.write_checkpoint(tmp_path / "bad", MIXTRAL, tensors))
+
+
+def test_the_moe_presets_read_each_variant():
+  """Mixtral: every layer sparse, renormalised, experts intermediate_size wide, jitter refused;
+  Qwen3-MoE: num_experts (or transformers 5's num_local_experts), decoder_sparse_step and
+  mlp_only_layers, norm_topk_prob (default off), no experts at all when num_experts is 0;
+  gpt-oss: biases, the clamped unit, learned sinks, its layer types and YaRN."""
+  mixtral = hf_config.config_from_hf(MIXTRAL)
+  assert mixtral.moe == MoE(3, 2, F, normalize=True) and mixtral.is_sparse(1)
+  with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 is not supported"):
+    hf_config.config_from_hf({**MIXTRAL, "router_jitter_noise": 0.1})
+  qwen = {**LLAMA, "model_type": "qwen3_moe", "num_hidden_layers": 6, "num_experts": 8,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 12}
+  every = hf_config.config_from_hf(qwen)
+  assert every.moe == MoE(8, 2, 12, normalize=False, layers=tuple(range(6)))
+  assert every.normalize_qk == Norm("rms", 1e-5, use_bias=False) and every.d_ff == F
+  some = hf_config.config_from_hf({**qwen, "decoder_sparse_step": 2, "mlp_only_layers": [3],
+                                   "norm_topk_prob": True, "num_experts": None,
+                                   "num_local_experts": 8})
+  assert some.moe == MoE(8, 2, 12, normalize=True, layers=(1, 5))
+  assert [some.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+  assert hf_config.config_from_hf({**qwen, "num_experts": 0}).moe is None
+  oss = hf_config.config_from_hf({
+      **LLAMA, "model_type": "gpt_oss", "head_dim": 16, "num_local_experts": 4,
+      "num_experts_per_tok": 2, "sliding_window": 8, "attention_bias": True,
+      "swiglu_limit": 1.5, "layer_types": ["sliding_attention", "full_attention"],
+      "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0,
+                          "original_max_position_embeddings": 64, "truncate": False}})
+  assert oss.moe == MoE(4, 2, F, normalize=True, bias=True, clamped_glu=(1.702, 1.5))
+  assert oss.learned_sinks and oss.qkv_bias and oss.out_bias and oss.layer_types == (
+      "local", "global")
+  assert not oss.rope.scaling.truncate and oss.local_window == 7

@@ -1,8 +1,8 @@
 """The attention options that Hugging Face families need, in both front ends: an attention
-`scale`, RMSNorm qk-norm (Qwen3's and Gemma 3's one-plus), and rotary variants through a `Rope`
-(llama3 and YaRN scaling, a rotated fraction, interleaved pairs). Each against a float64 NumPy
-forward pass and under every implementation that takes positions; decoded through a paged
-cache. The full and rolling caches and the gradients (checked numerically in float64):
+`scale`, RMSNorm qk-norm (Qwen3's, Gemma 3's one-plus, OLMo 2's across all heads), and rotary
+variants through a `Rope` (llama3 and YaRN scaling, a rotated fraction, interleaved pairs).
+Each against a float64 NumPy forward pass and under every implementation that takes positions;
+decoded through a paged cache. The full and rolling caches and the gradients (checked numerically in float64):
 test_family_options_integration.py.
 
 Dimension key (flax_mha/__init__.py): B batch, L length, D width, H query heads, G key/value
@@ -32,6 +32,7 @@ CASES = {
     "scale": dict(attention_options=dict(scale=0.31, rotary_max_wavelength=1e4)),
     "rms_qk": dict(normalize_qk=Norm("rms", 1e-6, use_bias=False)),
     "gemma_qk": dict(normalize_qk=Norm("rms_one_plus", 1e-6, use_bias=False)),
+    "olmo2_qk": dict(normalize_qk=Norm("rms", 1e-6, use_bias=False, across_heads=True)),
     "llama3": dict(attention_options=dict(rope=Rope(5e5, Llama3Scaling(8.0, 1.0, 4.0, 8.0)))),
     "yarn": dict(attention_options=dict(rope=Rope(1e4, YarnScaling(4.0, 8.0)))),
     "partial_interleaved": dict(attention_options=dict(rope=Rope(1e4, fraction=0.5,
@@ -82,9 +83,11 @@ def np_rope(x, positions, rope: Rope):
 
 
 def np_rms(x, scale, norm: Norm):
+  """x [..., L, H, K] normalised over K, or over H·K at once with across_heads."""
   x = np.asarray(x, np.float64)
-  normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + norm.epsilon)
-  return normed * (1 + scale if norm.kind == "rms_one_plus" else scale)
+  flat = x.reshape(*x.shape[:-2], -1) if norm.across_heads else x
+  normed = flat / np.sqrt((flat * flat).mean(-1, keepdims=True) + norm.epsilon)
+  return (normed * (1 + scale if norm.kind == "rms_one_plus" else scale)).reshape(x.shape)
 
 
 def np_forward(params, x, case, window=None):

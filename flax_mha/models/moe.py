@@ -1,0 +1,165 @@
+"""A sparse mixture of experts in place of the decoder's dense MLP (Mixtral, Qwen3-MoE): the
+router, the experts as one grouped matmul, and the linen layer (`MoEMLP`; NNX's:
+`flax_mha.models.moe_nnx`).
+
+Each token's router logits pick its top-A experts out of X (`route`, exactly as transformers'
+routers: a float32 softmax over the X logits, the top A probabilities, renormalised to sum to 1
+when `MoE.normalize`); the token's output is the sum of those experts' gated MLPs weighted by
+the probabilities. No expert runs on a token that did not pick it: the M = Y·A (token, expert)
+rows are grouped by expert into tiles of one expert each (`tiles`), and each tile's rows go
+through its expert's weights (`experts_mlp`): about M rows' worth of matmuls, never Y·X
+(`jax.lax.ragged_dot`, the grouped matmul's API, computes every group densely on CPU in jax
+0.10; tests/models/test_moe.py reads the compiled FLOPs). The forward adds no auxiliary loss:
+the linen layer sows its router logits ('intermediates', 'router_logits', with
+`mutable=['intermediates']`) for `load_balancing_loss` when a training wants one.
+
+Dimension key (flax_mha/__init__.py): Y tokens (B·L, flattened), D d_model, X experts, A the
+experts each token takes (top-k), M = Y·A routed rows, F an expert's MLP width.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flax_mha.models.lm_config import LMConfig
+
+# Logical axes of the layer's parameters (`flax_mha.parallel.sharding`): each expert split as
+# the dense MLP is (gate and up column-, down row-parallel), the router replicated.
+PARAM_AXES = (
+    (r"moe/router/kernel$", ("embed", None)),
+    (r"moe/router/bias$", (None,)),
+    (r"moe/(gate|up)$", (None, "embed", "mlp")),
+    (r"moe/(gate|up)_bias$", (None, "mlp")),
+    (r"moe/down$", (None, "mlp", "embed")),
+    (r"moe/down_bias$", (None, "embed")),
+)
+
+
+def route(logits_YX, top_k: int, normalize: bool):
+  """(weights [Y, A] float32, experts [Y, A] int32) of router logits [Y, X]: softmax over X in
+  float32 (float64 logits: float64), the top_k largest probabilities (ties: the lower expert
+  first) and their experts, the weights renormalised to sum to 1 when `normalize`
+  (transformers' routers)."""
+  probs_YX = jax.nn.softmax(logits_YX.astype(_wide(logits_YX.dtype)), axis=-1)
+  weights_YA, experts_YA = jax.lax.top_k(probs_YX, top_k)
+  if normalize:
+    weights_YA = weights_YA / weights_YA.sum(-1, keepdims=True)
+  return weights_YA, experts_YA.astype(jnp.int32)
+
+
+def tiles(experts_M, num_experts: int):
+  """The rows [M] grouped by expert into tiles of one expert each: (rows [tiles, block], the
+  row of the routed rows each slot holds (M where a slot is empty), and expert [tiles], each
+  tile's expert).
+
+  block = max(1, M // X) rows a tile, and tiles = (M + min(X, M)·(block - 1)) // block, the
+  most that groups of any sizes fill: each expert's rows fill whole tiles but its last, so at
+  most M + min(X, M)·block <= 2·M slots in all, whatever the routing. All sizes are static.
+  """
+  m = experts_M.shape[0]
+  block = max(1, m // num_experts)
+  count = (m + min(num_experts, m) * (block - 1)) // block
+  order_M = jnp.argsort(experts_M, stable=True)  # the rows, grouped by expert
+  sizes_X = jnp.bincount(experts_M, length=num_experts)
+  starts_X = jnp.cumsum(sizes_X) - sizes_X  # each expert's first place in `order_M`
+  tile_counts_X = (sizes_X + block - 1) // block
+  tile_ends_X = jnp.cumsum(tile_counts_X)
+  tile = jnp.arange(count)
+  expert = jnp.minimum(jnp.searchsorted(tile_ends_X, tile, side="right"), num_experts - 1)
+  within = (tile - (tile_ends_X[expert] - tile_counts_X[expert]))[:, None] * block + jnp.arange(
+      block)[None]  # [tiles, block]: a slot's place within its expert's rows
+  used = (within < sizes_X[expert][:, None]) & (tile < tile_ends_X[-1])[:, None]
+  place = jnp.minimum(starts_X[expert][:, None] + within, m - 1)
+  return jnp.where(used, order_M[place], m), expert
+
+
+def experts_mlp(x_YD, weights_YA, experts_YA, gate_XDF, up_XDF, down_XFD, glu, biases=None):
+  """The experts' outputs [Y, D], x's dtype: sum over each token's A experts e of weight ·
+  glu(x·gate[e], x·up[e])·down[e] (each product plus expert e's bias of `biases`, (gate [X, F],
+  up [X, F], down [X, D]), when given), every tile of rows through its own expert's weights
+  (`tiles`), the weights' sum in float32 (float64 for float64 x). `glu` (`gated_unit`) takes
+  the gate's and the up projection's [..., F]."""
+  y, a = experts_YA.shape
+  rows, expert = tiles(experts_YA.reshape(-1), gate_XDF.shape[0])
+  token = rows // a  # [tiles, block]: y in empty slots, which read token y - 1 and add nowhere
+  x = x_YD[jnp.minimum(token, y - 1)]  # [tiles, block, D]
+  bias = (lambda i, out: out) if biases is None else (
+      lambda i, out: out + biases[i][expert][:, None].astype(out.dtype))
+  h = glu(bias(0, jnp.einsum("tbd,tdf->tbf", x, gate_XDF[expert])),
+          bias(1, jnp.einsum("tbd,tdf->tbf", x, up_XDF[expert])))
+  wide = _wide(x_YD.dtype)
+  out = bias(2, jnp.einsum("tbf,tfd->tbd", h, down_XFD[expert])).astype(wide)
+  out = out * weights_YA.reshape(-1)[jnp.minimum(rows, y * a - 1)][..., None]
+  return jnp.zeros((y, x_YD.shape[-1]), wide).at[token].add(out, mode="drop").astype(x_YD.dtype)
+
+
+def _wide(dtype):
+  """float32, or float64 for float64: the routing's and the weighted sum's precision."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def load_balancing_loss(logits_YX, top_k: int, mask_Y=None):
+  """transformers' auxiliary loss (`load_balancing_loss_func`) of router logits [Y, X] (the
+  layers' concatenated), padding excluded where `mask_Y` is 0: X · sum over experts of the
+  share of rows routed to it (top_k per token) times its mean probability."""
+  probs_YX = jax.nn.softmax(logits_YX.astype(_wide(logits_YX.dtype)), axis=-1)
+  _, experts_YA = jax.lax.top_k(probs_YX, top_k)
+  num_experts = logits_YX.shape[-1]
+  mask_Y = jnp.ones(logits_YX.shape[:1], jnp.float32) if mask_Y is None else mask_Y.astype(
+      jnp.float32)
+  routed_X = (jax.nn.one_hot(experts_YA, num_experts) * mask_Y[:, None, None]).sum((0, 1))
+  prob_X = (probs_YX * mask_Y[:, None]).sum(0)
+  rows = mask_Y.sum()
+  return num_experts * jnp.sum((routed_X / rows) * (prob_X / rows))
+
+
+# The experts' initialiser: lecun normal over each expert's fan-in.
+EXPERT_INIT = jax.nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
+def gated_unit(cfg: LMConfig):
+  """The experts' glu(gate, up): `MoE.clamped_glu`'s (alpha, limit) when set (gpt-oss:
+  g·sigmoid(alpha·g)·(u + 1), g = min(gate, limit), u = up clipped to ±limit), else
+  `LMConfig.mlp`'s act(gate)·up, silu (SwiGLU) or gelu's tanh form (GeGLU, as the dense MLP's;
+  LMConfig checks that the MLP is gated)."""
+  if cfg.moe.clamped_glu is not None:
+    alpha, limit = cfg.moe.clamped_glu
+
+    def clamped(gate, up):
+      gate = jnp.minimum(gate, limit)
+      return gate * jax.nn.sigmoid(alpha * gate) * (jnp.clip(up, -limit, limit) + 1)
+    return clamped
+  act = jax.nn.silu if cfg.mlp == "swiglu" else jax.nn.gelu
+  return lambda gate, up: act(gate) * up
+
+
+class MoEMLP(nn.Module):
+  """x [B, L, D] -> [B, L, D]: `config.moe`'s experts (`flax_mha.models.lm_config.MoE`) with
+  their `gated_unit`. Params: router/kernel [D, X], gate and up [X, D, F], down [X, F, D]; with
+  `MoE.bias`, router/bias [X], gate_bias and up_bias [X, F], down_bias [X, D] (zeros at init).
+  Sows the router logits [B·L, X] in 'intermediates'."""
+  config: LMConfig
+
+  @nn.compact
+  def __call__(self, x_BLD):
+    cfg, moe = self.config, self.config.moe
+    d, num_experts, f = cfg.d_model, moe.num_experts, moe.d_ff
+    x_YD = x_BLD.reshape(-1, d)
+    logits_YX = nn.Dense(num_experts, use_bias=moe.bias, dtype=cfg.dtype,
+                         param_dtype=cfg.param_dtype, name="router")(x_YD)
+    self.sow("intermediates", "router_logits", logits_YX)
+    param = lambda name, *shape, init=EXPERT_INIT: self.param(
+        name, init, shape, cfg.param_dtype).astype(cfg.dtype)
+    biases = None
+    if moe.bias:
+      zeros = jax.nn.initializers.zeros
+      biases = (param("gate_bias", num_experts, f, init=zeros),
+                param("up_bias", num_experts, f, init=zeros),
+                param("down_bias", num_experts, d, init=zeros))
+    weights_YA, experts_YA = route(logits_YX, moe.top_k, moe.normalize)
+    out_YD = experts_mlp(x_YD.astype(cfg.dtype), weights_YA, experts_YA,
+                         param("gate", num_experts, d, f), param("up", num_experts, d, f),
+                         param("down", num_experts, f, d), gated_unit(cfg), biases)
+    return out_YD.reshape(x_BLD.shape)
