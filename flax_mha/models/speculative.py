@@ -358,11 +358,20 @@ def _generate(model, params, context, prompts, lengths, rng, draft_arrays, max_n
     return run
 
   ladder = ks(k)
-  rounds = [round_of(kk) for kk in ladder]
 
-  def body(s):
-    wanted = jnp.max(jnp.where(s["done"], 1, s["own_k"]))
-    return jax.lax.switch(jnp.searchsorted(jnp.asarray(ladder), wanted), rounds, s)
+  def size_index(s):
+    """Which size of the ladder the next round drafts: the smallest that covers every live
+    row's own k."""
+    return jnp.sum(jnp.asarray(ladder) < jnp.max(jnp.where(s["done"], 1, s["own_k"])))
 
-  s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, state)
+  def rounds_of(index, kk):
+    """Rounds of kk drafts while they are the size wanted. A loop per size inside the switch,
+    not a switch per round: what a branch writes (the caches) is copied out of it, once a
+    change of size here instead of every round (XLA:CPU)."""
+    return lambda s: jax.lax.while_loop(
+        lambda s: ~jnp.all(s["done"]) & (size_index(s) == index), round_of(kk), s)
+
+  rounds = [rounds_of(index, kk) for index, kk in enumerate(ladder)]
+  s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]),
+                         lambda s: jax.lax.switch(size_index(s), rounds, s), state)
   return s["tokens"], s["round"] - 1, s["drafted"], s["accepted"], s["cache"]
