@@ -300,3 +300,27 @@ def test_the_loop_of_rounds_copies_no_cache():
               and any(f"= {shape}" in line for shape in shapes)]
     assert not copies, (body, copies)
 
+
+class _TracedLM(DecoderLM):
+  """A DecoderLM that notes every trace of its `init_cache` (a Python call: under jit, once a
+  trace)."""
+  traced = []
+
+  def init_cache(self, *args, **kwargs):
+    _TracedLM.traced.append(args)
+    return super().init_cache(*args, **kwargs)
+
+
+def test_a_second_call_traces_nothing():
+  """A call with the shapes of an earlier one runs its compiled program and nothing more: no
+  trace of the model (the check that its caches roll back once traced `init_cache` at every
+  call, a cost of the order of the whole run at the benchmark's sizes)."""
+  model, params = lm(local_window=None)
+  model = _TracedLM(model.config)
+  rows, lengths = prompts()
+  run = lambda: speculative.generate(model, params, (rows,), rows, lengths, max_new_tokens=2,
+                                     drafter=speculative.PromptLookup(), num_speculative_tokens=1)
+  first = run()
+  _TracedLM.traced.clear()
+  np.testing.assert_array_equal(run(), first)
+  assert not _TracedLM.traced
