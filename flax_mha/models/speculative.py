@@ -234,13 +234,13 @@ def generate_with_stats(model, params, context, prompts, prompt_lengths=None, *,
   check_drafter(drafter)
   prompts, prompt_lengths = decoding.check_generation(model, params, context, prompts,
                                                       prompt_lengths, max_new_tokens)
-  check_drafter(drafter, decoding.vocabulary(model, params, "init_cache", context, (1,),
-                                             prompts.shape[0]))
+  if isinstance(drafter, DraftModel):  # (its vocabulary against the model's)
+    check_drafter(drafter, decoding.vocabulary(model, params, "init_cache", context, (1,),
+                                               prompts.shape[0]))
   if isinstance(sampler, sampling.Sampling) and rng is None:
     raise ValueError("sampling needs rng (a jax.random.key): the same key gives the same tokens")
-  try:
-    jax.eval_shape(lambda: model.apply(params, *context, max_length=8, rollback=k,
-                                       method="init_cache"))
+  try:  # traced once per model and shapes (jit's cache), not at every call
+    _rollback_cache.eval_shape(model, params, tuple(context), k)
   except TypeError:
     raise ValueError(f"speculative decoding needs a decoder whose caches roll back "
                      f"(init_cache(..., rollback=)): {type(model).__name__} has none (the "
@@ -253,6 +253,12 @@ def generate_with_stats(model, params, context, prompts, prompt_lengths=None, *,
   if isinstance(tokens, jax.core.Tracer):
     return tokens, None
   return tokens, Stats(int(rounds), int(drafted), int(accepted))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _rollback_cache(model, params, context, k):
+  """A small cache of `model` with k rollback slots (a TypeError where it has none)."""
+  return model.apply(params, *context, max_length=8, rollback=k, method="init_cache")
 
 
 def ks(k: int) -> tuple[int, ...]:
@@ -358,11 +364,20 @@ def _generate(model, params, context, prompts, lengths, rng, draft_arrays, max_n
     return run
 
   ladder = ks(k)
-  rounds = [round_of(kk) for kk in ladder]
 
-  def body(s):
-    wanted = jnp.max(jnp.where(s["done"], 1, s["own_k"]))
-    return jax.lax.switch(jnp.searchsorted(jnp.asarray(ladder), wanted), rounds, s)
+  def size_index(s):
+    """Which size of the ladder the next round drafts: the smallest that covers every live
+    row's own k."""
+    return jnp.sum(jnp.asarray(ladder) < jnp.max(jnp.where(s["done"], 1, s["own_k"])))
 
-  s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, state)
+  def rounds_of(index, kk):
+    """Rounds of kk drafts while they are the size wanted. A loop per size inside the switch,
+    not a switch per round: what a branch writes (the caches) is copied out of it, once a
+    change of size here instead of every round (XLA:CPU)."""
+    return lambda s: jax.lax.while_loop(
+        lambda s: ~jnp.all(s["done"]) & (size_index(s) == index), round_of(kk), s)
+
+  rounds = [rounds_of(index, kk) for index, kk in enumerate(ladder)]
+  s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]),
+                         lambda s: jax.lax.switch(size_index(s), rounds, s), state)
   return s["tokens"], s["round"] - 1, s["drafted"], s["accepted"], s["cache"]

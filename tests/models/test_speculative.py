@@ -7,6 +7,8 @@ drafting for itself, an int8 cache and jit in tests/models/test_speculative_inte
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,3 +236,91 @@ def test_greedy_rows_of_a_per_row_sampler_keep_exactly_the_argmax_prefix():
       made = np.arange(k + 1) < np.asarray(count)[:3, None]  # the tokens past count are not
       np.testing.assert_array_equal(np.where(made, new[:3], -1), np.where(made, want[1][:3], -1))
   np.testing.assert_array_equal(want[0], [1, 2, 4, 4])
+
+
+
+def _computations(hlo: str) -> dict:
+  """A compiled program's text as computation name -> its instructions' lines."""
+  out, name = {}, None
+  for line in hlo.splitlines():
+    header = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
+    if header:
+      name = header.group(1)
+      out[name] = []
+    elif name is not None and line.startswith("  "):
+      out[name].append(line)
+  return out
+
+
+def _runs(comps: dict, name: str, into_loops: bool) -> set:
+  """The computations `name` runs (itself included; not a fusion's body, whose copies are not
+  copies), through nested loops or not."""
+  seen, todo = set(), [name]
+  while todo:
+    comp = todo.pop()
+    if comp in seen:
+      continue
+    seen.add(comp)
+    for line in comps[comp]:
+      if " fusion(" in line or (" while(" in line and not into_loops):
+        continue
+      todo += re.findall(r"(?:to_apply|body|condition|true_computation|false_computation)="
+                         r"%([\w.\-]+)", line)
+      for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        todo += re.findall(r"%([\w.\-]+)", group)
+  return seen
+
+
+def test_the_loop_of_rounds_copies_no_cache():
+  """What XLA:CPU runs every round holds no copy of a cache buffer. A branch of a switch gets
+  its own copy of what it writes: with the switch of the ladder's sizes around every round, the
+  keys and values of every layer were copied twice a round; the switch runs a loop of rounds of
+  one size instead, so they are copied only when the size changes. Checked on the compiled
+  program: the innermost loops that run the model (each size's rounds), and what they run
+  outside another loop, hold no `copy` of an array of a cache's shape."""
+  model, params = lm(local_window=None)
+  rows, lengths = prompts()
+  args = (model, params, (rows,), jnp.asarray(rows), jnp.asarray(lengths), jax.random.key(0),
+          None, 6, speculative.PromptLookup(), 3, sampling.Greedy(), (), 0, None)
+  comps = _computations(speculative._generate.lower(*args).compile().as_text())  # pylint: disable=protected-access
+  cache = jax.eval_shape(lambda: model.apply(params, rows, max_length=24 + 6 + 3, rollback=3,
+                                             method=DecoderLM.init_cache))
+  shapes = {f"{x.dtype.name[0]}{x.dtype.itemsize * 8}[{','.join(map(str, x.shape))}]"
+            for x in jax.tree.leaves(cache) if x.ndim >= 2}  # f32[3,2,33,8], s32[3,33]
+  runs_model = lambda body: any(" dot(" in line or "__ynn_fusion" in line
+                                for comp in _runs(comps, body, True) for line in comps[comp])
+  bodies = {re.search(r"body=%([\w.\-]+)", line).group(1) for lines in comps.values()
+            for line in lines if " while(" in line}
+  rounds = [body for body in bodies if runs_model(body) and not any(
+      runs_model(inner) for inner in _runs(comps, body, True) & bodies - {body})]
+  assert rounds, "no loop of rounds found"
+  for body in rounds:
+    copies = [line.split(" = ")[0].strip() for comp in _runs(comps, body, False)
+              for line in comps[comp] if " copy(" in line
+              and any(f"= {shape}" in line for shape in shapes)]
+    assert not copies, (body, copies)
+
+
+class _TracedLM(DecoderLM):
+  """A DecoderLM that notes every trace of its `init_cache` (a Python call: under jit, once a
+  trace)."""
+  traced = []
+
+  def init_cache(self, *args, **kwargs):
+    _TracedLM.traced.append(args)
+    return super().init_cache(*args, **kwargs)
+
+
+def test_a_second_call_traces_nothing():
+  """A call with the shapes of an earlier one runs its compiled program and nothing more: no
+  trace of the model (the check that its caches roll back once traced `init_cache` at every
+  call, a cost of the order of the whole run at the benchmark's sizes)."""
+  model, params = lm(local_window=None)
+  model = _TracedLM(model.config)
+  rows, lengths = prompts()
+  run = lambda: speculative.generate(model, params, (rows,), rows, lengths, max_new_tokens=2,
+                                     drafter=speculative.PromptLookup(), num_speculative_tokens=1)
+  first = run()
+  _TracedLM.traced.clear()
+  np.testing.assert_array_equal(run(), first)
+  assert not _TracedLM.traced
