@@ -1,13 +1,14 @@
-"""A sparse mixture of experts in place of the decoder's dense MLP (Mixtral, Qwen3-MoE): the
-router, the experts as one grouped matmul, and the linen layer (`MoEMLP`; NNX's:
+"""A sparse mixture of experts in place of the decoder's dense MLP (Mixtral, Qwen3-MoE,
+gpt-oss): the router, the experts as one grouped matmul, and the linen layer (`MoEMLP`; NNX's:
 `flax_mha.models.moe_nnx`).
 
-Each token's router logits pick its top-A experts out of X (`route`, exactly as transformers'
-routers: a float32 softmax over the X logits, the top A probabilities, renormalised to sum to 1
-when `MoE.normalize`); the token's output is the sum of those experts' gated MLPs weighted by
+Each token's router logits pick its top-A experts out of X (`route`, as transformers' routers
+compute it: a float32 softmax over the X logits, the top A probabilities, renormalised to sum
+to 1 when `MoE.normalize`; gpt-oss's softmax over the top A logits gives those weights up to
+rounding); the token's output is the sum of those experts' gated MLPs weighted by
 the probabilities. No expert runs on a token that did not pick it: the M = Y·A (token, expert)
 rows are grouped by expert into tiles of one expert each (`tiles`), and each tile's rows go
-through its expert's weights (`experts_mlp`): about M rows' worth of matmuls, never Y·X
+through its expert's weights (`experts_mlp`): M to 2·M rows' worth of matmuls, never Y·X
 (`jax.lax.ragged_dot`, the grouped matmul's API, computes every group densely on CPU in jax
 0.10; tests/models/test_moe.py reads the compiled FLOPs). The forward adds no auxiliary loss:
 the linen layer sows its router logits ('intermediates', 'router_logits', with
@@ -50,9 +51,9 @@ def route(logits_YX, top_k: int, normalize: bool):
 
 
 def tiles(experts_M, num_experts: int):
-  """The rows [M] grouped by expert into tiles of one expert each: (rows [tiles, block], the
-  row of the routed rows each slot holds (M where a slot is empty), and expert [tiles], each
-  tile's expert).
+  """The routed rows, of experts [M], grouped by expert into tiles of one expert each: (rows
+  [tiles, block], the routed row each slot holds, M where a slot is empty; expert [tiles],
+  each tile's expert).
 
   block = max(1, M // X) rows a tile, and tiles = (M + min(X, M)·(block - 1)) // block, the
   most that groups of any sizes fill: each expert's rows fill whole tiles but its last, so at
