@@ -21,9 +21,13 @@ tokens' distribution is exactly the target's p (its sampler's temperature / top-
 whatever the drafter proposes. q is the drafter's: one-hot for prompt lookup, the draft
 model's own sampler distribution for a draft model.
 
-Drafters, behind one interface (`split`, `init`, `read`, `propose`, `commit`):
+Drafters, behind one interface (`split`, `init`, `read`, `offered`: the drafts each row has or
+None for all k, `propose`, `commit`):
 - `PromptLookup(ngram)`: the last n tokens (n = ngram, then shorter) matched against the
-  prompt and what has been generated, the latest match's continuation proposed. No model.
+  prompt and what has been generated, the latest match's continuation proposed (read as an
+  overlapping copy: a repeating phrase is drafted past its last occurrence). No model. A row
+  without a match drafts nothing: its drafts are -1, and a round where no row drafts is a step
+  of one query, as plain decoding's.
 - `DraftModel(model, params)`: any decodable decoder with the target's vocabulary, with its own
   cache, rolled back as the target's is.
 An EAGLE/MTP-style head would be a third drafter of the same interface.
@@ -64,8 +68,10 @@ def fold_rows(keys_B, data):
 @dataclasses.dataclass(frozen=True)
 class PromptLookup:
   """Drafts the continuation of the latest earlier occurrence of the row's last `ngram`
-  tokens (then of shorter suffixes) in its prompt and generated tokens; with no match, the last
-  token repeated (a draft the target will most likely reject, at no model cost)."""
+  tokens (then of shorter suffixes) in its prompt and generated tokens, read as an overlapping
+  copy (as LZ77's): a match d tokens back continues with period d, so the phrase it found is
+  drafted again past its end. With no match, no drafts (-1): a draft that is a guess costs a
+  larger step of the target and is most likely rejected."""
   ngram: int = 3
 
   def __post_init__(self):
@@ -84,12 +90,12 @@ class PromptLookup:
     del arrays, tokens, positions
     return state
 
-  def propose(self, arrays, state, history_BM, length_B, live_B, k, keys_B, sampler):
-    """(state, drafts [B, k], q [B, k, C] or None: one-hot, the drafts are certain)."""
-    del arrays, live_B, keys_B, sampler
+  def match(self, history_BM, length_B):
+    """[B]: where the latest earlier occurrence of each row's last n tokens ends (n = ngram,
+    then shorter), -1 where there is none."""
     b, m = history_BM.shape
     at = jnp.arange(m)
-    best = jnp.full((b,), -1, jnp.int32)  # where the matched n-gram ends
+    best = jnp.full((b,), -1, jnp.int32)
     for n in range(self.ngram, 0, -1):
       suffix = jnp.take_along_axis(history_BM, length_B[:, None] - n + jnp.arange(n), axis=1)
       match = (at >= n - 1) & (at < length_B[:, None] - 1)
@@ -98,12 +104,22 @@ class PromptLookup:
         match &= shifted == suffix[:, n - 1 - j, None]
       found = jnp.max(jnp.where(match, at, -1), axis=1)
       best = jnp.where((best < 0) & (length_B >= n + 1), found, best)
-    source = best[:, None] + 1 + jnp.arange(k)
-    last = jnp.take_along_axis(history_BM, length_B[:, None] - 1, axis=1)
-    usable = (best[:, None] >= 0) & (source < length_B[:, None])
-    drafts = jnp.where(usable, jnp.take_along_axis(history_BM, jnp.clip(source, 0, m - 1), 1),
-                       last)
-    return state, drafts, None
+    return best
+
+  def offered(self, arrays, state, history_BM, length_B, k):
+    """[B]: the drafts each row has, k where its n-gram matched, 0 where none did."""
+    del arrays, state
+    return jnp.where(self.match(history_BM, length_B) >= 0, k, 0)
+
+  def propose(self, arrays, state, history_BM, length_B, live_B, k, keys_B, sampler):
+    """(state, drafts [B, k] (-1: the row has none), q None: one-hot, the drafts are
+    certain)."""
+    del arrays, live_B, keys_B, sampler
+    best = self.match(history_BM, length_B)
+    period = jnp.maximum(length_B - 1 - best, 1)  # the match's distance back
+    source = best[:, None] + 1 + jnp.arange(k) % period[:, None]
+    drafts = jnp.take_along_axis(history_BM, jnp.clip(source, 0, history_BM.shape[1] - 1), 1)
+    return state, jnp.where(best[:, None] >= 0, drafts, -1), None
 
   def commit(self, state, history_BM, kept_B):
     del history_BM, kept_B
@@ -133,6 +149,10 @@ class DraftModel:
   def read(self, params, cache, tokens, positions):
     """Its cache after reading prompt tokens [B, T] at positions [B, T] (-1: none)."""
     return self.model.apply(params, tokens, cache, positions, method="logits")[1]
+
+  def offered(self, arrays, state, history_BM, length_B, k):
+    """None: every row drafts its k (what the model proposes is never known beforehand)."""
+    del arrays, state, history_BM, length_B, k
 
   def propose(self, params, cache, history_BM, length_B, live_B, k, keys_B, sampler):
     """k drafts per row: the tokens its cache lacks (1 or 2: the last kept ones) fed first;
@@ -262,9 +282,10 @@ def _rollback_cache(model, params, context, k):
 
 
 def ks(k: int) -> tuple[int, ...]:
-  """The round sizes a run compiles: 1, 2, 4, ... below k, and k. A round drafts the smallest
-  that covers every live row's own k (which grows by 2 while all its drafts are kept and
-  shrinks by 1 otherwise), so rows whose drafts fail cost rounds of 1 draft."""
+  """The round sizes a run compiles: 1, 2, 4, ... below k, and k (`generate` adds 0 for a
+  drafter whose rows may have none to draft: prompt lookup). A round drafts the smallest that
+  covers every live row's own k (which grows by 2 while all its drafts are kept and shrinks by
+  1 otherwise), so rows whose drafts fail cost rounds of 1 draft."""
   sizes, size = [], 1
   while size < k:
     sizes.append(size)
@@ -335,12 +356,13 @@ def _generate(model, params, context, prompts, lengths, rng, draft_arrays, max_n
       dstate, drafts, q = drafter.propose(draft_arrays, s["drafter"], s["history"],
                                           s["length"], ~s["done"], kk, fold_rows(keys, 0),
                                           sampler)
+      proposed = (jnp.arange(kk) < s["own_k"][:, None]) & (drafts >= 0)
+      drafts = jnp.maximum(drafts, 0)  # a row's -1 (none): fed as 0, never kept
       pending = jnp.take_along_axis(s["history"], s["length"][:, None] - 1, axis=1)
       held = s["length"] - 1
       positions = jnp.where(s["done"][:, None], -1, held[:, None] + jnp.arange(kk + 1))
       logits, cache = model.apply(params, jnp.concatenate([pending, drafts], 1), s["cache"],
                                   positions, method="logits")
-      proposed = jnp.arange(kk) < s["own_k"][:, None]
       count, new = accept(sampler, logits, drafts, q, fold_rows(keys, 1), proposed)
       stops = jnp.isin(new, stop) & (jnp.arange(kk + 1) < count[:, None])
       count = jnp.where(stops.any(1), jnp.argmax(stops, axis=1) + 1, count)
@@ -348,27 +370,31 @@ def _generate(model, params, context, prompts, lengths, rng, draft_arrays, max_n
       rows, j = jnp.arange(b)[:, None], jnp.arange(kk + 1)
       at = lambda offset: jnp.where(j < count[:, None], offset[:, None] + j, 10**9)
       kept = jnp.where(s["done"], held, held + count)  # the pending token and drafts kept
-      live = ~s["done"]
-      all_kept = count - 1 >= jnp.minimum(kk, s["own_k"])
+      live, made = ~s["done"], proposed.sum(1)
       return dict(
           s, round=s["round"] + 1, n=s["n"] + count, length=s["length"] + count,
           tokens=s["tokens"].at[rows, at(s["n"])].set(new, mode="drop"),
           history=s["history"].at[rows, at(s["length"])].set(new, mode="drop"),
           done=s["done"] | (s["n"] + count >= max_new_tokens) | stops.any(1),
           cache=rollback(cache, kept), drafter=drafter.commit(dstate, s["history"], kept),
-          # a row whose drafts were all kept drafts 2 more next round; else 1 fewer
-          own_k=jnp.where(all_kept, jnp.minimum(s["own_k"] + 2, k),
-                          jnp.maximum(s["own_k"] - 1, 1)),
-          drafted=s["drafted"] + jnp.where(live, jnp.minimum(kk, s["own_k"]), 0).sum(),
+          # a row whose drafts were all kept drafts 2 more next round; else 1 fewer (a row
+          # that drafted none keeps its k)
+          own_k=jnp.where(made == 0, s["own_k"], jnp.where(
+              count - 1 >= made, jnp.minimum(s["own_k"] + 2, k), jnp.maximum(s["own_k"] - 1, 1))),
+          drafted=s["drafted"] + jnp.where(live, made, 0).sum(),
           accepted=s["accepted"] + jnp.where(live, count - 1, 0).sum())
     return run
 
-  ladder = ks(k)
+  offered = lambda s: drafter.offered(draft_arrays, s["drafter"], s["history"], s["length"], k)
+  every_k = offered(state) is None  # a drafter whose rows all draft k: no round of none
+  ladder = ks(k) if every_k else (0, *ks(k))
 
   def size_index(s):
     """Which size of the ladder the next round drafts: the smallest that covers every live
-    row's own k."""
-    return jnp.sum(jnp.asarray(ladder) < jnp.max(jnp.where(s["done"], 1, s["own_k"])))
+    row's own k, or the drafts it has when fewer."""
+    wanted = jnp.where(s["done"], 0, s["own_k"])
+    wanted = wanted if every_k else jnp.minimum(wanted, offered(s))
+    return jnp.sum(jnp.asarray(ladder) < jnp.max(wanted))
 
   def rounds_of(index, kk):
     """Rounds of kk drafts while they are the size wanted. A loop per size inside the switch,

@@ -308,11 +308,12 @@ def _round(plan, kk: int, params, s, stop, rng):
   rows, keys = _sampler(s, jnp.arange(b)), _keys(s, jnp.arange(b), rng)
   draft, drafts, q = plan.drafter.propose(params[1], draft, s["prompt"], s["plen"] + s["gen"],
                                           writing, kk, speculative.fold_rows(keys, 0), rows)
+  none, drafts = drafts < 0, jnp.maximum(drafts, 0)  # -1: the row has no draft (fed as 0)
   positions = jnp.where(writing[:, None], s["length"][:, None] + jnp.arange(kk + 1), -1)
   logits, cache = plan.model.apply(params[0], jnp.concatenate([s["token"][:, None], drafts], 1),
                                    cache, positions, method="logits")
   # a draft past the row's own k, or past its limit, is never kept
-  proposed = (j < s["own_k"][:, None]) & (j + 1 < (s["limit"] - s["gen"])[:, None])
+  proposed = (j < s["own_k"][:, None]) & (j + 1 < (s["limit"] - s["gen"])[:, None]) & ~none
   count, new = speculative.accept(rows, logits, drafts, q, speculative.fold_rows(keys, 1),
                                   proposed)
   count = jnp.where(writing, count, 0)

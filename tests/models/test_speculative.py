@@ -144,6 +144,43 @@ def test_the_final_cache_is_what_the_kept_tokens_alone_make():
                                    want_layer.key[b, :, want_at[p]], rtol=1e-4, atol=1e-5)
 
 
+def lookup_reference(row: list, ngram: int, k: int):
+  """Prompt lookup's k drafts for the history `row`, by the rule as written: the latest earlier
+  occurrence of its last n tokens (n = ngram, then shorter), whose continuation is copied a
+  token at a time, each copied token appended before the next is read (an overlapping copy);
+  None without a match."""
+  for n in range(ngram, 0, -1):
+    ends = [i for i in range(n - 1, len(row) - 1) if row[i - n + 1:i + 1] == row[-n:]]
+    if len(row) > n and ends:
+      out, source = list(row), ends[-1] + 1
+      for _ in range(k):
+        out.append(out[source])
+        source += 1
+      return out[len(row):]
+  return None
+
+
+@pytest.mark.parametrize("ngram", [3, 2])
+def test_prompt_lookup_copies_the_latest_match_on_past_its_end(ngram):
+  """Histories of 3 symbols (matches at every distance: continuations that run into the
+  present) and of 40 (rows without a match), of every length, padded with noise: the drafts
+  are the reference's, -1 where it has none, and `offered` says which rows have them."""
+  rng = np.random.default_rng(ngram)
+  b, m, k = 96, 23, 5
+  history = np.where(np.arange(b)[:, None] < b // 2, rng.integers(0, 3, (b, m)),
+                     rng.integers(0, 40, (b, m))).astype(np.int32)
+  lengths = rng.integers(1, m + 1, b).astype(np.int32)
+  lookup = speculative.PromptLookup(ngram)
+  _, drafts, q = lookup.propose(None, (), history, lengths, np.ones(b, bool), k, None,
+                                sampling.Greedy())
+  offered = np.asarray(lookup.offered(None, (), history, lengths, k))
+  assert q is None
+  wants = [lookup_reference(history[i, :lengths[i]].tolist(), ngram, k) for i in range(b)]
+  for i, want in enumerate(wants):
+    assert np.asarray(drafts[i]).tolist() == ([-1] * k if want is None else want), (i, want)
+    assert offered[i] == (0 if want is None else k)
+  assert 10 < sum(w is None for w in wants) < b - 10  # both kinds of row were there
+
 def accept_rule(p_C, q_C, k, n, seed, rule=speculative.accept):
   """n runs of the rule on fixed one-step distributions (the same p at every position, drafts
   drawn from q): (first new tokens [n], second new tokens [n], counts [n])."""
@@ -282,7 +319,8 @@ def test_the_loop_of_rounds_copies_no_cache():
   rows, lengths = prompts()
   args = (model, params, (rows,), jnp.asarray(rows), jnp.asarray(lengths), jax.random.key(0),
           None, 6, speculative.PromptLookup(), 3, sampling.Greedy(), (), 0, None)
-  comps = _computations(speculative._generate.lower(*args).compile().as_text())  # pylint: disable=protected-access
+  generate = speculative._generate  # pylint: disable=protected-access
+  comps = _computations(generate.lower(*args).compile().as_text())
   cache = jax.eval_shape(lambda: model.apply(params, rows, max_length=24 + 6 + 3, rollback=3,
                                              method=DecoderLM.init_cache))
   shapes = {f"{x.dtype.name[0]}{x.dtype.itemsize * 8}[{','.join(map(str, x.shape))}]"
