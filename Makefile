@@ -40,9 +40,11 @@ test: $(STAMP)
 
 # The integration part: subprocesses (multi-device checks, the wheel, the command lines),
 # benchmark smoke runs, the site build with every page's examples, end-to-end trainings. Each
-# test file stays on one worker, so a module's training fixture trains once.
+# test file stays on one worker, so a module's training fixture trains once. A worker that dies
+# ends the run (xdist's loadfile scheduler can wait forever for a replacement's work).
 test-integration: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m 'integration and not slow' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 \
+	  -m 'integration and not slow' $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

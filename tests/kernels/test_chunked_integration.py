@@ -13,7 +13,14 @@ from flax_mha.kernels import chunked
 from flax_mha.kernels import reference
 from test_chunked import fwd_bwd
 
+import test_chunked as test_chunked_cases
+
 pytestmark = pytest.mark.integration
+
+# Cases of tests/kernels/test_chunked.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_forward_backward_with_offsets = (
+    test_chunked_cases.check_forward_backward_with_offsets)
 
 
 @pytest.mark.slow  # runs forward+backward at N=8192: ~10 s of CPU

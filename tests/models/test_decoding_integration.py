@@ -16,7 +16,14 @@ from flax_mha.models.transformer import beam_search, greedy_decode
 from flax_mha.models.transformer import Transformer
 from test_decoding import B, init, shared_make, make
 
+import test_decoding as unit_cases
+
 pytestmark = pytest.mark.integration  # a whole model end to end: seconds of compiles
+
+# Cases of tests/models/test_decoding.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_bad_arguments = (
+    unit_cases.check_bad_arguments)
 
 
 @functools.lru_cache

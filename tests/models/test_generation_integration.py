@@ -20,7 +20,14 @@ from flax_mha import serving
 from flax_mha.models import decoding, lm_nnx
 from test_generation import LENGTHS, PROMPTS, VOCAB, lm
 
+import test_generation as test_generation_cases
+
 pytestmark = pytest.mark.integration  # a whole model end to end: seconds of compiles
+
+# Cases of tests/models/test_generation.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_a_model_call_past_learned_positions_is_refused_eagerly_and_nan_inside_jit = (
+    test_generation_cases.check_a_model_call_past_learned_positions_is_refused_eagerly_and_nan_inside_jit)
 
 
 def _recompute_greedy(model, params, prompts, lengths, n):
@@ -114,6 +121,7 @@ def test_stop_tokens_end_a_row_and_pad_follows():
   np.testing.assert_array_equal(got[0, first + 1:], 0)
 
 
+@pytest.mark.slow  # 50 s; serving over pages against generate: tests/serving in CI
 def test_continuous_batching_over_pages_equals_static_batching():
   model, params = lm(learned_sinks=True)
   rng = np.random.default_rng(0)

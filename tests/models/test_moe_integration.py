@@ -16,7 +16,14 @@ import pytest
 from flax_mha.models import lm, moe
 from flax_mha.models.lm_config import LMConfig, MoE
 
+import test_moe as test_moe_cases
+
 pytestmark = pytest.mark.integration
+
+# Cases of tests/models/test_moe.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_gradients_equal_finite_differences_and_the_dense_computation = (
+    test_moe_cases.check_gradients_equal_finite_differences_and_the_dense_computation)
 
 
 def test_the_decoder_with_experts_trains(rng):

@@ -85,7 +85,7 @@ def test_a_rolling_cache_without_the_extra_slots_loses_what_the_window_needs():
 
 
 @pytest.mark.parametrize("drafter", ["lookup"])
-def test_greedy_tokens_are_plain_decodings(drafter):
+def check_greedy_tokens_are_plain_decodings(drafter):
   """Rows that accept often, rarely and in between; every layer local (rolling caches of a
   window of 3: a rollback that lost a slot the window needs changes the tokens); a stop
   token; the same tokens as `decoding.generate`, and drafts were kept (it speculated)."""
@@ -107,7 +107,7 @@ def test_greedy_tokens_are_plain_decodings(drafter):
       assert stats.acceptance > 0.8 if drafter == "self" else 0 < stats.acceptance < 0.8, stats
 
 
-def test_the_final_cache_is_what_the_kept_tokens_alone_make():
+def check_the_final_cache_is_what_the_kept_tokens_alone_make():
   """After a run of rejections and acceptances (every layer local, windows of 3), the target's
   cache holds what one prefill of the prompt and the kept tokens makes: the positions the next
   token's window reads, and their keys and values (without the rollback, the rejected
@@ -206,7 +206,7 @@ Q = jnp.array([0.05, 0.1, 0.15, 0.2, 0.2, 0.3])  # far from P: many rejections
 CRITICAL = 20.5  # chi-square, 5 degrees of freedom, p = 0.001
 
 
-def test_the_rejection_rule_keeps_the_targets_distribution():
+def check_the_rejection_rule_keeps_the_targets_distribution():
   """The first new token, and the second where the first draft was kept, are distributed as p:
   chi-square below the 0.001 bound over 40k runs."""
   first, second, count = (np.asarray(x) for x in accept_rule(P, Q, 2, 40_000, 0))
@@ -234,7 +234,7 @@ def test_the_chi_square_bound_catches_a_wrong_rule():
   assert chi_square(np.bincount(first, minlength=6), np.asarray(P)) > 10 * CRITICAL
 
 
-def test_sampled_tokens_are_reproducible_and_bad_arguments_named():
+def check_sampled_tokens_are_reproducible_and_bad_arguments_named():
   model, params = lm()
   rows, lengths = prompts()
   run = lambda seed: speculative.generate(
@@ -252,7 +252,7 @@ def test_sampled_tokens_are_reproducible_and_bad_arguments_named():
     call(drafter=speculative.PromptLookup(), sampler=decoding.Sampling())
 
 
-def test_greedy_rows_of_a_per_row_sampler_keep_exactly_the_argmax_prefix():
+def check_greedy_rows_of_a_per_row_sampler_keep_exactly_the_argmax_prefix():
   """The serving loop's sampler (`sampling.Rows`, temperature 0 on some rows) through the
   sampling rule: its greedy rows get the greedy rule's tokens and counts, drafts from a draft
   model's one-hot q or from lookup's alike, whatever the keys."""
@@ -308,7 +308,7 @@ def _runs(comps: dict, name: str, into_loops: bool) -> set:
   return seen
 
 
-def test_the_loop_of_rounds_copies_no_cache():
+def check_the_loop_of_rounds_copies_no_cache():
   """What XLA:CPU runs every round holds no copy of a cache buffer. A branch of a switch gets
   its own copy of what it writes: with the switch of the ladder's sizes around every round, the
   keys and values of every layer were copied twice a round; the switch runs a loop of rounds of

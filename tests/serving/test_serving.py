@@ -51,7 +51,7 @@ def shared_prefix_requests(seed=0, tails=(5, 0, 9, 3, 0, 7), limits=(6, 5, 7, 4,
   return [np.concatenate([prefix, rng.integers(1, VOCAB, n)]) for n in tails], list(limits)
 
 
-def test_the_loop_is_one_program_without_host_callbacks():
+def check_the_loop_is_one_program_without_host_callbacks():
   """A run of the loop is a lax.while_loop in one jitted program (no per-token callback),
   compiled once for servers of the same shapes; shared prefixes give the tokens of serving
   without sharing, and every page is back (free or a prefix entry nobody holds)."""
@@ -85,7 +85,7 @@ def test_prefill_pieces_are_the_chunk_and_smaller_powers_of_2():
   assert serving_loop.chunks(100) == (16, 32, 64, 100)
 
 
-def test_a_trip_reads_several_rows_prompts_beside_decoding_rows():
+def check_a_trip_reads_several_rows_prompts_beside_decoding_rows():
   """prefill_chunk=32 (pieces of 16 or 32): the first trip reads two rows' prompts (9 and 14
   tokens, 16 each padded) and decodes both; the next reads a third's (20 tokens, 32 padded:
   past the first trip's room) while the first two decode; every request gets the tokens of

@@ -16,7 +16,16 @@ from flax_mha import serving
 from flax_mha.models import decoding
 from test_serving import global_lm, lm, shared_requests, shared_prefix_requests
 
+import test_serving as unit_cases
+
 pytestmark = pytest.mark.integration  # a model compiled several times: ~20 s a case
+
+# Cases of tests/serving/test_serving.py that compile for seconds: the unit part skips them
+# (`check_` there), the integration part runs them here.
+test_the_loop_is_one_program_without_host_callbacks = (
+    unit_cases.check_the_loop_is_one_program_without_host_callbacks)
+test_a_trip_reads_several_rows_prompts_beside_decoding_rows = (
+    unit_cases.check_a_trip_reads_several_rows_prompts_beside_decoding_rows)
 
 
 def _generated(model, params, prompts, limits, **kwargs):
@@ -33,7 +42,8 @@ def _generated(model, params, prompts, limits, **kwargs):
 
 
 # prefill_chunk=16: one row's piece a trip; 64: several rows' pieces a trip (up to 64 tokens).
-CHUNKS = pytest.mark.parametrize("chunk", [16, 64])
+# 64 (a prompt in one piece) is slow (`make test-slow`); 16 splits prompts across trips in CI
+CHUNKS = pytest.mark.parametrize("chunk", [16, pytest.param(64, marks=pytest.mark.slow)])
 
 
 @CHUNKS
