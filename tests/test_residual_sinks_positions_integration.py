@@ -8,14 +8,13 @@ import pytest
 
 import test_residual_sinks_positions as unit
 
-import test_residual_sinks_positions as test_residual_sinks_positions_cases
 
 pytestmark = pytest.mark.integration  # a compile of values and one of gradients a case
 
 # Cases of tests/test_residual_sinks_positions.py that compile for seconds: the unit part skips them
 # (`check_` there), the integration part runs them here.
 test_reference_sink_gradient_matches_finite_differences_in_float64 = (
-    test_residual_sinks_positions_cases.check_reference_sink_gradient_matches_finite_differences_in_float64)
+    unit.check_reference_sink_gradient_matches_finite_differences_in_float64)
 
 
 @pytest.mark.parametrize("impl,with_sinks,is_causal", [

@@ -10,14 +10,13 @@ import pytest
 
 import test_cache as unit
 
-import test_cache as test_cache_cases
 
 pytestmark = pytest.mark.integration  # a whole model end to end: seconds of compiles
 
 # Cases of tests/cache/test_cache.py that compile for seconds: the unit part skips them
 # (`check_` there), the integration part runs them here.
 test_a_step_under_scan_and_grad = (
-    test_cache_cases.check_a_step_under_scan_and_grad)
+    unit.check_a_step_under_scan_and_grad)
 
 
 @pytest.mark.parametrize("kind,option,chunks", unit.CACHED_GRID.integration)

@@ -16,16 +16,15 @@ from flax_mha.kernels import rows
 from helpers import output_and_grads, qkv
 import test_rows as unit
 
-import test_rows as test_rows_cases
 
 pytestmark = pytest.mark.integration  # forward+backward compiles of up to 300 rows: seconds a case
 
 # Cases of tests/kernels/test_rows.py that compile for seconds: the unit part skips them
 # (`check_` there), the integration part runs them here.
 test_rows_that_see_nothing_give_zero_and_finite_grads = (
-    test_rows_cases.check_rows_that_see_nothing_give_zero_and_finite_grads)
+    unit.check_rows_that_see_nothing_give_zero_and_finite_grads)
 test_float64_and_bfloat16 = (
-    test_rows_cases.check_float64_and_bfloat16)
+    unit.check_float64_and_bfloat16)
 
 
 @pytest.mark.parametrize("fn", [rows.attention, unit.SMALL_TILES], ids=["default_tiles", "small"])

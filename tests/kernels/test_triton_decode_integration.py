@@ -19,14 +19,13 @@ from helpers import output_and_grads
 import test_triton_decode as unit
 from test_triton_decode import B, H, K
 
-import test_triton_decode as test_triton_decode_cases
 
 pytestmark = pytest.mark.integration  # the kernel compiled in interpret mode: ~2-4 s a case
 
 # Cases of tests/kernels/test_triton_decode.py that compile for seconds: the unit part skips them
 # (`check_` there), the integration part runs them here.
 test_cache_step_equals_the_xla_step_gqa = (
-    test_triton_decode_cases.check_cache_step_equals_the_xla_step_gqa)
+    unit.check_cache_step_equals_the_xla_step_gqa)
 
 
 @pytest.mark.parametrize("name", [n for n in unit.CACHE_CASES if n != "gqa_one_token"])
