@@ -1,6 +1,6 @@
 """The suite's fixtures (a seeded NumPy rng, jit/no-jit variants, chex's trace counter cleared
-per test), its hooks and jax's persistent compilation cache; the helpers that test files
-import are in tests/helpers.py."""
+per test, jax's compiled programs released per file), its hooks and jax's persistent
+compilation cache; the helpers that test files import are in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -64,6 +64,26 @@ def variant(request):
 def _clear_trace_counter():
   chex.clear_trace_counter()
   yield
+
+
+MAPS, MAX_MAPS = pathlib.Path("/proc/self/maps"), pathlib.Path("/proc/sys/vm/max_map_count")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """After each test file, jax's caches are cleared, so the programs only they keep alive are
+  freed. XLA:CPU maps about three memory regions per compiled program; a worker that keeps
+  every program of a long run reaches the kernel's limit (vm.max_map_count, 65530 by
+  default), and then a compile fails and the worker dies (a segfault while the error is
+  thrown: it killed CI's integration part). A file whose own programs come near the limit
+  fails here by name instead."""
+  yield
+  jax.clear_caches()
+  if MAPS.exists() and MAX_MAPS.exists():
+    held, limit = len(MAPS.read_text().splitlines()), int(MAX_MAPS.read_text())
+    assert held < limit // 2, (f"this process holds {held} memory maps of the kernel's "
+                               f"{limit} after its caches were cleared: something keeps "
+                               f"compiled programs alive")
 
 
 def pytest_collection_modifyitems(items):

@@ -70,12 +70,7 @@ CASES = {
 }
 
 
-# int8-lookup is slow (`make test-slow`): under pytest-xdist, after other files on the same
-# worker, XLA:CPU's compiler has segfaulted compiling its plain serving loop (2 of 2 full
-# integration runs, 2026-11-29); alone it passes. The int8 pool's serving is compared with
-# generate's in tests/serving/test_serving_integration.py.
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c == "int8-lookup"
-                                               else [], id=c) for c in CASES])
+@pytest.mark.parametrize("case", CASES)
 def test_greedy_tokens_are_plain_servings_and_pages_come_back(case):
   make, requests, drafter, kw = CASES[case]
   model, params = make()
