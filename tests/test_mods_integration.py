@@ -1,7 +1,8 @@
 """flax_mha.mods at the cases tests/test_mods.py leaves out, each through that file's own test:
 two more of torch's FlexAttention functions, the grids' cells for the integration part, and
 (slow) the default chunked kernel, which at these lengths runs a single tile that the unit
-part's small-block chunked covers, and the rest of each grid."""
+part's small-block chunked covers, the implementation each case of the unit part's grids
+leaves out in turn, and the rest of each grid."""
 
 from __future__ import annotations
 
@@ -14,23 +15,24 @@ pytestmark = pytest.mark.integration  # a compile of values and gradients a case
 CHUNKED = pytest.param("chunked", marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("impl", [CHUNKED])
-@pytest.mark.parametrize("case", sorted(unit.OPTION_CASES))
+@pytest.mark.slow
+@pytest.mark.parametrize("impl,case", unit.later_cases(sorted(unit.OPTION_CASES)))
 def test_options_match_numpy_and_the_oracle_gradients(impl, case):
   unit.test_options_match_numpy_and_the_oracle_gradients(impl, case)
 
 
-@pytest.mark.parametrize("impl", [CHUNKED])
-@pytest.mark.parametrize("kwargs", unit.JAX_NN_OPTIONS.values(), ids=unit.JAX_NN_OPTIONS.keys())
-def test_matches_jax_nn(impl, kwargs):
-  unit.test_matches_jax_nn(impl, kwargs)
+@pytest.mark.slow
+@pytest.mark.parametrize("impl,case", unit.later_cases(list(unit.JAX_NN_OPTIONS)))
+def test_matches_jax_nn(impl, case):
+  unit.test_matches_jax_nn(impl, case)
 
 
-@pytest.mark.parametrize("case,impl", [
-    *((case, impl) for case in unit.LATER_FLEX_CASES for impl in unit.impl_params(unit.IMPLS)),
-    *(pytest.param(case, "chunked", marks=pytest.mark.slow)
-      for case in unit.FLEX_CASES + unit.LATER_FLEX_CASES)])
-def test_matches_torch_flex_attention(case, impl):
+@pytest.mark.parametrize("impl,case", [
+    *((impl, case) for case in unit.LATER_FLEX_CASES for impl in unit.impl_params(unit.IMPLS)),
+    *(pytest.param(impl, case, marks=pytest.mark.slow)
+      for impl, case in unit.later_cases(unit.FLEX_CASES + unit.LATER_FLEX_CASES)
+      if case in unit.FLEX_CASES or impl == "chunked")])
+def test_matches_torch_flex_attention(impl, case):
   unit.test_matches_torch_flex_attention(impl, case)
 
 

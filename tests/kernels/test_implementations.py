@@ -5,7 +5,7 @@ The oracle (`flax_mha.kernels.reference`) is checked against float64 NumPy and f
 differences; every other implementation against it, values and gradients, on every combination
 of bias, mask, causality, dropout and head layout, and on the inputs where implementations used
 to disagree: rows hidden by a -inf bias, rows of finfo.min logits, float64, empty dims. The cases
-left to the integration part (and the slow half of the combinations) run the same tests in
+left to the integration part (and the slow rest of the combinations) run the same tests in
 tests/kernels/test_implementations_integration.py.
 """
 
@@ -28,7 +28,7 @@ from flax_mha.kernels import reference
 from flax_mha.kernels import registry
 from flax_mha.kernels import rows
 from helpers import (DIMS, call_kernel, kernel_inputs, np_attention, output_and_grads, qkv, randn,
-                     random_mask)
+                     random_mask, split_grid)
 
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
 _inputs = functools.partial(kernel_inputs, t=T, s=S, h=H, g=G, k=K, v=V)
@@ -86,28 +86,30 @@ def test_gradients_check_grads(rng, implementation):
 # ---- every other implementation against the oracle ----
 
 
-# Every combination of bias, mask, causal and dropout; head layouts (GQA, MHA, MQA) in turn.
-CASES = [(*flags, [(H, G), (H, H), (H, 1)][n % 3]) for n, flags in enumerate(
-    itertools.product([False, True], [False, True], [False, True], [0.0, 0.25]))]
+# Every combination of bias, mask, causal and dropout, each part of it (below) taking the head
+# layouts (GQA, MHA, MQA) in turn.
+OPTIONS = list(itertools.product([False, True], [False, True], [False, True], [0.0, 0.25]))
+LAYOUTS = [(H, G), (H, H), (H, 1)]
 
 
 def _oracle_cases():
   """Each implementation on every combination of the options it takes (rows: no dropout), in two
-  halves: (this file's, with an even number of options on: every combination of any three of
-  the four options still meets each implementation (rows, with three options: every pair meets
-  rows_one_unit); the other half, slow: test_implementations_integration.py). Each compile is
-  ~1-3 s (chunked's most). A case's id numbers its head layout by its place in both halves."""
+  parts: this file's, a covering array in which every pair of options meets in each of its four
+  settings (of four options, the combinations with none or three on; of three, none or two),
+  and each head layout comes; the rest, slow: test_implementations_integration.py. Each compile
+  is ~1-3 s (chunked's most)."""
   unit, slow = [], []
   for name in TUNED:
     base = VARIANTS.get(name, (name,))[0]
-    for case in CASES:
-      use_bias, use_mask, is_causal, dropout_rate, heads = case
-      if not runs_here(base, dropout_rate, *heads):
+    covering = (0, 3) if runs_here(base, 0.25) else (0, 2)
+    for options in OPTIONS:
+      part = unit if sum(map(bool, options)) in covering else slow
+      layouts = [heads for heads in LAYOUTS if runs_here(base, options[3], *heads)]
+      if not layouts:
         continue
-      even = (use_bias + use_mask + is_causal + (dropout_rate > 0)) % 2 == 0
-      index = len(unit) + len(slow)
-      (unit if even or name == "rows" else slow).append(pytest.param(
-          name, *case, id=f"{name}-{use_bias}-{use_mask}-{is_causal}-{dropout_rate}-heads{index}"))
+      heads = layouts[sum(p.values[0] == name for p in part) % len(layouts)]
+      part.append(pytest.param(name, *options, heads, id="-".join(
+          [name, *map(str, options), f"heads{heads[0]}x{heads[1]}"])))
   return unit, slow
 
 
@@ -155,8 +157,13 @@ def test_finite_lowest_logits_are_a_uniform_row_not_a_hidden_one(implementation)
   np.testing.assert_allclose(out[:, 2], mean_v, atol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", SINGLE_DEVICE)
-@pytest.mark.parametrize("is_causal", [True])  # False: the integration part
+# Causal for every other implementation; without causality for each (the integration part),
+# causal for the others (slow).
+FLOAT64_CAUSAL = SINGLE_DEVICE[::2]
+
+
+@pytest.mark.parametrize("implementation", FLOAT64_CAUSAL)
+@pytest.mark.parametrize("is_causal", [True])
 def test_float64_in_float64_accuracy_out(implementation, is_causal):
   with jax.enable_x64(True):
     q, k, v, bias, mask = _inputs(2, dtype=np.float64)
@@ -183,11 +190,19 @@ def test_forward_mode_equals_reverse_mode(implementation):
   np.testing.assert_allclose(fwd, rev, atol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", [None, *SINGLE_DEVICE])
-@pytest.mark.parametrize("t,s,k,v", [(0, 7, 5, 3), (4, 0, 5, 3), (4, 7, 0, 3), (4, 7, 5, 0)])
-def test_empty_dims(implementation, t, s, k, v):
+EMPTY_DIMS = [(0, 7, 5, 3), (4, 0, 5, 3), (4, 7, 0, 3), (4, 7, 5, 0)]  # T, S, K, V: one is 0
+# Each implementation with two of the four in turn; the other two (slow): the integration part.
+EMPTY_GRID = split_grid(
+    lambda implementation, dims: (EMPTY_DIMS.index(dims) - [None, *SINGLE_DEVICE].index(
+        implementation)) % 2 == 0,
+    lambda implementation, dims: False, [None, *SINGLE_DEVICE], EMPTY_DIMS)
+
+
+@pytest.mark.parametrize("implementation,dims", EMPTY_GRID.unit)
+def test_empty_dims(implementation, dims):
   """T = 0 or V = 0: an empty result; S = 0: no key to see, output 0; K = 0: logits 0,
   uniform weights, the mean of V."""
+  t, s, k, v = dims
   rng = np.random.default_rng(4)
   q, key, value = qkv(rng, t=t, s=s, h=2, g=1, k=k, v=v)
   mask = np.ones((B, 1, t, s), bool)

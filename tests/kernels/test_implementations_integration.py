@@ -1,7 +1,7 @@
 """Every implementation against the oracle at the cases tests/kernels/test_implementations.py
 leaves out, each through that file's own test: rows hidden by a -inf bias at 600² (where None
-picks "rows"), float64 without causality, and (slow) the half of the option combinations with
-an odd number of options on."""
+picks "rows"), float64 without causality, and (slow) the option combinations outside the unit
+file's covering array, the empty dims and causal float64 it gives other implementations."""
 
 from __future__ import annotations
 
@@ -33,7 +33,14 @@ def test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation
   unit.test_rows_hidden_by_minus_inf_bias_give_zero_and_finite_grads(implementation, n)
 
 
-@pytest.mark.parametrize("implementation", unit.SINGLE_DEVICE)
-@pytest.mark.parametrize("is_causal", [False])
+@pytest.mark.parametrize("implementation,is_causal", [
+    *((implementation, False) for implementation in unit.SINGLE_DEVICE),
+    *(pytest.param(implementation, True, marks=pytest.mark.slow)
+      for implementation in unit.SINGLE_DEVICE if implementation not in unit.FLOAT64_CAUSAL)])
 def test_float64_in_float64_accuracy_out(implementation, is_causal):
   unit.test_float64_in_float64_accuracy_out(implementation, is_causal)
+
+
+@pytest.mark.parametrize("implementation,dims", unit.EMPTY_GRID.integration)
+def test_empty_dims(implementation, dims):
+  unit.test_empty_dims(implementation, dims)

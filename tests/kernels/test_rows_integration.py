@@ -1,7 +1,7 @@
 """The "rows" implementation at the cases tests/kernels/test_rows.py leaves out, most through
 that file's own tests: T > S and T not a multiple of the block, windows without bias and mask,
 the band path in several trips with sinks, and (slow) the other half of the mask and bias
-layouts."""
+layouts and of the windows with them."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ def test_values_and_grads_match_oracle(fn, is_causal, t, s, h, g):
   unit.test_values_and_grads_match_oracle(fn, is_causal, t, s, h, g)
 
 
-@pytest.mark.parametrize("window", unit.WINDOWS)
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("dense", [False], ids=["plain"])
+@pytest.mark.parametrize("window,is_causal,dense", [
+    *((window, is_causal, False) for window in unit.WINDOWS for is_causal in (False, True)),
+    *(pytest.param(window, is_causal, True, marks=pytest.mark.slow)
+      for window, is_causal in unit.OTHER_WINDOW_CASES)])
 def test_windows_match_oracle(window, is_causal, dense):
   unit.test_windows_match_oracle(window, is_causal, dense)
 

@@ -90,6 +90,7 @@ VOCAB = 11
 GOOD = np.array([[3, 4, 5, 6], [7, 8, 9, 3]])  # [B, L], ids in [3, VOCAB): no padding
 
 
+@functools.cache  # one compile per model and front end, shared by the bad ids
 def _jitted_logits(name):
   """tokens [B, L] -> logits [B, L, C], jitted, of one model and front end (for the Transformer:
   with the tokens as the source or as the target input, the other side GOOD)."""

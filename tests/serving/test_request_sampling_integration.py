@@ -23,15 +23,17 @@ def test_a_seeded_request_draws_from_its_own_keys_wherever_it_runs():
   model, params = lm()
   prompts, limits = shared_requests()
   own = decoding.Sampling(temperature=1.5)
-  server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=64, max_length=64)
+  # serve's own sizes (its max_length, 64 trips a run): the three servers run one program
+  kw = dict(batch_size=2, page_size=4, num_pages=64, segment_steps=64,
+            max_length=max(len(p) + n for p, n in zip(prompts, limits)))
+  server = serving.Server(model, params, **kw)
   greedy = [server.submit(p, n) for p, n in zip(prompts, limits)]
   seeded = server.submit(prompts[1], 8, sampler=own, seed=11)
   server.run()
   want_greedy, _ = serving.serve(model, params, prompts, limits, batch_size=2, page_size=4,
                                  num_pages=64)
   assert [r.tokens for r in greedy] == want_greedy
-  alone = serving.Server(model, params, batch_size=3, page_size=4, num_pages=64, max_length=64,
-                         sampler=own, rng=jax.random.key(5))
+  alone = serving.Server(model, params, **kw, sampler=own, rng=jax.random.key(5))
   again = alone.submit(prompts[1], 8, seed=11)
   alone.run()
   assert again.tokens == seeded.tokens
