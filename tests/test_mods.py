@@ -311,7 +311,7 @@ TRANSFORMS = {"scan": _scan, "checkpoint": _checkpoint, "vmap": _vmap}
 
 TRANSFORM_GRID = split_grid(
     lambda impl, transform: impl == "chunked_small" or (impl == "xla" and transform == "scan"),
-    lambda impl, transform: impl == "chunked_small" and transform == "checkpoint",
+    lambda impl, transform: impl == "chunked_small" and transform in ("checkpoint", "vmap"),
     sorted(IMPLS_L), sorted(TRANSFORMS))
 
 

@@ -1,7 +1,7 @@
 """The "rows" implementation at the cases tests/kernels/test_rows.py leaves out, most through
 that file's own tests: T > S and T not a multiple of the block, windows without bias and mask,
-the band path in several trips with sinks, and (slow) the other half of the mask and bias
-layouts and of the windows with them."""
+the band path in several trips with sinks, and (slow) the rest of the mask and bias layouts
+and of the windows with them."""
 
 from __future__ import annotations
 
