@@ -147,6 +147,15 @@ def split_grid(keep, later, *axes) -> GridParts:
                    for c in combinations if later(*c) or not keep(*c)])
 
 
+def in_turn(first, second, period=None):
+  """A keep rule (for `split_grid`, or a list of cases): (a, b) where b's place in `second`
+  minus a's place in `first` is 0 modulo `period` (default len(second)): each value of `first`
+  meets every period-th value of `second`, starting one place further than the value before."""
+  first, second = list(first), list(second)
+  period = period or len(second)
+  return lambda a, b: (second.index(b) - first.index(a)) % period == 0
+
+
 def randn(rng: np.random.Generator, *shape, dtype=np.float32):
   """Standard normal array of `shape` (NumPy, so the reference sees the exact same numbers)."""
   return rng.standard_normal(shape).astype(dtype)

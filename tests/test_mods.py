@@ -19,7 +19,7 @@ import pytest
 
 import flax_mha
 from flax_mha.kernels import chunked
-from helpers import np_attention, output_and_grads, split_grid
+from helpers import in_turn, np_attention, output_and_grads, split_grid
 
 B, T, H, G, K = 2, 37, 4, 2, 8  # T prime: no block size divides it
 SMALL = chunked.make_attention(block_q=8, block_k=4)
@@ -34,19 +34,19 @@ def impl_params(impls):
   return [name for name in sorted(impls) if name != "chunked"]
 
 
-def each_case_twice(cases, impls=IMPLS):
-  """(impl, case) pairs of `impl_params(impls)` and `cases` for the unit suite: each case with
+def each_case_twice(cases):
+  """(impl, case) pairs of `impl_params(IMPLS)` and `cases` for the unit suite: each case with
   all implementations but one, in turn (each implementation still meets most cases); the
   left-out pairs and chunked's: `later_cases`, the integration part (slow)."""
-  names = impl_params(impls)
-  return [(impl, case) for n, case in enumerate(cases) for i, impl in enumerate(names)
-          if len(names) < 3 or i != n % len(names)]
+  names = impl_params(IMPLS)
+  left_out = in_turn(cases, names)
+  return [(impl, case) for case in cases for impl in names if not left_out(case, impl)]
 
 
-def later_cases(cases, impls=IMPLS):
+def later_cases(cases):
   """The (impl, case) pairs `each_case_twice` leaves out, chunked's among them."""
-  kept = set(each_case_twice(cases, impls))
-  return [(impl, case) for case in cases for impl in sorted(impls) if (impl, case) not in kept]
+  kept = set(each_case_twice(cases))
+  return [(impl, case) for case in cases for impl in sorted(IMPLS) if (impl, case) not in kept]
 
 
 SEGMENTS = np.array([[0] * 9 + [1] * 20 + [2] * 8, [0] * 30 + [5] * 7])

@@ -19,7 +19,7 @@ import pytest
 
 import flax_mha
 from flax_mha.kernels import chunked, decode, rows
-from helpers import qkv, split_grid
+from helpers import in_turn, qkv, split_grid
 
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 4
 IMPLS = {"reference": "reference", "xla": "xla", "chunked": "chunked",
@@ -65,8 +65,11 @@ def _inputs(seed=0, t=T, s=S):
 
 # Sinks with causality and neither, each implementation one of the two in turn; the other one
 # (slow) and one without the other: the integration part.
-SINKS_CASES = [(impl, n % 2 == 1, n % 2 == 1) for n, impl in enumerate(sorted(IMPLS))]
-OTHER_SINKS_CASES = [(impl, n % 2 == 0, n % 2 == 0) for n, impl in enumerate(sorted(IMPLS))]
+_SINKS_TURN = in_turn(sorted(IMPLS), (False, True))
+SINKS_CASES = [(impl, flag, flag) for impl in sorted(IMPLS) for flag in (False, True)
+               if _SINKS_TURN(impl, flag)]
+OTHER_SINKS_CASES = [(impl, flag, flag) for impl in sorted(IMPLS) for flag in (False, True)
+                     if not _SINKS_TURN(impl, flag)]
 
 
 @pytest.mark.parametrize("impl,with_sinks,is_causal", SINKS_CASES)
@@ -103,8 +106,7 @@ POSITIONS_IMPLS = ["reference", "xla", "chunked", "chunked_small", "default", "d
 WINDOWS = [None, (3, 0), (2, 1)]
 # Each implementation with one window in turn; the rest (slow): the integration part.
 POSITIONS_GRID = split_grid(
-    lambda impl, window: WINDOWS.index(window) == POSITIONS_IMPLS.index(impl) % len(WINDOWS),
-    lambda impl, window: False, POSITIONS_IMPLS, WINDOWS)
+    in_turn(POSITIONS_IMPLS, WINDOWS), lambda impl, window: False, POSITIONS_IMPLS, WINDOWS)
 
 
 @pytest.mark.parametrize("impl,window", POSITIONS_GRID.unit)

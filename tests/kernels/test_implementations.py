@@ -27,8 +27,8 @@ from flax_mha.kernels import chunked
 from flax_mha.kernels import reference
 from flax_mha.kernels import registry
 from flax_mha.kernels import rows
-from helpers import (DIMS, call_kernel, kernel_inputs, np_attention, output_and_grads, qkv, randn,
-                     random_mask, split_grid)
+from helpers import (DIMS, call_kernel, in_turn, kernel_inputs, np_attention, output_and_grads,
+                     qkv, randn, random_mask, split_grid)
 
 B, T, S, H, G, K, V = 2, 7, 11, 6, 3, 5, 13
 _inputs = functools.partial(kernel_inputs, t=T, s=S, h=H, g=G, k=K, v=V)
@@ -193,8 +193,7 @@ def test_forward_mode_equals_reverse_mode(implementation):
 EMPTY_DIMS = [(0, 7, 5, 3), (4, 0, 5, 3), (4, 7, 0, 3), (4, 7, 5, 0)]  # T, S, K, V: one is 0
 # Each implementation with two of the four in turn; the other two (slow): the integration part.
 EMPTY_GRID = split_grid(
-    lambda implementation, dims: (EMPTY_DIMS.index(dims) - [None, *SINGLE_DEVICE].index(
-        implementation)) % 2 == 0,
+    in_turn([None, *SINGLE_DEVICE], EMPTY_DIMS, period=2),
     lambda implementation, dims: False, [None, *SINGLE_DEVICE], EMPTY_DIMS)
 
 

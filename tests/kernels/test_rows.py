@@ -16,7 +16,7 @@ import flax_mha
 from flax_mha import mods as mods_lib
 from flax_mha.kernels import reference
 from flax_mha.kernels import rows
-from helpers import output_and_grads, qkv
+from helpers import in_turn, output_and_grads, qkv
 
 SMALL_TILES = rows.make_attention(tile_forward=2**9, tile_backward=2**8)  # many trips and blocks
 
@@ -138,8 +138,10 @@ WINDOWS = [(5, 3), (64, 0), (0, 0), (200, 17), (900, 900)]
 
 # With a bias and a mask, each window causal or not in turn; the other (slow) and without them
 # (plain): the integration part.
-WINDOW_CASES = [(window, n % 2 == 1) for n, window in enumerate(WINDOWS)]
-OTHER_WINDOW_CASES = [(window, n % 2 == 0) for n, window in enumerate(WINDOWS)]
+_WINDOW_TURN = in_turn(WINDOWS, (False, True))
+WINDOW_CASES = [(w, causal) for w in WINDOWS for causal in (False, True) if _WINDOW_TURN(w, causal)]
+OTHER_WINDOW_CASES = [(w, causal) for w in WINDOWS for causal in (False, True)
+                      if not _WINDOW_TURN(w, causal)]
 
 
 @pytest.mark.parametrize("window,is_causal", WINDOW_CASES)
