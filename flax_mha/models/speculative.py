@@ -21,8 +21,8 @@ tokens' distribution is exactly the target's p (its sampler's temperature / top-
 whatever the drafter proposes. q is the drafter's: one-hot for prompt lookup, the draft
 model's own sampler distribution for a draft model.
 
-Drafters, behind one interface (`split`, `init`, `read`, `offered`: the drafts each row has or
-None for all k, `propose`, `commit`):
+Drafters, behind one interface (`Drafter`: `split`, `init`, `serving_state`, `read`,
+`offered`: the drafts each row has or None for all k, `propose`, `commit`):
 - `PromptLookup(ngram)`: the last n tokens (n = ngram, then shorter) matched against the
   prompt and what has been generated, the latest match's continuation proposed (read as an
   overlapping copy: a repeating phrase is drafted past its last occurrence). No model. A row
@@ -30,7 +30,7 @@ None for all k, `propose`, `commit`):
   of one query, as plain decoding's.
 - `DraftModel(model, params)`: any decodable decoder with the target's vocabulary, with its own
   cache, rolled back as the target's is.
-An EAGLE/MTP-style head would be a third drafter of the same interface.
+An EAGLE/MTP-style head would be a third `Drafter` subclass.
 
 The model must be a decoder-only one whose `init_cache` takes `rollback=` (both DecoderLMs);
 the encoder-decoder Transformer is refused by name (its cache holds the source's keys beside
@@ -40,6 +40,7 @@ k drafts per round (`num_speculative_tokens`), M = L + N + k history, C vocabula
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from typing import Any
@@ -65,8 +66,45 @@ def fold_rows(keys_B, data):
   return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, data)
 
 
+class Drafter(abc.ABC):
+  """What proposes drafts: `PromptLookup` and `DraftModel`; an EAGLE/MTP-style head would be a
+  third subclass. Its methods are pure and traced inside the decoding loops; `state` is the
+  drafter's own (a draft model's cache), `arrays` what `split` took out to be traced."""
+
+  @abc.abstractmethod
+  def split(self):
+    """(the drafter as a static, hashable argument, its arrays to trace)."""
+
+  @abc.abstractmethod
+  def init(self, arrays, model_context, prompts, lengths, capacity, rollback_slots):
+    """Its state for `generate`, having read the prompts [B, L] (lengths [B])."""
+
+  def serving_state(self, arrays, make_cache):
+    """Its state in a serving loop, made with the loop's pool: `make_cache(model, params)`
+    gives a decoder's paged caches on the target's page table. None needed: ()."""
+    del arrays, make_cache
+    return ()
+
+  @abc.abstractmethod
+  def read(self, arrays, state, tokens, positions):
+    """Its state after prompt tokens [B, T] at positions [B, T] (-1: none) are read."""
+
+  @abc.abstractmethod
+  def offered(self, arrays, state, history_BM, length_B, k):
+    """[B] the drafts each row has for a round of k, or None: all rows k."""
+
+  @abc.abstractmethod
+  def propose(self, arrays, state, history_BM, length_B, live_B, k, keys_B, sampler):
+    """(state, drafts [B, k] int32 (-1: none), q [B, k, C] their distributions or None:
+    one-hot, the drafts certain)."""
+
+  @abc.abstractmethod
+  def commit(self, state, history_BM, kept_B):
+    """Its state once the target kept `kept_B` [B] tokens of its cache."""
+
+
 @dataclasses.dataclass(frozen=True)
-class PromptLookup:
+class PromptLookup(Drafter):
   """Drafts the continuation of the latest earlier occurrence of the row's last `ngram`
   tokens (then of shorter suffixes) in its prompt and generated tokens, read as an overlapping
   copy (as LZ77's): a match d tokens back continues with period d, so the phrase it found is
@@ -127,7 +165,7 @@ class PromptLookup:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModel:
+class DraftModel(Drafter):
   """A smaller decoder with the target's vocabulary drafts with its own cache (rolled back as
   the target's): `model` linen with `params`, or NNX with params None. It draws its drafts
   with the target's sampler (greedy: its argmax). Its caches may be paged (a serving loop's,
@@ -145,6 +183,10 @@ class DraftModel:
     """Its cache, prefilled with the prompts."""
     return decoding.prefill(self.model, params, model_context, prompts, lengths, capacity,
                             rollback=rollback_slots)[0]
+
+  def serving_state(self, arrays, make_cache):
+    """Its paged caches on the target's page table."""
+    return make_cache(self.model, arrays)
 
   def read(self, params, cache, tokens, positions):
     """Its cache after reading prompt tokens [B, T] at positions [B, T] (-1: none)."""
@@ -190,12 +232,12 @@ class DraftModel:
 
 def check_drafter(drafter, vocab_size: int | None = None, method: str = "init_cache",
                   static=(8,)):
-  """`drafter` as it is, refused when it is not a `PromptLookup()` or a `DraftModel(...)`
-  (TypeError), or, given vocab_size, when a draft model's logits are not over vocab_size tokens
+  """`drafter` as it is, refused when it is not a `Drafter` (a `PromptLookup()`, a
+  `DraftModel(...)`: TypeError), or, given vocab_size, when a draft model's logits are not over vocab_size tokens
   (ValueError); method and static: the draft model's cache method and its int arguments, for
   its shapes."""
-  if not isinstance(drafter, (PromptLookup, DraftModel)):
-    raise TypeError("drafter must be a PromptLookup() or a DraftModel(...), got "
+  if not isinstance(drafter, Drafter):
+    raise TypeError("drafter must be a PromptLookup() or a DraftModel(...) (a Drafter), got "
                     f"{type(drafter).__name__}")
   if isinstance(drafter, DraftModel) and vocab_size is not None:
     model, params = decoding.decodable(drafter.model, drafter.params)

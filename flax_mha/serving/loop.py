@@ -117,8 +117,9 @@ def empty_cache(plan: Plan, params):
     return model.apply(variables, plan.batch_size, plan.num_pages, plan.page_size,
                        plan.pages_per_row, plan.cache_dtype, rollback=plan.speculative_tokens,
                        method="init_paged_cache")
-  drafted = isinstance(plan.drafter, speculative.DraftModel)
-  return make(plan.model, params[0]), make(plan.drafter.model, params[1]) if drafted else ()
+  drafter = plan.drafter
+  return make(plan.model, params[0]), () if drafter is None else drafter.serving_state(
+      params[1], make)
 
 
 def _each(fn, *caches):

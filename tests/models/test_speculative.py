@@ -17,6 +17,7 @@ import pytest
 from flax_mha import cache as cache_lib
 from flax_mha.models import decoding, sampling, speculative
 from flax_mha.models.lm import DecoderLM, LMConfig
+from flax_mha.models.transformer import Transformer, TransformerConfig
 
 from helpers import random_params
 
@@ -42,31 +43,43 @@ def prompts():
   return rows, np.array([24, 19, 5], np.int32)
 
 
-@pytest.mark.parametrize("dtype,window", [(jnp.float32, None), (jnp.int8, None),
-                                          (jnp.float32, 6)])
-def test_a_rollback_leaves_what_a_cache_that_never_saw_them_holds(dtype, window):
+ROLLBACK_CASES = {"full": (jnp.float32, None, False), "int8": (jnp.int8, None, False),
+                  "rolling": (jnp.float32, 6, False), "paged": (jnp.float32, None, True),
+                  "paged-int8": (jnp.int8, None, True)}
+
+
+@pytest.mark.parametrize("case", ROLLBACK_CASES)
+def test_a_rollback_leaves_what_a_cache_that_never_saw_them_holds(case):
   """Write 10 tokens, then 5 more, roll back to 12 per row: the next step's attention and
-  every visible slot equal those of a cache that saw only the 12."""
+  every visible slot equal those of a cache that saw only the 12. A paged cache's pages keep
+  what the rejected tokens wrote, past the rows' lengths: never read."""
+  dtype, window, paged = ROLLBACK_CASES[case]
   rng = np.random.default_rng(1)
   b, g, k, h = 2, 2, 8, 4
   kv = lambda n: jnp.asarray(rng.normal(size=(b, n, g, k)), jnp.float32)
-  make = lambda: cache_lib.KVCache.create(b, 32, g, k, dtype=dtype, window=window, rollback=5)
+  if paged:  # row 1's pages in another order: a rollback reads each row's own table
+    make = lambda: cache_lib.PagedKVCache.create(8, 8, jnp.array([[0, 1, 2, 3], [6, 4, 7, 5]]),
+                                                 g, k, dtype=dtype)
+  else:
+    make = lambda: cache_lib.KVCache.create(b, 32, g, k, dtype=dtype, window=window,
+                                            rollback=5)
+  write = cache_lib.update_pages if paged else cache_lib.update
   keys, values = kv(15), kv(15)
-  seen = cache_lib.update(make(), keys[:, :10], values[:, :10],
-                          jnp.broadcast_to(jnp.arange(10), (b, 10)))
-  later = cache_lib.update(seen, keys[:, 10:15], values[:, 10:15],
-                           jnp.broadcast_to(jnp.arange(10, 15), (b, 5)))
+  at = lambda lo, hi: jnp.broadcast_to(jnp.arange(lo, hi), (b, hi - lo))
+  seen = write(make(), keys[:, :10], values[:, :10], at(0, 10))
+  later = write(seen, keys[:, 10:15], values[:, 10:15], at(10, 15))
   back = later.rollback(jnp.array([12, 12]))
-  never = cache_lib.update(seen, keys[:, 10:12], values[:, 10:12],
-                           jnp.broadcast_to(jnp.arange(10, 12), (b, 2)))
+  never = write(seen, keys[:, 10:12], values[:, 10:12], at(10, 12))
   np.testing.assert_array_equal(back.length, never.length)
-  lowest = 0 if window is None else 12 - window  # what the next token's window reaches
-  held = lambda c: [sorted(set(row.tolist()) - {-1} - set(range(lowest))) for row in
-                    np.asarray(c.positions)]
-  assert held(back) == held(never)
+  if not paged:
+    lowest = 0 if window is None else 12 - window  # what the next token's window reaches
+    held = lambda c: [sorted(set(row.tolist()) - {-1} - set(range(lowest))) for row in
+                      np.asarray(c.positions)]
+    assert held(back) == held(never)
   query, nk, nv = (jnp.asarray(rng.normal(size=(b, 1, n, k)), jnp.float32) for n in (h, g, g))
   out = lambda c: cache_lib.attend(query, nk, nv, c)[0]
   np.testing.assert_allclose(out(back), out(never), rtol=1e-6, atol=1e-6)
+  assert not np.allclose(out(later), out(never), atol=1e-3)  # what the rollback undid
 
 
 def test_a_rolling_cache_without_the_extra_slots_loses_what_the_window_needs():
@@ -181,39 +194,66 @@ def test_prompt_lookup_copies_the_latest_match_on_past_its_end(ngram):
     assert offered[i] == (0 if want is None else k)
   assert 10 < sum(w is None for w in wants) < b - 10  # both kinds of row were there
 
-def accept_rule(p_C, q_C, k, n, seed, rule=speculative.accept):
+def accept_rule(p_C, q_C, k, n, seed, rule=speculative.accept, sampler=sampling.Sampling(),
+                one_hot=False):
   """n runs of the rule on fixed one-step distributions (the same p at every position, drafts
-  drawn from q): (first new tokens [n], second new tokens [n], counts [n])."""
+  drawn from q; with one_hot, q passed as None: prompt lookup's, one-hot at the drafts):
+  (first new tokens [n], second new tokens [n], counts [n])."""
   c = p_C.shape[0]
   logits = jnp.broadcast_to(jnp.log(p_C), (1, k + 1, c))
 
   def one(key):
     drafts = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(q_C), shape=(1, k))
-    q = jnp.broadcast_to(q_C, (1, k, c))
-    count, new = rule(sampling.Sampling(), logits, drafts.astype(jnp.int32), q, key[None])
+    q = None if one_hot else jnp.broadcast_to(q_C, (1, k, c))
+    count, new = rule(sampler, logits, drafts.astype(jnp.int32), q, key[None])
     return new[0, 0], new[0, 1], count[0]
 
   return jax.vmap(one)(jax.random.split(jax.random.key(seed), n))
 
 
 def chi_square(counts, p) -> float:
-  expected = p * counts.sum()
-  return float(((counts - expected) ** 2 / expected).sum())
+  seen = p > 0
+  assert counts[~seen].sum() == 0, counts  # nothing outside the sampler's set
+  expected = p[seen] * counts.sum()
+  return float(((counts[seen] - expected) ** 2 / expected).sum())
+
+
+def sampler_probs(p_C, temperature=1.0, top_k=None, top_p=None):
+  """numpy: the distribution `Sampling(temperature, top_k, top_p)` draws from over logits
+  log(p_C) (top-p over the top-k set renormalised; the token crossing top_p kept)."""
+  probs = np.exp(np.log(np.asarray(p_C, np.float64)) / temperature)
+  order = np.argsort(-probs, kind="stable")
+  keep = np.zeros(len(probs), bool)
+  keep[order[:top_k or len(probs)]] = True
+  probs = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
+  before = np.cumsum(probs[order]) - probs[order]
+  keep[order[before >= (top_p or 2)]] = False
+  probs = np.where(keep, probs, 0)
+  return probs / probs.sum()
 
 
 P = jnp.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 Q = jnp.array([0.05, 0.1, 0.15, 0.2, 0.2, 0.3])  # far from P: many rejections
-CRITICAL = 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+CRITICAL = {5: 20.5, 4: 18.5, 3: 16.3, 2: 13.8}  # chi-square, p = 0.001, by degrees of freedom
+SAMPLERS = {"plain": {}, "temperature": dict(temperature=0.6), "top_k": dict(top_k=4),
+            "top_p": dict(temperature=1.5, top_p=0.7)}
 
 
-def check_the_rejection_rule_keeps_the_targets_distribution():
-  """The first new token, and the second where the first draft was kept, are distributed as p:
-  chi-square below the 0.001 bound over 40k runs."""
-  first, second, count = (np.asarray(x) for x in accept_rule(P, Q, 2, 40_000, 0))
-  assert chi_square(np.bincount(first, minlength=6), np.asarray(P)) < CRITICAL
+@pytest.mark.parametrize("drafts", ["draft-model", "lookup"])
+@pytest.mark.parametrize("options", SAMPLERS)
+def check_the_rejection_rule_keeps_the_targets_distribution(options, drafts):
+  """The first new token, and the second where the first draft was kept, are distributed as
+  the sampler's p (computed here in numpy): chi-square below the 0.001 bound over 40k runs,
+  for a draft model's q and for prompt lookup's one-hot q."""
+  want = sampler_probs(P, **SAMPLERS[options])
+  bound = CRITICAL[int((want > 0).sum()) - 1]
+  first, second, count = (np.asarray(x) for x in accept_rule(
+      P, Q, 2, 40_000, 0, sampler=sampling.Sampling(**SAMPLERS[options]),
+      one_hot=drafts == "lookup"))
+  assert chi_square(np.bincount(first, minlength=6), want) < bound
   kept = count >= 2
-  assert kept.sum() > 5000
-  assert chi_square(np.bincount(second[kept], minlength=6), np.asarray(P)) < CRITICAL
+  assert kept.sum() > 2000
+  assert chi_square(np.bincount(second[kept], minlength=6), want) < bound
 
 
 def test_the_chi_square_bound_catches_a_wrong_rule():
@@ -231,7 +271,7 @@ def test_the_chi_square_bound_catches_a_wrong_rule():
     return kept + 1, new.astype(jnp.int32)
 
   first, _, _ = (np.asarray(x) for x in accept_rule(P, Q, 2, 40_000, 0, rule=wrong))
-  assert chi_square(np.bincount(first, minlength=6), np.asarray(P)) > 10 * CRITICAL
+  assert chi_square(np.bincount(first, minlength=6), np.asarray(P)) > 10 * CRITICAL[5]
 
 
 def check_sampled_tokens_are_reproducible_and_bad_arguments_named():
@@ -250,6 +290,18 @@ def check_sampled_tokens_are_reproducible_and_bad_arguments_named():
     call(drafter=speculative.PromptLookup(), num_speculative_tokens=0)
   with pytest.raises(ValueError, match="sampling needs rng"):
     call(drafter=speculative.PromptLookup(), sampler=decoding.Sampling())
+
+
+def test_the_transformer_is_refused_by_name():
+  """The encoder-decoder's cache holds the source's keys beside the decoder's: no rollback."""
+  cfg = TransformerConfig(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=24, max_len=16)
+  src, tgt = jnp.ones((2, 5), jnp.int32), jnp.ones((2, 1), jnp.int32)
+  model = Transformer(cfg)
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), src, tgt))
+  variables = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), variables)
+  with pytest.raises(ValueError, match="needs a decoder whose caches roll back.*Transformer"):
+    speculative.generate(model, variables, (src,), tgt, max_new_tokens=4,
+                         drafter=speculative.PromptLookup())
 
 
 def check_greedy_rows_of_a_per_row_sampler_keep_exactly_the_argmax_prefix():

@@ -1,9 +1,12 @@
 """Speculative decoding end to end beyond the unit part (tests/models/test_speculative.py): the
 same greedy tokens as plain decoding with a draft model (partial acceptance) and with the model
 drafting for itself (every draft kept), with an int8 cache, under the caller's jit and inside
-its lax.scan, with the NNX twin, and for one new token."""
+its lax.scan, with the NNX twin, at batch 1 and for one new token; a drafter of one's own
+(a `Drafter` subclass) in generate and serve."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +14,7 @@ from flax import nnx
 import numpy as np
 import pytest
 
+from flax_mha import serving
 from flax_mha.models import decoding, lm_nnx, speculative
 
 from test_speculative import lm, prompts
@@ -41,7 +45,9 @@ def test_greedy_tokens_with_draft_models(drafter):
   test_greedy_tokens_are_plain_decodings(drafter)
 
 
-def test_an_int8_cache_and_one_token_and_jit():
+def test_an_int8_cache_and_one_token_and_jit_and_batch_one():
+  """An int8 cache under the caller's jit; alone (batch 1, the repetitive row) with drafts
+  kept; one new token."""
   model, params = lm()
   rows, lengths = prompts()
   kw = dict(max_new_tokens=12, cache_dtype=jnp.int8)
@@ -50,6 +56,11 @@ def test_an_int8_cache_and_one_token_and_jit():
                                                drafter=speculative.PromptLookup(2),
                                                num_speculative_tokens=2, **kw))(rows)
   np.testing.assert_array_equal(got, want)
+  alone, stats = speculative.generate_with_stats(
+      model, params, (rows[:1],), rows[:1], lengths[:1], drafter=speculative.PromptLookup(2),
+      num_speculative_tokens=2, **kw)
+  np.testing.assert_array_equal(alone, want[:1])
+  assert 0 < stats.accepted and stats.rounds < 11, stats
   one = speculative.generate(model, params, (rows,), rows, lengths, max_new_tokens=1,
                              drafter=speculative.PromptLookup())
   np.testing.assert_array_equal(one, want[:, :1])
@@ -90,3 +101,44 @@ def test_inside_the_callers_scan_and_with_the_nnx_twin():
   nnx_tokens = speculative.generate(twin, None, (rows,), rows, lengths, num_speculative_tokens=3,
                                     drafter=speculative.DraftModel(twin), **kw)
   np.testing.assert_array_equal(nnx_tokens, want[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatLast(speculative.Drafter):
+  """A third drafter, written outside the library: each row's last token, k times."""
+
+  def split(self):
+    return self, None
+
+  def init(self, arrays, model_context, prompts, lengths, capacity, rollback_slots):
+    return ()
+
+  def read(self, arrays, state, tokens, positions):
+    return state
+
+  def offered(self, arrays, state, history_BM, length_B, k):
+    return None
+
+  def propose(self, arrays, state, history_BM, length_B, live_B, k, keys_B, sampler):
+    last = jnp.take_along_axis(history_BM, length_B[:, None] - 1, axis=1)
+    return state, jnp.repeat(last, k, axis=1), None
+
+  def commit(self, state, history_BM, kept_B):
+    return state
+
+
+def test_a_drafter_of_ones_own_takes_the_same_interface():
+  """A `Drafter` subclass from outside the library speculates to plain greedy tokens, in
+  `generate` and in the serving loop (its `serving_state`: none)."""
+  model, params = lm(local_window=None)
+  rows, lengths = prompts()
+  want = decoding.generate(model, params, (rows,), rows, lengths, max_new_tokens=8)
+  got, stats = speculative.generate_with_stats(model, params, (rows,), rows, lengths,
+                                               max_new_tokens=8, drafter=RepeatLast(),
+                                               num_speculative_tokens=2)
+  np.testing.assert_array_equal(got, want)
+  assert stats.drafted > 0, stats
+  served, _ = serving.serve(model, params, [r[:n] for r, n in zip(rows, lengths)], 8,
+                            batch_size=2, page_size=4, num_pages=32, drafter=RepeatLast(),
+                            num_speculative_tokens=2)
+  assert [list(t) for t in served] == np.asarray(want).tolist()
