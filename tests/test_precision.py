@@ -1,0 +1,144 @@
+"""Low-precision products (flax_mha.precision): float32 accumulation against a float64 NumPy
+reference; and what the models hand XLA in bfloat16: no bfloat16-result dot in a decoder
+step's program (linen, NNX, the Transformer), linen and NNX alike, close to float32, and jit,
+grad, vmap and scan through them.
+
+Dimension key: B batch, L length, D width, F MLP width, C vocabulary; M rows, N columns of a
+product. Prime sizes, so that a swapped axis fails.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flax_mha import precision
+from flax_mha.models import decoding, lm_nnx
+from flax_mha.models.lm import DecoderLM, LMConfig
+from flax_mha.models.transformer import Transformer, TransformerConfig
+
+BF16 = jnp.bfloat16
+DIMS = (((1,), (0,)), ((), ()))  # [M, D] · [D, N]
+
+
+def _bf16(rng, *shape):
+  return jnp.asarray(rng.standard_normal(shape), BF16)
+
+
+def _ref(x, w):
+  """float64 x · w, x and w as given (already rounded to their dtype)."""
+  return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+def _dot_results(fn, *args) -> list[str]:
+  """The element types of every dot_general's result in fn's lowered program (before XLA)."""
+  text = jax.jit(fn).lower(*args).as_text()
+  return re.findall(r"stablehlo\.dot_general.*-> tensor<[^>]*x(\w+)>", text)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_bf16_products_accumulate_in_float32(rng, rows):
+  """bf16 operands: a bf16 result within one bf16 rounding of the float64 product of the same
+  operands (a bf16 accumulation over D=257 would be off by far more), from a dot with a float32
+  result; float32 operands: a plain float32 dot."""
+  x, w = _bf16(rng, rows, 257), _bf16(rng, 257, 11)
+  got = precision.dot_general(x, w, DIMS)
+  assert got.dtype == BF16
+  want = _ref(x, w)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-8, atol=1e-6)
+  assert _dot_results(lambda x, w: precision.dot_general(x, w, DIMS), x, w) == ["f32"]
+  x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+  np.testing.assert_allclose(precision.dot_general(x32, w32, DIMS), want, rtol=1e-5, atol=1e-4)
+  assert precision.dot_general(x32, w32, DIMS).dtype == jnp.float32
+
+
+# The models: a tiny bf16 decoder (untied head, GQA, a local layer), and its NNX twin.
+
+CFG = LMConfig(vocab_size=37, d_model=24, num_heads=4, num_kv_heads=2, num_layers=2, d_ff=40,
+               local_window=3, dtype=BF16, param_dtype=BF16, tie_embeddings=False,
+               mlp="swiglu", mlp_bias=False, scale_embeddings=False, scale_logits=False)
+
+
+@pytest.fixture(scope="module")
+def lm():
+  model = DecoderLM(CFG)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 37, (2, 11)), jnp.int32)
+  return model, jax.jit(model.init)(jax.random.key(0), tokens), tokens
+
+
+def _step(model, variables, batch):
+  """A jitted decode step of `batch` rows after a prefill: (step fn, its arguments)."""
+  tokens = jnp.zeros((batch, 5), jnp.int32)
+  prefill = lambda v: decoding.prefill(model, v, (tokens,), tokens, jnp.full((batch,), 5), 9)
+  cache, _ = jax.jit(prefill)(variables)
+  fn = jax.jit(lambda v, t, c: model.apply(v, t[:, None], c, method="logits"))
+  return fn, (variables, jnp.zeros((batch,), jnp.int32), cache)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bf16_decoder_step_hands_xla_no_bf16_result_dot(lm, tied):
+  """Every dot of a bf16 decode step (projections, MLP, head or tied embedding, attention)
+  has a float32 result, and there are dots to count."""
+  model, variables, tokens = lm
+  if tied:
+    model = DecoderLM(CFG.__class__(**{**CFG.__dict__, "tie_embeddings": True}))
+    variables = jax.jit(model.init)(jax.random.key(0), tokens)
+  fn, args = _step(model, variables, 3)
+  results = _dot_results(fn, *args)
+  assert len(results) >= 7 * CFG.num_layers and set(results) == {"f32"}, results
+
+
+def test_nnx_and_the_transformer_hand_xla_no_bf16_result_dot(lm):
+  model, variables, tokens = lm
+  module = lm_nnx.load_linen_params(lm_nnx.DecoderLM(CFG, rngs=nnx.Rngs(0)), variables)
+  graphdef, state = nnx.split(module)
+  call = lambda s, t: nnx.merge(graphdef, s)(t)
+  results = _dot_results(call, state, tokens)
+  assert len(results) >= 7 * CFG.num_layers and set(results) == {"f32"}, results
+  cfg = TransformerConfig(vocab_size=37, d_model=24, num_heads=4, num_encoder_layers=1,
+                          num_decoder_layers=1, d_ff=40, max_len=16, dtype=BF16)
+  transformer = Transformer(cfg)
+  params = jax.jit(transformer.init)(jax.random.key(0), tokens, tokens)
+  results = _dot_results(lambda p, s, t: transformer.apply(p, s, t), params, tokens, tokens)
+  assert len(results) >= 10 and set(results) == {"f32"}, results
+
+
+def test_linen_and_nnx_agree_in_bf16_and_bf16_is_close_to_float32(lm):
+  model, variables, tokens = lm
+  module = lm_nnx.load_linen_params(lm_nnx.DecoderLM(CFG, rngs=nnx.Rngs(0)), variables)
+  got = model.apply(variables, tokens)
+  np.testing.assert_array_equal(module(tokens), got)
+  cfg32 = CFG.__class__(**{**CFG.__dict__, "dtype": jnp.float32, "param_dtype": jnp.float32})
+  want = DecoderLM(cfg32).apply(jax.tree.map(lambda p: p.astype(jnp.float32), variables), tokens)
+  scale = float(jnp.abs(want).max())
+  np.testing.assert_allclose(got, want, atol=0.05 * scale)  # bf16: 8 bits of mantissa
+
+
+def test_jit_grad_vmap_and_scan_through_bf16_products(lm):
+  """grad: bf16 parameter gradients close to the float32 model's; vmap over examples equals
+  the batched call; a lax.scan of decode steps equals the steps one by one."""
+  model, variables, tokens = lm
+  loss = lambda v, t: jnp.mean(model.apply(v, t).astype(jnp.float32) ** 2)
+  grads = jax.jit(jax.grad(loss))(variables, tokens)
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(BF16)}
+  up = lambda tree: jax.tree.map(lambda p: p.astype(jnp.float32), tree)
+  cfg32 = CFG.__class__(**{**CFG.__dict__, "dtype": jnp.float32, "param_dtype": jnp.float32})
+  grads32 = jax.grad(lambda v, t: jnp.mean(DecoderLM(cfg32).apply(v, t) ** 2))(
+      up(variables), tokens)
+  flat, flat32 = (np.concatenate([np.ravel(g) for g in jax.tree.leaves(up(t))])
+                  for t in (grads, grads32))
+  assert np.dot(flat, flat32) / np.linalg.norm(flat) / np.linalg.norm(flat32) > 0.99
+  each = jax.vmap(lambda t: model.apply(variables, t[None])[0])(tokens)
+  np.testing.assert_allclose(np.asarray(each, np.float32), model.apply(variables, tokens),
+                             atol=0.05 * float(jnp.abs(each).max()))
+  fn, (v, token, cache) = _step(model, variables, 2)
+  step = lambda c, t: fn(v, t, c)[::-1]
+  scanned = jax.lax.scan(step, cache, jnp.stack([token, token + 1, token + 2]))[1]
+  for i in range(3):
+    logits, cache = fn(v, token + i, cache)
+    np.testing.assert_array_equal(scanned[i], logits)
