@@ -68,6 +68,12 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   return dot(lhs, rhs, preferred_element_type=jnp.float32).astype(dtype)
 
 
+def cast(x, dtype):
+  """`x` as `dtype`, except a float wider than it, kept as it is: a product's weight, which
+  `dot_general` and `einsum` cast (or read as it is in a one-row product)."""
+  return x if _wider(dtype, x.dtype) else jnp.asarray(x, dtype)
+
+
 def promote_dtype(*args, dtype=None, inexact=True):
   """flax.linen's `promote_dtype` for a layer's (inputs, kernel, bias): all cast to `dtype`,
   except a floating kernel wider than it, kept for `dot_general` (which casts it, or reads it
@@ -75,8 +81,7 @@ def promote_dtype(*args, dtype=None, inexact=True):
   del inexact  # the layers' dtypes are floating
   if dtype is None:
     dtype = jnp.result_type(*(x for x in args if x is not None))
-  keep = lambda i, x: i == 1 and _wider(dtype, x.dtype)
-  return [None if x is None else x if keep(i, x) else jnp.asarray(x, dtype)
+  return [None if x is None else cast(x, dtype) if i == 1 else jnp.asarray(x, dtype)
           for i, x in enumerate(args)]
 
 

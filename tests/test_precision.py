@@ -22,6 +22,7 @@ from experiments.bench import hlo_bytes
 from flax_mha import precision
 from flax_mha.models import decoding, lm_nnx
 from flax_mha.models.lm import DecoderLM, LMConfig
+from flax_mha.models.lm_config import MoE
 from flax_mha.models.transformer import Transformer, TransformerConfig
 
 BF16 = jnp.bfloat16
@@ -175,6 +176,30 @@ def test_nnx_and_the_transformer_hand_xla_no_bf16_result_dot(lm):
   params = jax.jit(transformer.init)(jax.random.key(0), tokens, tokens)
   results = _dot_results(lambda p, s, t: transformer.apply(p, s, t), params, tokens, tokens)
   assert len(results) >= 10 and set(results) == {"f32"}, results
+
+
+def test_a_bf16_mixture_of_experts_hands_xla_float32_results_and_a_loop_no_weight(lm):
+  """The experts' products and the router, linen and NNX, accumulate in float32; a batch-1
+  loop on the CPU reads the experts' float32 copies, converting none of them inside it."""
+  _, _, tokens = lm
+  cfg = CFG.__class__(**{**CFG.__dict__, "moe": MoE(num_experts=3, top_k=2, d_ff=16,
+                                                    bias=True)})
+  model = DecoderLM(cfg)
+  variables = jax.jit(model.init)(jax.random.key(0), tokens)
+  fn, args = _step(model, variables, 3)
+  results = _dot_results(fn, *args)
+  assert len(results) >= 8 * cfg.num_layers and set(results) == {"f32"}, results
+  module = lm_nnx.load_linen_params(lm_nnx.DecoderLM(cfg, rngs=nnx.Rngs(0)), variables)
+  graphdef, state = nnx.split(module)
+  results = _dot_results(lambda s, t: nnx.merge(graphdef, s)(t), state, tokens)
+  assert len(results) >= 8 * cfg.num_layers and set(results) == {"f32"}, results
+  prompts = tokens[:1, :5]
+  compiled = jax.jit(lambda v, p: decoding.generate(model, v, (p,), p, max_new_tokens=4)).lower(
+      variables, prompts).compile()
+  shapes = [p.shape for p in jax.tree.leaves(variables) if p.ndim == 3]  # the experts'
+  counts = hlo_bytes.converts(compiled.as_text(), shapes)
+  if jax.default_backend() == "cpu":
+    assert counts["loop_shaped_converts"] == 0 and counts["shaped_converts"] >= 3, counts
 
 
 def test_linen_and_nnx_agree_in_bf16_and_bf16_is_close_to_float32(lm):
