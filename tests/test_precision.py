@@ -2,7 +2,9 @@
 reference, the one-row rule, flax's promotion, the cache's bitwise write; and what the models
 hand XLA in bfloat16: no bfloat16-result dot in a decoder step's program (linen, NNX, the
 Transformer), no weight conversion inside a batch-1 decoding loop on the CPU, linen and NNX
-alike, close to float32, and jit, grad, vmap and scan through them.
+alike, close to float32, and jit, grad, vmap and scan through them. The cases that compile for
+seconds (`check_`: the mixture of experts, linen against NNX, the transforms) run in the
+integration part, tests/test_precision_integration.py.
 
 Dimension key: B batch, L length, D width, F MLP width, C vocabulary; M rows, N columns of a
 product. Prime sizes, so that a swapped axis fails.
@@ -178,7 +180,7 @@ def test_nnx_and_the_transformer_hand_xla_no_bf16_result_dot(lm):
   assert len(results) >= 10 and set(results) == {"f32"}, results
 
 
-def test_a_bf16_mixture_of_experts_hands_xla_float32_results_and_a_loop_no_weight(lm):
+def check_a_bf16_mixture_of_experts_hands_xla_float32_results_and_a_loop_no_weight(lm):
   """The experts' products and the router, linen and NNX, accumulate in float32; a batch-1
   loop on the CPU reads the experts' float32 copies, converting none of them inside it."""
   _, _, tokens = lm
@@ -202,7 +204,7 @@ def test_a_bf16_mixture_of_experts_hands_xla_float32_results_and_a_loop_no_weigh
     assert counts["loop_shaped_converts"] == 0 and counts["shaped_converts"] >= 3, counts
 
 
-def test_linen_and_nnx_agree_in_bf16_and_bf16_is_close_to_float32(lm):
+def check_linen_and_nnx_agree_in_bf16_and_bf16_is_close_to_float32(lm):
   model, variables, tokens = lm
   module = lm_nnx.load_linen_params(lm_nnx.DecoderLM(CFG, rngs=nnx.Rngs(0)), variables)
   got = model.apply(variables, tokens)
@@ -230,7 +232,7 @@ def test_a_batch_1_cpu_loop_converts_no_weight_and_keeps_the_tokens(lm):
   np.testing.assert_array_equal(one[0], two[0])
 
 
-def test_jit_grad_vmap_and_scan_through_bf16_products(lm):
+def check_jit_grad_vmap_and_scan_through_bf16_products(lm):
   """grad: bf16 parameter gradients close to the float32 model's; vmap over examples equals
   the batched call; a lax.scan of decode steps equals the steps one by one."""
   model, variables, tokens = lm
