@@ -3,7 +3,8 @@ reference, the one-row rule, flax's promotion, the cache's bitwise write; and wh
 hand XLA in bfloat16: no bfloat16-result dot in a decoder step's program (linen, NNX, the
 Transformer), no weight conversion inside a batch-1 decoding loop on the CPU, linen and NNX
 alike, close to float32, and jit, grad, vmap and scan through them. The cases that compile for
-seconds (`check_`: the mixture of experts, linen against NNX, the transforms) run in the
+seconds (`check_`: the mixture of experts, linen against NNX, the batch-1 loop, the
+transforms) run in the
 integration part, tests/test_precision_integration.py.
 
 Dimension key: B batch, L length, D width, F MLP width, C vocabulary; M rows, N columns of a
@@ -215,7 +216,7 @@ def check_linen_and_nnx_agree_in_bf16_and_bf16_is_close_to_float32(lm):
   np.testing.assert_allclose(got, want, atol=0.05 * scale)  # bf16: 8 bits of mantissa
 
 
-def test_a_batch_1_cpu_loop_converts_no_weight_and_keeps_the_tokens(lm):
+def check_a_batch_1_cpu_loop_converts_no_weight_and_keeps_the_tokens(lm):
   """On the CPU a batch-1 generation converts the bf16 weights once, before its loop (none
   inside: the loop's products read the float32 copies), and gives the tokens of its rows
   generated at batch 2 (bf16 weights) where their logits are not near a tie."""
