@@ -4,10 +4,10 @@ The package is layered in rooms, each a set of top-level modules or a folder; a 
 only from its own room or rooms listed before it, and the import graph between modules has no
 circle (tests/test_layering.py reads this list):
 
-  checks, mods, masks, rotary, platforms, call_options, interop, quant
+  checks, mods, masks, rotary, platforms, call_options, interop, quant, precision
               the base every layer shares: argument checks, mask and score terms, rotary,
               the platform at hand, a call's options record, torch weights, an int8 cache's
-              quantization
+              quantization, low-precision products accumulating in float32
   kernels/    the implementations behind `implementation=` (reference, the oracle; xla, rows,
               chunked, decode, cudnn, splash, triton, triton_decode) and what they share
   dispatch    what None runs on each platform, and why (reads the kernels' registry only)

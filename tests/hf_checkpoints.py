@@ -253,21 +253,23 @@ def save_tiny(family: str, directory, *, dtype: str = "float32", max_shard_size:
   return directory
 
 
-def _load(directory):
-  """The saved model in float32 with eager attention, in eval mode."""
+def _load(directory, dtype: str = "float32"):
+  """The saved model in `dtype` (computing in it) with eager attention, in eval mode."""
   import torch
   import transformers
 
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      directory, attn_implementation="eager", dtype=torch.float32)  # `torch_dtype` is deprecated
+      directory, attn_implementation="eager", dtype=getattr(torch, dtype))  # not `torch_dtype`
   return model.eval()
 
 
-def hf_logits(directory, tokens, attention_mask, position_ids) -> np.ndarray:
-  """transformers' logits: tokens, attention_mask, position_ids [B, L] ints -> float32 [B, L, C]."""
+def hf_logits(directory, tokens, attention_mask, position_ids, dtype: str = "float32"
+              ) -> np.ndarray:
+  """transformers' logits computed in `dtype`: tokens, attention_mask, position_ids [B, L]
+  ints -> float32 [B, L, C]."""
   import torch
 
-  model = _load(directory)
+  model = _load(directory, dtype)
   as_torch = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64))
   with torch.no_grad():
     out = model(input_ids=as_torch(tokens), attention_mask=as_torch(attention_mask),

@@ -164,3 +164,50 @@ def hlo_counts(text: str) -> dict[str, list[float]]:
         counts[kind][1] += trips * written(name, inst) / 2**20
   walk("ENTRY", 1)
   return counts
+
+
+
+def _fused_opcodes(comps, opcode: str, line: str) -> set[str]:
+  """The opcodes an instruction runs: a fusion's called ones, else its own."""
+  return {inst[2] for inst in comps[_callee(line)]} if opcode == "fusion" else {opcode}
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+  """The dims of an array shape 'f32[8,512]{1,0}' (() for a scalar or a tuple)."""
+  match = re.match(r"\w+\[([\d,]*)\]", shape)
+  return tuple(int(d) for d in match.group(1).split(",") if d) if match else ()
+
+
+def converts(text: str, shapes=()) -> dict[str, int]:
+  """A compiled program's dtype conversions (instructions holding a `convert`, fused or not)
+  and products, inside its loops (the bodies of `while`, and the branches of what they call)
+  and outside: 'loop_converts', 'loop_shaped_converts' (of them, those whose result has the
+  dims of one of `shapes`: a weight's or a cache's conversion rather than an activation's),
+  'loop_ynn' (YNNPACK's fusions), 'loop_dots' (dots XLA:CPU runs itself), and 'converts',
+  'shaped_converts' outside any loop. Each instruction once, whatever the loop's trips."""
+  shapes = {tuple(s) for s in shapes}
+  comps = {name: [m.groups() for m in map(_INSTRUCTION.match, lines) if m]
+           for name, lines in _computations(text).items()}
+  counts = dict.fromkeys(("loop_converts", "loop_shaped_converts", "loop_ynn", "loop_dots",
+                          "converts", "shaped_converts"), 0)
+
+  def walk(name: str, in_loop: bool):
+    where = "loop_" if in_loop else ""
+    for _, shape, opcode, line in comps[name]:
+      if opcode == "while":
+        walk(_callee(line, "body"), True)
+      elif opcode in ("call", "conditional"):
+        called = ([_callee(line, "to_apply")] if opcode == "call" else re.findall(
+            r"%([\w.\-]+)", re.search(r"branch_computations=\{([^}]*)\}", line).group(1)))
+        for callee in called:
+          walk(callee, in_loop)
+      elif "__ynn_fusion" in line:
+        counts["loop_ynn"] += in_loop
+      elif opcode not in BOOKKEEPING:
+        ops = _fused_opcodes(comps, opcode, line)
+        counts["loop_dots"] += in_loop and "dot" in ops
+        if "convert" in ops:
+          counts[where + "converts"] += 1
+          counts[where + "shaped_converts"] += _dims(shape) in shapes
+  walk("ENTRY", False)
+  return counts

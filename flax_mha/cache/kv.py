@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from jax._src import config as jax_config
 
 from flax_mha import checks
+from flax_mha import precision
 from flax_mha import quant
 
 
@@ -238,8 +239,8 @@ def update(cache: KVCache, key_BTGK, value_BTGV, positions_BT) -> KVCache:
   rows = jnp.arange(slots.shape[0])[:, None]
   # [B, G, C, K] indexed [rows, :, slots]: the selection is [B, T, G, K], the new keys' layout
   # (and [B, G, C] scales': [B, T, G]).
-  write = lambda buf, new: None if buf is None else jnp.asarray(buf).at[rows, :, slots].set(
-      new, mode="drop")
+  write = lambda buf, new: None if buf is None else precision.set_at(
+      jnp.asarray(buf), (rows, slice(None), slots), new)
   (key, k_scale), (value, v_scale) = (stored(cache.key, x) for x in (key_BTGK, value_BTGV))
   positions = jnp.asarray(cache.positions).at[rows, slots].set(
       jnp.where(positions_BT >= 0, positions_BT, -1), mode="drop")
@@ -360,8 +361,8 @@ def update_pages(cache: PagedKVCache, key_BTGK, value_BTGV, positions_BT) -> Pag
   rows = jnp.arange(positions_BT.shape[0])[:, None]
   pages = jnp.where(valid, cache.page_indices[rows, safe // page], cache.k_pages.shape[0])
   # [P, page, G, K] (and [P, page, G] scales) indexed [pages, slots]: [B, T, G, K] ([B, T, G]).
-  write = lambda pool, new: None if pool is None else pool.at[pages, safe % page].set(
-      new, mode="drop")
+  write = lambda pool, new: None if pool is None else precision.set_at(
+      pool, (pages, safe % page), new)
   (key, k_scale), (value, v_scale) = (stored(cache.k_pages, x) for x in (key_BTGK, value_BTGV))
   length = jnp.maximum(cache.length, jnp.max(positions_BT, axis=1) + 1)
   return dataclasses.replace(cache, k_pages=write(cache.k_pages, key),

@@ -26,6 +26,7 @@ from flax_mha.kernels import dropout
 from flax_mha import masks as masks_lib
 from flax_mha import quant
 from flax_mha import mods as mods_lib
+from flax_mha import precision
 from flax_mha.kernels import registry
 
 
@@ -150,10 +151,11 @@ def apply_weights(weights_BHTS, value, kv_layout: str = "BSGK"):
   weights_BHTS = weights_BHTS.astype(value.dtype)
   values = kv_layout.replace("K", "V")
   if g == h:
-    out_BHTV = jnp.einsum(f"BHTS,{values.replace('G', 'H')}->BHTV", weights_BHTS, value)
+    out_BHTV = precision.einsum(f"BHTS,{values.replace('G', 'H')}->BHTV", weights_BHTS, value)
   else:
     weights_BGRTS = weights_BHTS.reshape(b, g, h // g, t, s)
-    out_BHTV = jnp.einsum(f"BGRTS,{values}->BGRTV", weights_BGRTS, value).reshape(b, h, t, v)
+    out_BHTV = precision.einsum(f"BGRTS,{values}->BGRTV", weights_BGRTS, value)
+    out_BHTV = out_BHTV.reshape(b, h, t, v)
   return out_BHTV.transpose(0, 2, 1, 3)
 
 

@@ -25,6 +25,9 @@ the loop stops once every row has emitted a stop token (later tokens are `pad_id
 `cache_dtype` (None: the model's own) is the dtype of the KV caches, `jnp.int8` for an int8
 cache quantized per token and head (`flax_mha.quant`, `flax_mha.cache`): a quarter of a float32
 cache's memory, at the cost of small changes in the logits that can change a greedy token.
+A loop of one-row steps (batch 1, or one beam) on the CPU carries float32 copies of a bfloat16
+or float16 model's parameters, made once per call before the loop (`step_params`): XLA:CPU has
+no fast one-row low-precision product (`flax_mha.precision.explain` says what a call gets).
 
 Shapes: B batch, L prompt length, N new tokens (max_new_tokens), W beam width, C vocabulary.
 """
@@ -43,6 +46,8 @@ from flax import nnx
 
 from flax_mha import cache as cache_lib
 from flax_mha import checks
+from flax_mha import platforms
+from flax_mha import precision
 from flax_mha import quant
 from flax_mha.models.sampling import Greedy, Sampling
 
@@ -264,6 +269,13 @@ def prefill(model, params, context, prompts, lengths, max_length: int, cache_dty
   return cache, jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 
+def step_params(params, rows: int):
+  """The parameters a loop of `rows`-row decode steps carries: on the CPU, one-row steps
+  read float32 copies of low-precision ones, made here once (`flax_mha.precision.loop_params`
+  and `explain` say why)."""
+  return precision.loop_params(params, rows, platforms.backend_platform())
+
+
 @cache_lib.caller_makes_room  # the loops stop at the _prefill's max_new_tokens
 def _step(model, params, tokens_B, cache, logits, more):
   """Logits [B, C] of the next token after `tokens_B`, and the cache; unchanged (`logits`,
@@ -284,6 +296,7 @@ def _generate(model, params, context, prompts, lengths, rng, max_new_tokens, sam
   tokens_BN = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
   done_B = jnp.zeros((batch,), bool)
   stop = jnp.asarray(stop_tokens, jnp.int32)
+  params = step_params(params, batch)
 
   def body(state):
     n, tokens_BN, done_B, logits, cache = state
@@ -309,6 +322,7 @@ def stream(model, params, context, prompt, *, max_new_tokens: int, sampler=Greed
   rng = jax.random.key(0) if rng is None else rng
   cache, logits = _jitted_prefill(model, params, tuple(context), prompt, lengths, max_new_tokens,
                                   check_cache_dtype(cache_dtype))
+  params = step_params(params, prompt.shape[0])  # once, outside the steps' jit
   for n in range(max_new_tokens):
     token = int(sampler(logits, jax.random.fold_in(rng, n))[0])
     yield token
@@ -358,6 +372,7 @@ def _beam(model, params, context, prompts, lengths, max_new_tokens, beam_size, a
   cache, logits_BC = _prefill(model, params, context, prompts, lengths, max_new_tokens,
                               cache_dtype)
   cache = jax.tree.map(lambda x: jnp.repeat(x, w, axis=0), cache)  # each row's W beams
+  params = step_params(params, batch * w)
   step_lp = jnp.repeat(jax.nn.log_softmax(logits_BC), w, axis=0)  # [B·W, C]
   tokens_BWN = jnp.full((batch, w, max_new_tokens), pad_id, jnp.int32)
   # Only beam 0 is live at the start, so the W beams don't begin as W copies of one.

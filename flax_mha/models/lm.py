@@ -18,6 +18,7 @@ import functools
 import flax.linen as nn
 
 from flax_mha import checks
+from flax_mha import precision
 from flax_mha import remat as remat_lib
 from flax_mha.models import moe
 from flax_mha.models.lm_config import LMConfig
@@ -70,7 +71,7 @@ class Block(nn.Module):
     if self.sparse:
       return moe.MoEMLP(cfg, name="moe")(h)
     dense = functools.partial(nn.Dense, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                              use_bias=cfg.mlp_bias)
+                              use_bias=cfg.mlp_bias, **precision.layer_keywords(nn.Dense))
     if cfg.mlp == "gelu":
       return dense(cfg.d_model, name="mlp_out")(nn.gelu(dense(cfg.d_ff, name="mlp_in")(h)))
     act = nn.silu if cfg.mlp == "swiglu" else nn.gelu  # GeGLU: gelu's tanh form, as HF's
@@ -150,9 +151,12 @@ class DecoderLM(Decodable, nn.Module):
         x, layer_cache = block(x, None, positions, train=train, cache=cache[i])
         caches.append(layer_cache)
     x = make_norm(cfg.norm, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="final_norm")(x)
-    head = embed.attend if cfg.tie_embeddings else nn.Dense(
-        cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-        name="lm_head")
+    if cfg.tie_embeddings:
+      head = functools.partial(precision.attend, table=embed.embedding)
+    else:
+      head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
+                      param_dtype=cfg.param_dtype, **precision.layer_keywords(nn.Dense),
+                      name="lm_head")
     logits_BLC = output_logits(cfg, head(x))
     return logits_BLC if cache is None else (logits_BLC, tuple(caches))
 

@@ -15,6 +15,7 @@ import functools
 from flax import nnx
 
 from flax_mha import checks
+from flax_mha import precision
 from flax_mha.models import lm_shared
 from flax_mha.models.moe_nnx import MoEMLP
 from flax_mha.models.lm_config import LMConfig
@@ -30,7 +31,8 @@ class Block(nnx.Module):
     norm = lambda: make_norm(cfg.norm, d, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                              rngs=rngs)
     dense = functools.partial(nnx.Linear, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                              use_bias=cfg.mlp_bias, rngs=rngs)
+                              use_bias=cfg.mlp_bias, **precision.layer_keywords(nnx.Linear),
+                              rngs=rngs)
     self.config = cfg
     if cfg.pre_norms:
       self.attention_norm, self.mlp_norm = norm(), norm()
@@ -94,7 +96,8 @@ class DecoderLM(lm_shared.Decodable, nnx.Module):
                                 param_dtype=config.param_dtype, rngs=rngs)
     if not config.tie_embeddings:
       self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
-                                dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+                                dtype=config.dtype, param_dtype=config.param_dtype,
+                                **precision.layer_keywords(nnx.Linear), rngs=rngs)
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, cache=None):
     cfg = self.config
@@ -110,8 +113,9 @@ class DecoderLM(lm_shared.Decodable, nnx.Module):
           x, segment_ids, positions, None if cache is None else cache[i])
       caches.append(layer_cache)
     x = self.final_norm(x)
-    logits_BLC = lm_shared.output_logits(
-        cfg, self.embed.attend(x) if cfg.tie_embeddings else self.lm_head(x))
+    head = (self.lm_head if not cfg.tie_embeddings else
+            lambda x: precision.attend(x, self.embed.embedding[...]))
+    logits_BLC = lm_shared.output_logits(cfg, head(x))
     return logits_BLC if cache is None else (logits_BLC, tuple(caches))
 
 

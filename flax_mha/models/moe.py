@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from flax_mha import precision
 from flax_mha.models.lm_config import LMConfig
 
 # Logical axes of the layer's parameters (`flax_mha.parallel.sharding`): each expert split as
@@ -88,10 +89,10 @@ def experts_mlp(x_YD, weights_YA, experts_YA, gate_XDF, up_XDF, down_XFD, glu, b
   x = x_YD[jnp.minimum(token, y - 1)]  # [tiles, block, D]
   bias = (lambda i, out: out) if biases is None else (
       lambda i, out: out + biases[i][expert][:, None].astype(out.dtype))
-  h = glu(bias(0, jnp.einsum("tbd,tdf->tbf", x, gate_XDF[expert])),
-          bias(1, jnp.einsum("tbd,tdf->tbf", x, up_XDF[expert])))
+  h = glu(bias(0, precision.einsum("tbd,tdf->tbf", x, gate_XDF[expert])),
+          bias(1, precision.einsum("tbd,tdf->tbf", x, up_XDF[expert])))
   wide = _wide(x_YD.dtype)
-  out = bias(2, jnp.einsum("tbf,tfd->tbd", h, down_XFD[expert])).astype(wide)
+  out = bias(2, precision.einsum("tbf,tfd->tbd", h, down_XFD[expert])).astype(wide)
   out = out * weights_YA.reshape(-1)[jnp.minimum(rows, y * a - 1)][..., None]
   return jnp.zeros((y, x_YD.shape[-1]), wide).at[token].add(out, mode="drop").astype(x_YD.dtype)
 
@@ -149,10 +150,11 @@ class MoEMLP(nn.Module):
     d, num_experts, f = cfg.d_model, moe.num_experts, moe.d_ff
     x_YD = x_BLD.reshape(-1, d)
     logits_YX = nn.Dense(num_experts, use_bias=moe.bias, dtype=cfg.dtype,
-                         param_dtype=cfg.param_dtype, name="router")(x_YD)
+                         param_dtype=cfg.param_dtype, name="router",
+                         **precision.layer_keywords(nn.Dense))(x_YD)
     self.sow("intermediates", "router_logits", logits_YX)
-    param = lambda name, *shape, init=EXPERT_INIT: self.param(
-        name, init, shape, cfg.param_dtype).astype(cfg.dtype)
+    param = lambda name, *shape, init=EXPERT_INIT: precision.cast(self.param(
+        name, init, shape, cfg.param_dtype), cfg.dtype)
     biases = None
     if moe.bias:
       zeros = jax.nn.initializers.zeros

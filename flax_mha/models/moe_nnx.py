@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from flax_mha import precision
 from flax_mha.models import moe
 from flax_mha.models.lm_config import LMConfig
 
@@ -20,7 +21,8 @@ class MoEMLP(nnx.Module):
     d, num_experts, f = cfg.d_model, cfg.moe.num_experts, cfg.moe.d_ff
     self.config = cfg
     self.router = nnx.Linear(d, num_experts, use_bias=cfg.moe.bias, dtype=cfg.dtype,
-                             param_dtype=cfg.param_dtype, rngs=rngs)
+                             param_dtype=cfg.param_dtype, rngs=rngs,
+                             **precision.layer_keywords(nnx.Linear))
     param = lambda *shape, init=moe.EXPERT_INIT: nnx.Param(
         init(rngs.params(), shape, cfg.param_dtype))
     self.gate = param(num_experts, d, f)
@@ -36,7 +38,7 @@ class MoEMLP(nnx.Module):
     cfg = self.config
     x_YD = x_BLD.reshape(-1, cfg.d_model)
     weights_YA, experts_YA = moe.route(self.router(x_YD), cfg.moe.top_k, cfg.moe.normalize)
-    weight = lambda p: p[...].astype(cfg.dtype)
+    weight = lambda p: precision.cast(p[...], cfg.dtype)
     biases = None
     if cfg.moe.bias:
       biases = (weight(self.gate_bias), weight(self.up_bias), weight(self.down_bias))

@@ -27,6 +27,7 @@ import numpy as np
 from flax_mha import cache as cache_lib
 from flax_mha import checks
 from flax_mha import masks as masks_lib
+from flax_mha import precision
 from flax_mha import remat as remat_lib
 from flax_mha.models import decoding
 from flax_mha.models import tokens as tokens_lib
@@ -139,8 +140,8 @@ class FeedForward(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    h = nn.relu(nn.Dense(cfg.d_ff, dtype=cfg.dtype, name="Dense_0")(x))
-    return nn.Dense(cfg.d_model, dtype=cfg.dtype, name="Dense_1")(h)
+    dense = functools.partial(nn.Dense, dtype=cfg.dtype, **precision.layer_keywords(nn.Dense))
+    return dense(cfg.d_model, name="Dense_1")(nn.relu(dense(cfg.d_ff, name="Dense_0")(x)))
 
 
 class Residual(nn.Module):
@@ -262,7 +263,8 @@ class Transformer(nn.Module):
     self.tgt_embed = embed(name="embed" if cfg.share_embeddings else "tgt_embed")
     self.src_embed = self.tgt_embed if cfg.share_embeddings else embed(name="src_embed")
     if not cfg.share_embeddings:
-      self.logits_dense = nn.Dense(cfg.vocab_size, dtype=cfg.dtype, name="logits")
+      self.logits_dense = nn.Dense(cfg.vocab_size, dtype=cfg.dtype,
+                                   **precision.layer_keywords(nn.Dense), name="logits")
     self.encoder = Stack(cfg, EncoderLayer, cfg.num_encoder_layers, self.src_embed)
     self.decoder = Stack(cfg, DecoderLayer, cfg.num_decoder_layers, self.tgt_embed)
 
@@ -316,8 +318,8 @@ class Transformer(nn.Module):
 
   def _logits(self, x_BTD):
     """The output projection: the shared embedding's transpose, or its own dense layer."""
-    logits_BTC = (self.tgt_embed.attend(x_BTD) if self.config.share_embeddings
-                  else self.logits_dense(x_BTD))
+    logits_BTC = (precision.attend(x_BTD, self.tgt_embed.embedding)
+                  if self.config.share_embeddings else self.logits_dense(x_BTD))
     return logits_BTC.astype(jnp.float32)
 
 

@@ -14,10 +14,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from flax_mha import checks
+from flax_mha import precision as precision_lib
 from flax_mha.nn import shared
 from flax_mha.nn.options import ALIASES, AttentionOptions, Norm, qk_norm
 
 Initializer = Callable[..., Any]
+# The projections' products: low-precision operands accumulate in float32 (flax_mha.precision).
+_PRODUCTS = precision_lib.layer_keywords(nn.DenseGeneral)
 
 
 class MultiHeadAttention(nn.Module):
@@ -188,7 +191,7 @@ class MultiHeadAttention(nn.Module):
     dense = functools.partial(
         nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
-        precision=self.precision)
+        precision=self.precision, **_PRODUCTS)
     query_THK = dense(features=(h, k_dim), name="query")(inputs_q)
     key_SGK = dense(features=(g, k_dim), name="key")(inputs_k)
     value_SGV = dense(features=(g, v_dim), name="value")(inputs_v)
@@ -207,7 +210,7 @@ class MultiHeadAttention(nn.Module):
         dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.out_kernel_init or self.kernel_init, bias_init=self.bias_init,
         use_bias=self.use_bias if self.out_use_bias is None else self.out_use_bias,
-        precision=self.precision, name="out")(out_THV)
+        precision=self.precision, **_PRODUCTS, name="out")(out_THV)
 
   def sink_logits(self):
     """The learned sink logits [H] (None without `learned_sinks`)."""

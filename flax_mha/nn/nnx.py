@@ -36,6 +36,7 @@ from flax import nnx
 from flax import traverse_util
 
 from flax_mha import checks
+from flax_mha import precision as precision_lib
 from flax_mha.nn import shared
 from flax_mha.nn.options import ALIASES, AttentionOptions, Norm, qk_norm
 from flax_mha.parallel import sharding
@@ -395,7 +396,8 @@ def _linear(name, in_features, out_features, kernel_init, bias_init, *, axis=-1,
   return nnx.LinearGeneral(
       in_features, out_features, axis=axis,
       kernel_init=_partitioned(kernel_init, f"{name}/kernel", len(ins) + len(out)),
-      bias_init=_partitioned(bias_init, f"{name}/bias", len(out)), **kwargs)
+      bias_init=_partitioned(bias_init, f"{name}/bias", len(out)),
+      **precision_lib.layer_keywords(nnx.LinearGeneral), **kwargs)
 
 
 def _qk_norm(width: int, name: str, *, norm: Norm, **kwargs) -> nnx.Module:

@@ -136,11 +136,14 @@ def test_a_sharded_checkpoint_loads_as_the_whole(checkpoints, family, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, sharded, whole)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", hc.FAMILIES)
 def test_a_bfloat16_checkpoint_stays_bfloat16(family, tmp_path):
   """A bf16 checkpoint loads as bf16 (params and logits' inputs); asked for float32 it matches
-  transformers' float32 run of the same bf16 weights to 1e-4, and its bf16 run agrees with
-  that on most greedy choices."""
+  transformers' float32 run of the same bf16 weights to 1e-4. Its bf16 logits (products
+  accumulating in float32, flax_mha.precision) lie within 4% of the largest float32 logit of
+  our float32 ones and 8% of transformers' bf16 ones, whose argmax they share at >= 90% of the
+  positions (bf16 has 8 bits of mantissa; the same comparison on a 124M model:
+  `python -m experiments.bench.hf --part numerics`)."""
   directory = hc.save_tiny(family, tmp_path / family, dtype="bfloat16")
   model, variables = hf.load(directory)
   assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {jnp.dtype(jnp.bfloat16)}
@@ -149,11 +152,15 @@ def test_a_bfloat16_checkpoint_stays_bfloat16(family, tmp_path):
   want = hc.hf_logits(directory, tokens, mask, positions)  # float32 compute of bf16 weights
   real = mask.astype(bool)
   model32, variables32 = hf.load(directory, dtype=jnp.float32)
-  got32 = _logits(model32, variables32, tokens, mask, positions)
-  np.testing.assert_allclose(got32[real], want[real], atol=1e-4, rtol=0)
-  got16 = _logits(model, variables, tokens, mask, positions)
-  agree = (got16[real].argmax(-1) == want[real].argmax(-1)).mean()
-  assert agree > 0.8, agree
+  got32 = _logits(model32, variables32, tokens, mask, positions)[real]
+  np.testing.assert_allclose(got32, want[real], atol=1e-4, rtol=0)
+  got16 = _logits(model, variables, tokens, mask, positions)[real]
+  theirs16 = hc.hf_logits(directory, tokens, mask, positions, dtype="bfloat16")[real]
+  scale = np.abs(got32).max()
+  np.testing.assert_allclose(got16, got32, atol=0.04 * scale, rtol=0)
+  np.testing.assert_allclose(got16, theirs16, atol=0.08 * scale, rtol=0)
+  agree = (got16.argmax(-1) == theirs16.argmax(-1)).mean()
+  assert agree >= 0.9, agree
 
 
 def test_the_loader_never_imports_torch(checkpoints):
