@@ -3,9 +3,9 @@ reference, the one-row rule, flax's promotion, the cache's bitwise write; and wh
 hand XLA in bfloat16: no bfloat16-result dot in a decoder step's program (linen, NNX, the
 Transformer), no weight conversion inside a batch-1 decoding loop on the CPU, linen and NNX
 alike, close to float32, and jit, grad, vmap and scan through them. The cases that compile for
-seconds (`check_`: the mixture of experts, linen against NNX, the batch-1 loop, the
-transforms) run in the
-integration part, tests/test_precision_integration.py.
+seconds (`check_`: NNX and the Transformer, the mixture of experts, linen against NNX, the
+batch-1 loop, the transforms) run in the integration part,
+tests/test_precision_integration.py.
 
 Dimension key: B batch, L length, D width, F MLP width, C vocabulary; M rows, N columns of a
 product. Prime sizes, so that a swapped axis fails.
@@ -166,7 +166,7 @@ def test_a_bf16_decoder_step_hands_xla_no_bf16_result_dot(lm, tied):
   assert len(results) >= 7 * CFG.num_layers and set(results) == {"f32"}, results
 
 
-def test_nnx_and_the_transformer_hand_xla_no_bf16_result_dot(lm):
+def check_nnx_and_the_transformer_hand_xla_no_bf16_result_dot(lm):
   model, variables, tokens = lm
   module = lm_nnx.load_linen_params(lm_nnx.DecoderLM(CFG, rngs=nnx.Rngs(0)), variables)
   graphdef, state = nnx.split(module)

@@ -8,6 +8,8 @@ from test_precision import lm  # noqa: F401  (the module's model, a fixture)
 
 pytestmark = pytest.mark.integration
 
+test_nnx_and_the_transformer_hand_xla_no_bf16_result_dot = (
+    unit_cases.check_nnx_and_the_transformer_hand_xla_no_bf16_result_dot)
 test_a_bf16_mixture_of_experts_hands_xla_float32_results_and_a_loop_no_weight = (
     unit_cases.check_a_bf16_mixture_of_experts_hands_xla_float32_results_and_a_loop_no_weight)
 test_linen_and_nnx_agree_in_bf16_and_bf16_is_close_to_float32 = (

@@ -136,7 +136,7 @@ def test_a_sharded_checkpoint_loads_as_the_whole(checkpoints, family, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, sharded, whole)
 
 
-@pytest.mark.parametrize("family", hc.FAMILIES)
+@pytest.mark.parametrize("family", hc.ci_families())
 def test_a_bfloat16_checkpoint_stays_bfloat16(family, tmp_path):
   """A bf16 checkpoint loads as bf16 (params and logits' inputs); asked for float32 it matches
   transformers' float32 run of the same bf16 weights to 1e-4. Its bf16 logits (products

@@ -48,8 +48,12 @@ ROLLBACK_CASES = {"full": (jnp.float32, None, False), "int8": (jnp.int8, None, F
                   "paged-int8": (jnp.int8, None, True)}
 
 
-@pytest.mark.parametrize("case", ROLLBACK_CASES)
+@pytest.mark.parametrize("case", ["full", "int8", "rolling"])  # paged: the integration part
 def test_a_rollback_leaves_what_a_cache_that_never_saw_them_holds(case):
+  check_a_rollback_leaves_what_a_cache_that_never_saw_them_holds(case)
+
+
+def check_a_rollback_leaves_what_a_cache_that_never_saw_them_holds(case):
   """Write 10 tokens, then 5 more, roll back to 12 per row: the next step's attention and
   every visible slot equal those of a cache that saw only the 12. A paged cache's pages keep
   what the rejected tokens wrote, past the rows' lengths: never read."""

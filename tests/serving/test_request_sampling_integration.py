@@ -50,8 +50,9 @@ def test_a_seeded_request_draws_from_its_own_keys_wherever_it_runs():
 def test_ignore_stop_tokens_runs_to_max_new_tokens():
   model, params = lm()
   prompts, _ = shared_requests()
-  first, _ = serving.serve(model, params, prompts[:1], 6, batch_size=1, page_size=4,
-                           num_pages=16)
+  # The greedy tokens without a stop token, from generate: a serving plan's compile costs more.
+  row = np.asarray(prompts[0])[None]
+  first = decoding.generate(model, params, (row,), row, max_new_tokens=6).tolist()
   stop = first[0][1]
   server = serving.Server(model, params, batch_size=2, page_size=4, num_pages=32, max_length=32,
                           stop_tokens=(stop,))
