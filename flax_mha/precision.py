@@ -125,14 +125,30 @@ def set_at(x, index, values):
   """`x.at[index].set(values, mode="drop")` (values cast to x's dtype), a low-precision float x
   written as its bits (unsigned ints of its width): XLA:CPU converts the whole operand of a
   bfloat16 scatter to float32 and back, where the bits' scatter copies it once each way at
-  most (a KV cache's write: python -m experiments.bench.bf16_cpu --part cache)."""
+  most (a KV cache's write: python -m experiments.bench.bf16_cpu --part cache). Derivatives
+  are the plain scatter's (the bits carry none)."""
   values = jnp.asarray(values).astype(x.dtype)
   if not is_low(x.dtype):
     return x.at[index].set(values, mode="drop")
   bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
   as_bits = lambda a: lax.bitcast_convert_type(a, bits)
-  return lax.bitcast_convert_type(as_bits(x).at[index].set(as_bits(values), mode="drop"),
-                                  x.dtype)
+
+  @jax.custom_jvp  # the index closed over: ints (and slices), no derivative
+  def write(x, values):
+    return lax.bitcast_convert_type(as_bits(x).at[index].set(as_bits(values), mode="drop"),
+                                    x.dtype)
+
+  @write.defjvp
+  def _(primals, tangents):
+    """The scatter's own derivative (a cache writes each slot once), in a form linear in the
+    tangents that reverse mode transposes: x's kept where nothing is written, plus the values
+    added where they are."""
+    x_dot, values_dot = tangents
+    written = jnp.zeros(x_dot.shape, bool).at[index].set(True, mode="drop")
+    return write(*primals), jnp.where(written, jnp.zeros_like(x_dot), x_dot) + jnp.zeros_like(
+        x_dot).at[index].add(values_dot, mode="drop")
+
+  return write(x, values)
 
 
 def row_rule(rows: int, platform: str) -> bool:

@@ -105,6 +105,31 @@ def test_set_at_writes_what_a_scatter_writes(rng, dtype):
   np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_set_at_differentiates_as_a_scatter(rng, traced):
+  """The bits carry no derivative: forward and reverse mode through a bf16 write give the
+  plain scatter's (the cache's keys and values get their gradients), with the slots traced
+  under jit too."""
+  buf = jnp.asarray(rng.standard_normal((3, 2, 7, 5)), BF16)
+  new = jnp.asarray(rng.standard_normal((3, 3, 2, 5)), BF16)
+  rows, slots = np.arange(3)[:, None], np.array([[0, 4, 1], [6, 9, 5], [2, 3, 0]])
+
+  def loss(write, b, n, s):
+    return jnp.sum(jnp.sin(write(b, (rows, slice(None), s), n).astype(jnp.float32)))
+  plain = lambda b, i, n: b.at[i].set(n, mode="drop")
+  grad = lambda write: jax.grad(loss, argnums=(1, 2))(write, buf, new, slots)
+  if traced:
+    grad = jax.jit(grad, static_argnums=0)
+  got, want = grad(precision.set_at), grad(plain)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert float(jnp.abs(w.astype(jnp.float32)).max()) > 0
+  tangent = jax.jvp(lambda b, n: precision.set_at(b, (rows, slice(None), slots), n), (buf, new),
+                    (jnp.ones_like(buf), 2 * jnp.ones_like(new)))[1]
+  np.testing.assert_array_equal(np.asarray(tangent, np.float32), np.asarray(
+      jnp.ones_like(buf).at[rows, :, slots].set(2, mode="drop"), np.float32))
+
+
 def test_set_at_converts_no_bf16_cache():
   """The compiled write of a bf16 cache holds no conversion of the cache (a plain scatter
   holds two: to float32 and back), counted by hlo_bytes."""
