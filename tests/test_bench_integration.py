@@ -20,7 +20,9 @@ Commands of SLOW_MODULES are marked slow (`make test-slow`), each for its reason
   against recompute, the ring and FSDP on 8 devices, the loader against transformers), and
   their argument parsing and report writing by the cheaper commands that stay;
 - bench.http_serving starts three servers and a worker, each importing jax or torch (70 s on the
-  slower machine type): the HTTP server has its own end-to-end tests.
+  slower machine type): the HTTP server has its own end-to-end tests;
+- bench.bf16_cpu starts a worker per product form (37 s): the forms it times, and what the
+  compiled programs hold, are tested in tests/test_precision.py.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ SLOW_MODULES = ("experiments.train", "experiments.bench.training", "experiments.
                 "experiments.bench.generation", "experiments.bench.ring", "experiments.bench.hf",
                 "experiments.bench.decode", "experiments.bench.blocks", "experiments.bench.fsdp",
                 "experiments.bench.http_serving", "experiments.bench.speculative",
-                "experiments.bench.serving_speed")
+                "experiments.bench.serving_speed", "experiments.bench.bf16_cpu")
 TRAIN_SMOKE = ["--config.train.steps=2", "--config.train.log_every=1",
                "--config.train.checkpoint_every=2", "--config.eval.every=2",
                "--config.eval.num_examples=4", "--config.eval.batch_size=4"]

@@ -2,7 +2,7 @@
 same greedy tokens as plain decoding with a draft model (partial acceptance) and with the model
 drafting for itself (every draft kept), with an int8 cache, under the caller's jit and inside
 its lax.scan, with the NNX twin, at batch 1 and for one new token; a drafter of one's own
-(a `Drafter` subclass) in generate and serve."""
+(a `Drafter` subclass)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from flax import nnx
 import numpy as np
 import pytest
 
-from flax_mha import serving
 from flax_mha.models import decoding, lm_nnx, speculative
 
 from test_speculative import lm, prompts
@@ -133,8 +132,9 @@ class RepeatLast(speculative.Drafter):
 
 
 def test_a_drafter_of_ones_own_takes_the_same_interface():
-  """A `Drafter` subclass from outside the library speculates to plain greedy tokens, in
-  `generate` and in the serving loop (its `serving_state`: none)."""
+  """A `Drafter` subclass from outside the library speculates to plain greedy tokens (the
+  serving loop takes drafters through the same methods: prompt lookup's default
+  `serving_state` in tests/serving/test_speculative_serving_integration.py)."""
   model, params = lm(local_window=None)
   rows, lengths = prompts()
   want = decoding.generate(model, params, (rows,), rows, lengths, max_new_tokens=8)
@@ -143,7 +143,3 @@ def test_a_drafter_of_ones_own_takes_the_same_interface():
                                                num_speculative_tokens=2)
   np.testing.assert_array_equal(got, want)
   assert stats.drafted > 0, stats
-  served, _ = serving.serve(model, params, [r[:n] for r, n in zip(rows, lengths)], 8,
-                            batch_size=2, page_size=4, num_pages=32, drafter=RepeatLast(),
-                            num_speculative_tokens=2)
-  assert [list(t) for t in served] == np.asarray(want).tolist()
