@@ -1,6 +1,6 @@
 """Rotary position embedding (RoPE, Su et al. 2021, arXiv:2104.09864) and the variants Hugging Face
-checkpoints need: frequency scaling (linear, Llama 3, YaRN), partial rotation and the interleaved
-pairing.
+checkpoints need: frequency scaling (linear, Llama 3, YaRN, LongRoPE), partial rotation and the
+interleaved pairing.
 
 Shapes use the dimension key in `flax_mha/__init__.py`: T length, H heads, K head dim; here also
 J = int(K * fraction), the rotated width (J/2 frequencies; the last K - J features pass through).
@@ -121,9 +121,68 @@ class YarnScaling:
     return mscale(1.0)
 
 
-# HF's `rope_type` -> the record; "default" is no scaling. Others ("dynamic", "longrope", ...)
-# depend on the sequence length or on per-frequency tables and are refused.
-SCALINGS = {"linear": LinearScaling, "llama3": Llama3Scaling, "yarn": YarnScaling}
+@dataclasses.dataclass(frozen=True)
+class LongRopeScaling:
+  """LongRoPE (Ding et al. 2024, arXiv:2402.13753; HF `rope_type="longrope"`, Phi-3 and Phi-4):
+  frequency i divided by short_factor[i], or by long_factor[i] in a call whose positions pass
+  original_max_position_embeddings (the largest position + 1 above it); cos and sin multiplied
+  by `attention_factor` when given, else sqrt(1 + ln(factor) / ln(original_max_position_
+  embeddings)) (1 for a factor <= 1), factor being the checkpoint's context over the original.
+
+  transformers picks the factors once per call for the whole batch, by its largest position:
+  here each row picks by its own (the last axis of positions), so a row's angles never depend
+  on the rows beside it; the two agree whenever a batch's rows are alike, as in `generate`'s
+  decode steps of equal-length prompts. Keys already cached keep the angles they were written
+  with, as in transformers."""
+  short_factor: tuple
+  long_factor: tuple
+  original_max_position_embeddings: float
+  factor: float = 1.0
+  attention_factor: float | None = None
+
+  def __post_init__(self):
+    for name in ("short_factor", "long_factor"):
+      value = getattr(self, name)
+      if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise TypeError(f"LongRopeScaling.{name} must be a sequence of numbers, got "
+                        f"{type(value).__name__}")
+      for i, f in enumerate(value):
+        checks.check_positive_real(f"LongRopeScaling.{name}[{i}]", f)
+      object.__setattr__(self, name, tuple(float(f) for f in value))  # hashable
+    checks.check_positive_real("LongRopeScaling.original_max_position_embeddings",
+                               self.original_max_position_embeddings)
+    checks.check_positive_real("LongRopeScaling.factor", self.factor)
+    checks.check_positive_real("LongRopeScaling.attention_factor", self.attention_factor,
+                               optional=True)
+
+  def _divide(self, freq, name: str):
+    factors = getattr(self, name)
+    if len(factors) != freq.size:
+      raise ValueError(f"LongRopeScaling.{name} must hold one factor per rotated frequency "
+                       f"(J/2 = {freq.size}), got {len(factors)}")
+    return freq / np.asarray(factors, np.float64)
+
+  def scale(self, freq, max_wavelength: float):
+    """(the short freq [J/2], attention scaling) from the unscaled float64 freq [J/2]."""
+    del max_wavelength
+    return self._divide(freq, "short_factor"), self.attention_scaling()
+
+  def long(self, freq):
+    """The long freq [J/2]: a call past original_max_position_embeddings."""
+    return self._divide(freq, "long_factor")
+
+  def attention_scaling(self) -> float:
+    if self.attention_factor is not None:
+      return float(self.attention_factor)
+    if self.factor <= 1:
+      return 1.0
+    return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+
+
+# HF's `rope_type` -> the record; "default" is no scaling. Others ("dynamic", ...) depend on
+# the sequence length in ways a cache cannot keep, and are refused.
+SCALINGS = {"linear": LinearScaling, "llama3": Llama3Scaling, "yarn": YarnScaling,
+            "longrope": LongRopeScaling}
 _HF_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
 
@@ -134,14 +193,15 @@ class Rope:
   Attributes:
     max_wavelength: the base of the frequencies (HF's `rope_theta`), a finite number > 0:
       freq[i] = max_wavelength ** (-2i / J), i in [0, J/2).
-    scaling: None, or a `LinearScaling`, `Llama3Scaling` or `YarnScaling` applied to freq.
+    scaling: None, or a `LinearScaling`, `Llama3Scaling`, `YarnScaling` or `LongRopeScaling`
+      applied to freq.
     fraction: the rotated share of the head dim (HF's `partial_rotary_factor`), in (0, 1]:
       the first J = int(K * fraction) features are rotated (J even), the rest pass through.
     interleaved: pair feature 2i with 2i + 1 (GPT-J, Cohere, GLM, the paper) instead of i with
       i + J/2 (Llama, Gemma, GPT-NeoX: HF's `rotate_half`).
   """
   max_wavelength: float = 10_000.0
-  scaling: LinearScaling | Llama3Scaling | YarnScaling | None = None
+  scaling: LinearScaling | Llama3Scaling | YarnScaling | LongRopeScaling | None = None
   fraction: float = 1.0
   interleaved: bool = False
 
@@ -164,13 +224,23 @@ class Rope:
           f"J = int({head_dim} * {self.fraction}) = {j}")
     return j
 
+  def _unscaled(self, head_dim: int):
+    j = self.rotated_width(head_dim)
+    return np.asarray(self.max_wavelength, np.float64) ** (-2.0 * np.arange(j // 2) / j)
+
   def frequencies(self, head_dim: int):
     """(freq [J/2] float64, attention scaling): HF's (inv_freq, attention_scaling)."""
-    j = self.rotated_width(head_dim)
-    freq = np.asarray(self.max_wavelength, np.float64) ** (-2.0 * np.arange(j // 2) / j)
+    freq = self._unscaled(head_dim)
     if self.scaling is None:
       return freq, 1.0
     return self.scaling.scale(freq, self.max_wavelength)
+
+  def long_frequencies(self, head_dim: int):
+    """LongRoPE's freq [J/2] float64 for a row whose positions pass the original context
+    (`LongRopeScaling`); None for every other scaling."""
+    if not isinstance(self.scaling, LongRopeScaling):
+      return None
+    return self.scaling.long(self._unscaled(head_dim))
 
   def apply(self, x, positions):
     """`apply_rotary(x, positions, rope=self)`."""
@@ -261,6 +331,10 @@ def _hf_scaling(params: Mapping, config: Mapping):
                                     config.get("max_position_embeddings")))
     if context is not None:
       kwargs["original_max_position_embeddings"] = context
+  original = kwargs.get("original_max_position_embeddings")
+  if cls is LongRopeScaling and "factor" not in kwargs and original:
+    # HF: the checkpoint's context over the original one (Phi-3 records no factor)
+    kwargs["factor"] = config.get("max_position_embeddings", original) / original
   missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in kwargs]
   if missing:
     raise ValueError(f"rope scaling {name!r} needs {missing}, got keys {sorted(params)}")
@@ -277,10 +351,12 @@ def apply_rotary(x, positions, *, max_wavelength: float | None = None, rope: Rop
     freq[i] = max_wavelength ** (-2i / K),  i in [0, K/2).
 
   This matches `transformers`' `rotate_half` (x * cos + rotate_half(x) * sin) and Gemma's
-  `apply_rope`. A `Rope` record adds HF's variants: scaled frequencies (and YaRN's factor on cos
-  and sin), rotating only the first J = int(K * fraction) features (K/2 above becomes J/2), and
+  `apply_rope`. A `Rope` record adds HF's variants: scaled frequencies (and YaRN's and
+  LongRoPE's factor on cos and sin; LongRoPE's frequencies chosen per row, by its largest
+  position), rotating only the first J = int(K * fraction) features (K/2 above becomes J/2), and
   the interleaved pairing (x[2i], x[2i+1]) of the paper and GPT-J. Applied to queries at
-  positions m and keys at positions n, the logits depend only on m - n.
+  positions m and keys at positions n with the same frequencies, the logits depend only on
+  m - n.
 
   Args:
     x: [..., T, H, K] floating; the rotated width must be even.
@@ -300,7 +376,13 @@ def apply_rotary(x, positions, *, max_wavelength: float | None = None, rope: Rop
   compute = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
   # The frequencies depend on static values only: computed once in float64 NumPy.
   freq, attention_scaling = rope.frequencies(x.shape[-1])  # [J/2]
-  angle = positions.astype(compute)[..., None, None] * freq.astype(compute)  # [..., T, 1, J/2]
+  at = positions.astype(compute)[..., None, None]
+  angle = at * freq.astype(compute)  # [..., T, 1, J/2]
+  long_freq = rope.long_frequencies(x.shape[-1])
+  if long_freq is not None:  # LongRoPE: each row's factors by its largest position
+    original = rope.scaling.original_max_position_embeddings
+    longer = jnp.max(at, axis=-3, keepdims=True) + 1 > original  # [..., 1, 1, 1]
+    angle = jnp.where(longer, at * long_freq.astype(compute), angle)
   cos, sin = jnp.cos(angle), jnp.sin(angle)
   if attention_scaling != 1:
     cos, sin = cos * attention_scaling, sin * attention_scaling

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # imported lazily below
   import tokenizers
 
 FAMILIES = ("gpt2", "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
-            "olmo2", "phi3", "mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss")
+            "olmo2", "phi3", "mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss", "glm4_moe")
 
 # The families whose end-to-end generation tests run in CI (the others are marked slow, their
 # logits still compared in CI): one of each code path, a plain decoder (llama), learned
@@ -113,9 +113,13 @@ def _family_spec(family):
   if family == "olmo2":
     return "Olmo2Config", "Olmo2ForCausalLM", dict(_LLAMA)
   if family == "phi3":
-    # Phi-3 mini's sliding window (every layer) and Phi-4 mini's partial rotary (half of K).
-    return "Phi3Config", "Phi3ForCausalLM", dict(_LLAMA, sliding_window=8, rope_parameters={
-        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    # Phi-3 mini's sliding window (every layer), Phi-4 mini's partial rotary (half of K) and
+    # both's LongRoPE; an original context of 40 tokens, which the family tests' sequences stay
+    # within (the short factors) and test_hf_integration's LongRoPE test passes (the long ones).
+    return "Phi3Config", "Phi3ForCausalLM", dict(
+        _LLAMA, sliding_window=8, original_max_position_embeddings=40, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [1.5, 4.0, 9.0, 17.0]})
   if family == "mixtral":
     # 5 experts, top 2, every layer; Mixtral 8x7B's config has no sliding window.
     return "MixtralConfig", "MixtralForCausalLM", dict(
@@ -140,6 +144,16 @@ def _family_spec(family):
         sliding_window=8, swiglu_limit=1.5, max_position_embeddings=2048, rope_parameters={
             "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
             "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False})
+  if family == "glm4_moe":
+    # GLM-4.5's: DeepSeek V3's router (sigmoid scores, a correction bias, 8 experts in 4
+    # groups of which 2 kept, top 3, a routed scale) with a shared expert, layer 0 dense
+    # (first_k_dense_replace), qk-norm, biases in q/k/v, half the head rotated.
+    return "Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        _LLAMA, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+        topk_group=2, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5})
   raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -193,7 +207,8 @@ def train_tokenizer(path) -> tokenizers.Tokenizer:
 
 
 def _randomise(model, family, seed):
-  """Redraws every parameter (tied ones once) from N(0, INIT_STD); norm weights around 1.
+  """Redraws every parameter (tied ones once) and the routers' correction buffers from
+  N(0, INIT_STD); norm weights around 1.
 
   Gemma's RMSNorm multiplies by (1 + w), so its norm weights are centred at 0. Gemma also
   multiplies the embedding by sqrt(D) = 8, and with tied embeddings the last token's own row
@@ -219,6 +234,10 @@ def _randomise(model, family, seed):
         value += 1.0
       with torch.no_grad():
         p.copy_(value)
+    for name, b in module.named_buffers(recurse=False):
+      if name == "e_score_correction_bias":  # DeepSeek's router balance term: a saved buffer
+        with torch.no_grad():
+          b.copy_(torch.randn(b.shape, generator=gen, dtype=torch.float32) * INIT_STD)
 
 
 def save_tiny(family: str, directory, *, dtype: str = "float32", max_shard_size: str | None = None,

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax import test_util
 
-from flax_mha.rotary import LinearScaling, Llama3Scaling, Rope, YarnScaling, apply_rotary
+from flax_mha.rotary import (LinearScaling, Llama3Scaling, LongRopeScaling, Rope, YarnScaling,
+                             apply_rotary)
 from helpers import np_rotary, randn
 
 B, T, H, K = 2, 5, 7, 24
@@ -76,7 +77,7 @@ def np_yarn_attention(s):
   return m(s.mscale) / m(s.mscale_all_dim) if s.mscale and s.mscale_all_dim else m(1.0)
 
 
-def np_frequencies(rope, k):
+def np_frequencies(rope, k, long=False):
   """(inv_freq [J/2], attention scaling) in float64."""
   j = int(k * rope.fraction)
   s, freqs = rope.scaling, []
@@ -90,15 +91,21 @@ def np_frequencies(rope, k):
     elif isinstance(s, YarnScaling):
       ramp = np_yarn_ramp(i, j, rope.max_wavelength, s)
       f = ramp * f / s.factor + (1 - ramp) * f
+    elif isinstance(s, LongRopeScaling):
+      f = f / (s.long_factor if long else s.short_factor)[i]
     freqs.append(f)
+  if isinstance(s, LongRopeScaling):
+    return np.array(freqs), (s.attention_factor or math.sqrt(
+        1 + math.log(s.factor) / math.log(s.original_max_position_embeddings)))
   return np.array(freqs), (np_yarn_attention(s) if isinstance(s, YarnScaling) else 1.0)
 
 
-def np_rope(x, positions, rope):
-  """x [..., T, H, K] turned pair by pair; features from J on pass through."""
+def np_rope(x, positions, rope, long=False):
+  """x [..., T, H, K] turned pair by pair; features from J on pass through; long: LongRoPE's
+  long factors."""
   x = np.asarray(x, np.float64)
   k = x.shape[-1]
-  freqs, scale = np_frequencies(rope, k)
+  freqs, scale = np_frequencies(rope, k, long)
   j = 2 * len(freqs)
   pairs = ([(2 * i, 2 * i + 1) for i in range(j // 2)] if rope.interleaved
            else [(i, i + j // 2) for i in range(j // 2)])
@@ -242,6 +249,27 @@ def test_rope_is_one_static_hashable_record(rng):
   fn(x, positions, rope=Rope(500.0))  # a second trace; a third would fail
 
 
+LONG = LongRopeScaling(tuple(1.0 + 0.25 * i for i in range(K // 2)),
+                       tuple(3.0 + 2.0 * i for i in range(K // 2)), 16, factor=8.0)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_longrope_turns_each_row_by_its_own_largest_position(rng, jit):
+  """Row 0 stays within the original context (largest position 15: 16 tokens), row 1 passes
+  it (16): short and long factors, each row by its own, traced positions alike; cos and sin
+  scaled by sqrt(1 + ln 8 / ln 16)."""
+  rope = Rope(scaling=LONG)
+  x = randn(rng, B, T, H, K)
+  positions = np.stack([np.arange(11, 16), np.arange(12, 17)])
+  apply = jax.jit(rope.apply) if jit else rope.apply
+  got = np.asarray(apply(x, positions))
+  np.testing.assert_allclose(got[0], np_rope(x[0], positions[0], rope), atol=1e-5)
+  np.testing.assert_allclose(got[1], np_rope(x[1], positions[1], rope, long=True), atol=1e-5)
+  assert rope.frequencies(K)[1] == pytest.approx(math.sqrt(1 + math.log(8) / math.log(16)))
+  one = np.asarray(apply(x[:, -1:], positions[:, -1:]))  # a decode step: its own position
+  np.testing.assert_allclose(one, got[:, -1:], atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # From a Hugging Face config dict.
 
@@ -275,6 +303,10 @@ FROM_HF = [
      Rope(fraction=0.25, interleaved=True)),
     ("glm", {"partial_rotary_factor": 0.5, "rope_theta": 10000.0}, 128, {"interleaved": True},
      Rope(fraction=0.5, interleaved=True)),
+    ("phi3 longrope: factor from the contexts", {
+        "original_max_position_embeddings": 4096, "max_position_embeddings": 131072,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2, 3]}},
+     4, {}, Rope(scaling=LongRopeScaling((1.0, 1.5), (2.0, 3.0), 4096, factor=32.0))),
     ("per layer type", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                "rope_theta": 1e6},
                                             "sliding_attention": {"rope_type": "default",
@@ -305,8 +337,8 @@ BAD_ROPE = [
     ("interleaved int", lambda: Rope(interleaved=1), TypeError,
      r"interleaved must be a bool, got int 1"),
     ("scaling dict", lambda: Rope(scaling={"rope_type": "linear", "factor": 2.0}), TypeError,
-     (r"scaling must be None or one of \['LinearScaling', 'Llama3Scaling', 'YarnScaling'\], "
-      r"got dict")),
+     (r"scaling must be None or one of \['LinearScaling', 'Llama3Scaling', 'YarnScaling', "
+      r"'LongRopeScaling'\], got dict")),
     ("linear factor zero", lambda: LinearScaling(0.0), ValueError,
      r"LinearScaling\.factor must be a finite number > 0, got 0\.0"),
     ("linear factor negative", lambda: LinearScaling(-2), ValueError,
@@ -341,9 +373,18 @@ BAD_ROPE = [
     ("dynamic", lambda: Rope.from_hf({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 64),
      ValueError,
      (r"rope scaling type 'dynamic' is not supported; supported: "
-      r"\['default', 'linear', 'llama3', 'yarn'\]")),
-    ("longrope", lambda: Rope.from_hf({"rope_type": "longrope", "short_factor": [1.0]}, 64),
-     ValueError, r"'longrope' is not supported"),
+      r"\['default', 'linear', 'llama3', 'yarn', 'longrope'\]")),
+    ("longrope factors too few",
+     lambda: Rope(scaling=LongRopeScaling((1.0,) * 5, (2.0,) * 12, 8)).apply(X, POS),
+     ValueError, r"LongRopeScaling\.short_factor must hold one factor per rotated frequency "
+                 r"\(J/2 = 12\), got 5"),
+    ("longrope factor not positive", lambda: LongRopeScaling((1.0, 0.0), (1.0, 1.0), 8),
+     ValueError, r"LongRopeScaling\.short_factor\[1\]"),
+    ("longrope factors not a list", lambda: LongRopeScaling(2.0, (1.0,), 8), TypeError,
+     r"LongRopeScaling\.short_factor must be a sequence of numbers, got float"),
+    ("longrope without its factors",
+     lambda: Rope.from_hf({"rope_type": "longrope", "short_factor": [1.0]}, 64), ValueError,
+     r"rope scaling 'longrope' needs \['long_factor', 'original_max_position_embeddings'\]"),
     ("missing key", lambda: Rope.from_hf({"rope_type": "llama3", "factor": 8.0}, 64), ValueError,
      (r"rope scaling 'llama3' needs \['low_freq_factor', 'high_freq_factor', "
       r"'original_max_position_embeddings'\]")),

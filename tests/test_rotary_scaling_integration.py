@@ -100,3 +100,30 @@ def test_matches_transformers_gptj(hf, rng):
   rotated = gptj.apply_rotary_pos_emb(x_BTHK[..., :rotary_dim], sin, cos)
   want = torch.cat([rotated, x_BTHK[..., rotary_dim:]], dim=-1).numpy()
   np.testing.assert_allclose(rope.apply(x, positions), want, atol=1e-5)
+
+
+def test_longrope_matches_transformers_below_and_past_the_original_context(hf, rng):
+  """Phi-3's LongRoPE through the loader's path: the short factors while every position is
+  within the original context (32), the long ones past it (transformers picks by the batch's
+  largest position, flax_mha by each row's: here the rows are on one side)."""
+  import torch
+  import transformers
+  from transformers.models.phi3 import modeling_phi3
+  params = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(K // 2)],
+            "long_factor": [2.0 + 1.5 * i for i in range(K // 2)]}
+  config = transformers.Phi3Config(hidden_size=H * K, num_attention_heads=H, num_key_value_heads=H,
+                                   max_position_embeddings=256,
+                                   original_max_position_embeddings=32, rope_parameters=params)
+  rope = Rope.from_hf(config.to_dict(), K)
+  embedding = modeling_phi3.Phi3RotaryEmbedding(config)
+  assert rope.frequencies(K)[1] == pytest.approx(embedding.attention_scaling, rel=1e-12)
+  q, k = randn(rng, B, T, H, K), randn(rng, B, T, H, K)
+  q_BHTK, k_BHTK = (torch.from_numpy(a.transpose(0, 2, 1, 3)) for a in (q, k))
+  for positions in (rng.permutation(30)[:B * T].reshape(B, T),
+                    30 + rng.permutation(60)[:B * T].reshape(B, T)):
+    cos, sin = embedding(q_BHTK, torch.from_numpy(positions))
+    want_q, want_k = modeling_phi3.apply_rotary_pos_emb(q_BHTK, k_BHTK, cos, sin)
+    for x, want in ((q, want_q), (k, want_k)):
+      np.testing.assert_allclose(rope.apply(x, positions), want.numpy().transpose(0, 2, 1, 3),
+                                 atol=1e-5)

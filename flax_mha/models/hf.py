@@ -157,6 +157,14 @@ def _experts(prefix: str, names: tuple[str, str, str]) -> tuple[Rule, ...]:
                  stack=True) for theirs, ours in zip(names, ("gate", "up", "down"))))
 
 
+# GLM-4.5 (DeepSeek V3's MoE): the router's correction bias and the shared experts.
+_SIGMOID_GROUP_MOE = (
+    Rule(_LAYER + "mlp.gate.e_score_correction_bias", (_MOE + "correction_bias",)),
+    *(Rule(_LAYER + f"mlp.shared_experts.{p}_proj.weight", (_MOE + f"shared_{p}",), "t")
+      for p in ("gate", "up", "down")),
+)
+
+
 def _gpt2_table() -> tuple[Rule, ...]:
   """GPT-2 (names without the `transformer.` prefix, which the loader strips): Conv1D weights
   are [in, out] already."""
@@ -194,9 +202,22 @@ TABLES = {
     "qwen3_moe": _llama_table(_LLAMA_NORMS, _QK_NORMS + _experts(
         "mlp.", ("gate_proj", "up_proj", "down_proj"))),
     "gpt_oss": _llama_table(_LLAMA_NORMS, _GPT_OSS),
+    "glm4_moe": _llama_table(_LLAMA_NORMS, _QK_NORMS + _experts(
+        "mlp.", ("gate_proj", "up_proj", "down_proj")) + _SIGMOID_GROUP_MOE),
 }
 # Buffers that older checkpoints saved beside the parameters (GPT-2's causal mask): skipped.
 IGNORED = {"gpt2": re.compile(r"h\.\d+\.attn\.(masked_)?bias")}
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _ignored(fam: str, short: str, cfg) -> bool:
+  """Whether the checkpoint's tensor `short` is one the model does not use: `IGNORED`'s, or a
+  layer past the model's (GLM-4.5's multi-token prediction layers, which transformers skips
+  too)."""
+  if fam in IGNORED and IGNORED[fam].fullmatch(short):
+    return True
+  layer = _LAYER_INDEX.match(short) if fam == "glm4_moe" else None
+  return layer is not None and int(layer.group(1)) >= cfg.num_layers
 _PREFIX = {"gpt2": "transformer."}
 
 
@@ -310,7 +331,7 @@ def read_params(directory, fam: str, cfg: lm.LMConfig, want: dict, places: dict)
       names = list(f.keys())
     for name in names:
       short = name.removeprefix(_PREFIX.get(fam, ""))
-      if fam in IGNORED and IGNORED[fam].fullmatch(short):
+      if _ignored(fam, short, cfg):
         continue
       rule, index = _rule_for(name, short, rules, fam)
       targets = [target.replace("{i}", index.get("i", "")) for target in rule.targets]

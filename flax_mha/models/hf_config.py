@@ -4,18 +4,22 @@ configurable decoder, `flax_mha.models.lm.DecoderLM`.
 Conventions, where the two libraries say one thing two ways:
 - transformers' `sliding_window=W` lets a query see itself and the W - 1 keys before it, so it is
   `local_window=W - 1` here (flax_mha counts the keys before the query).
-- Rope scaling ("linear", "llama3", "yarn") reads `rope_parameters` (transformers 5) or
+- Rope scaling ("linear", "llama3", "yarn", "longrope") reads `rope_parameters` (transformers 5) or
   `rope_scaling` (4.x) through `flax_mha.rotary.Rope.from_hf`; any other type is refused by name.
   Gemma 3's per-layer-type rope parameters give its local layers their own base.
 - Gemma's `hidden_act="gelu"` is its legacy spelling of the tanh approximation, as transformers
   reads it.
 - OLMo 2 normalises only the sublayers' outputs (no pre-norms), and its qk-norm spans all heads
-  (`Norm.across_heads`). Phi-3 takes the default rope only: transformers reads its "su" and
-  "yarn" as "longrope" (short and long factors switched by the sequence's length), refused.
+  (`Norm.across_heads`). Phi-3's "longrope" (short and long factors switched by the
+  positions, `flax_mha.rotary.LongRopeScaling`) is read, and its 4.x "su" and "yarn" as
+  "longrope", as transformers reads them.
 - Mixtral and Qwen3-MoE put experts in place of the MLP (`LMConfig.moe`): Mixtral's top
   `num_experts_per_tok` of `num_local_experts` renormalised, Qwen3-MoE's when `norm_topk_prob`,
   on the layers `decoder_sparse_step` and `mlp_only_layers` leave sparse (the others dense,
-  `intermediate_size` wide; the experts `moe_intermediate_size`). gpt-oss's experts have
+  `intermediate_size` wide; the experts `moe_intermediate_size`). GLM-4.5 (`glm4_moe`) takes
+  DeepSeek V3's router (`MoE.router="sigmoid_groups"`) and shared experts, its first
+  `first_k_dense_replace` layers dense; its multi-token prediction layers (the checkpoint's
+  layers from num_hidden_layers on) are skipped, as transformers skips them. gpt-oss's experts have
   biases and its clamped unit (`swiglu_alpha`, `swiglu_limit`); its attention learned sinks.
   A quantized checkpoint (`quantization_config`: gpt-oss's MXFP4) is refused: load a
   dequantized one.
@@ -41,7 +45,7 @@ from flax_mha.rotary import Rope
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen2",
             "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
             "olmo2": "olmo2", "phi3": "phi3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
-            "gpt_oss": "gpt_oss"}
+            "gpt_oss": "gpt_oss", "glm4_moe": "glm4_moe"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # What `config_from_hf(dtype=...)` (and so `hf.load`) takes: float64 only under jax_enable_x64,
 # without which jax computes it in float32.
@@ -163,7 +167,7 @@ def _rotary_family(c: Mapping, fam: str) -> dict:
   _refuse(c, mlp_bias=(False, None), attention_dropout=(0.0, 0, None),
           quantization_config=(None,))
   if fam == "phi3":
-    _phi3_rope(c)
+    c = _phi3_rope(c)
   heads = c["num_attention_heads"]
   k = c.get("head_dim") or c["hidden_size"] // heads
   layer_types = _layer_types(c, fam)
@@ -179,19 +183,39 @@ def _rotary_family(c: Mapping, fam: str) -> dict:
       pre_norms=fam != "olmo2", post_norms=fam in ("gemma2", "gemma3", "olmo2"),
       mlp=_GATED[act], mlp_bias=False,
       qkv_bias=fam == "qwen2" or bool(c.get("attention_bias", False)),
-      out_bias=bool(c.get("attention_bias", False)) and fam != "qwen2",
+      out_bias=bool(c.get("attention_bias", False)) and fam not in ("qwen2", "glm4_moe"),
       tie_embeddings=_tied(c, gemma or fam == "qwen2"), scale_embeddings=gemma,
       scale_logits=False, positions="rotary", **_ropes(c, k, layer_types))
   if fam in ("mixtral", "qwen3_moe", "gpt_oss"):
     fields["moe"] = _moe(c, fam)
+  if fam == "glm4_moe":
+    fields["moe"] = _sigmoid_group_moe(c)
   if fam == "gpt_oss":
     fields["learned_sinks"] = True
-  if fam in ("qwen3", "gemma3", "olmo2", "qwen3_moe"):
+  if fam in ("qwen3", "gemma3", "olmo2", "qwen3_moe") or c.get("use_qk_norm"):
     fields["normalize_qk"] = Norm("rms_one_plus" if gemma else "rms", c.get("rms_norm_eps", 1e-6),
                                   use_bias=False, across_heads=fam == "olmo2")
   if "query_pre_attn_scalar" in c and fam != "gemma":
     fields["attention_scale"] = c["query_pre_attn_scalar"] ** -0.5
   return fields
+
+
+def _sigmoid_group_moe(c: Mapping) -> MoE | None:
+  """GLM-4.5's experts, DeepSeek V3's router: sigmoid scores with a correction bias,
+  `n_group` groups of which `topk_group` kept, `routed_scaling_factor`, `n_shared_experts`
+  shared experts of `moe_intermediate_size` each; the first `first_k_dense_replace` layers
+  dense."""
+  count = c.get("num_local_experts") or c["n_routed_experts"]
+  first = c.get("first_k_dense_replace", 0)
+  layers = tuple(range(first, c["num_hidden_layers"]))
+  if not count or not layers:
+    return None
+  shared = c.get("n_shared_experts") or 0
+  return MoE(count, c["num_experts_per_tok"], c["moe_intermediate_size"],
+             normalize=bool(c.get("norm_topk_prob", True)), layers=layers,
+             router="sigmoid_groups", groups=(c.get("n_group", 1), c.get("topk_group", 1)),
+             routed_scale=float(c.get("routed_scaling_factor", 1.0)),
+             shared_d_ff=shared * c["moe_intermediate_size"] if shared else None)
 
 
 def _moe(c: Mapping, fam: str) -> MoE | None:
@@ -215,17 +239,20 @@ def _moe(c: Mapping, fam: str) -> MoE | None:
              normalize=bool(c.get("norm_topk_prob", False)), layers=layers)
 
 
-def _phi3_rope(c: Mapping) -> None:
-  """Phi-3's rope: the default only (with its partial rotary). transformers takes "longrope"
-  beside it and reads a 4.x config's "su" and "yarn" as "longrope"; refused by name."""
-  params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+def _phi3_rope(c: Mapping) -> Mapping:
+  """Phi-3's config with its rope as transformers reads it: the default, or "longrope" (a 4.x
+  config's "su" and "yarn" are read as "longrope", as transformers' Phi3Config does); any other
+  type refused by name."""
+  key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
+  params = c.get(key) or {}
   kind = params.get("rope_type", params.get("type", "default"))
-  if kind != "default":
-    read_as = (" (which transformers reads as 'longrope' for phi3)" if kind in ("su", "yarn")
-               else "")
-    raise ValueError(f"rope scaling type {kind!r}{read_as} is not supported for phi3 (longrope "
-                     "switches between short and long factors with the sequence's length); "
-                     "supported: the default rope")
+  if kind in ("su", "yarn"):
+    params = {k: v for k, v in params.items() if k != "type"} | {"rope_type": "longrope"}
+    return {**c, key: params}
+  if kind not in ("default", "longrope"):
+    raise ValueError(f"rope scaling type {kind!r} is not supported for phi3: it takes the "
+                     "default rope or 'longrope'")
+  return c
 
 
 def _layer_types(c: Mapping, fam: str) -> tuple[str, ...] | None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax_mha import checks
 from flax_mha import remat as remat_lib
 from flax_mha.nn.options import AttentionOptions, Norm
-from flax_mha.rotary import Rope
+from flax_mha.rotary import LongRopeScaling, Rope
 
 
 MLPS = ("gelu", "swiglu", "geglu")
@@ -25,7 +25,8 @@ LAYER_TYPES = ("local", "global")
 @dataclasses.dataclass(frozen=True)
 class MoE:
   """A sparse mixture of experts in place of the dense MLP (`flax_mha.models.moe`): each token's
-  router picks `top_k` of `num_experts` gated MLPs of width `d_ff` (Mixtral, Qwen3-MoE)."""
+  router picks `top_k` of `num_experts` gated MLPs of width `d_ff` (Mixtral, Qwen3-MoE), and
+  shared experts every token goes through (DeepSeek V3, GLM-4.5)."""
   num_experts: int                    # X
   top_k: int                          # A, the experts each token takes
   d_ff: int                           # each expert's MLP width (LMConfig.d_ff: the dense layers')
@@ -33,6 +34,10 @@ class MoE:
   layers: tuple[int, ...] | None = None  # the layers with experts, the others dense (None: all)
   bias: bool = False                  # biases in the router and the experts (gpt-oss)
   clamped_glu: tuple[float, float] | None = None  # (alpha, limit): gpt-oss's unit (moe.gated_unit)
+  router: str = "softmax"             # moe.ROUTERS: "softmax", or "sigmoid_groups" (DeepSeek V3)
+  groups: tuple[int, int] = (1, 1)    # sigmoid_groups: (expert groups, groups a token keeps)
+  routed_scale: float = 1.0           # sigmoid_groups: the routed weights' factor
+  shared_d_ff: int | None = None      # the shared experts' width (n_shared · d_ff), None: none
 
   def __post_init__(self):
     for name in ("num_experts", "top_k", "d_ff"):
@@ -52,6 +57,33 @@ class MoE:
     if self.layers is not None and (not isinstance(self.layers, tuple) or not all(
         isinstance(i, int) and i >= 0 for i in self.layers)):
       raise ValueError(f"MoE.layers must be None or a tuple of layer indices, got {self.layers!r}")
+    self._check_router()
+
+  def _check_router(self):
+    """The router's fields: groups that divide the experts and hold top_k, of at least 2
+    experts each (a group scores by its best two); none of them with the softmax router."""
+    if self.router not in ("softmax", "sigmoid_groups"):
+      raise ValueError(f"MoE.router must be 'softmax' or 'sigmoid_groups', got {self.router!r}")
+    if self.shared_d_ff is not None:
+      checks.check_int("MoE.shared_d_ff", self.shared_d_ff)
+    checks.check_positive_real("MoE.routed_scale", self.routed_scale)
+    if (not isinstance(self.groups, tuple) or len(self.groups) != 2
+        or not all(isinstance(g, int) and g > 0 for g in self.groups)):
+      raise ValueError(f"MoE.groups must be (groups, kept groups) of positive ints, got "
+                       f"{self.groups!r}")
+    groups, kept = self.groups
+    if self.router == "softmax":
+      if self.groups != (1, 1) or self.routed_scale != 1.0:
+        raise ValueError(f"MoE.groups and MoE.routed_scale belong to the 'sigmoid_groups' "
+                         f"router; got groups={self.groups}, routed_scale={self.routed_scale} "
+                         "with 'softmax'")
+      return
+    if self.num_experts % groups or self.num_experts // groups < 2 or kept > groups:
+      raise ValueError(f"MoE.groups=({groups}, {kept}) must split num_experts="
+                       f"{self.num_experts} into groups of 2 or more and keep at most all")
+    if self.top_k > kept * (self.num_experts // groups):
+      raise ValueError(f"MoE.top_k={self.top_k} is more than the {kept} kept groups hold "
+                       f"({kept * (self.num_experts // groups)} experts)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +201,14 @@ class LMConfig:
   def position_limit(self) -> int | None:
     """How many positions the model embeds: the learned table's size, None for rotary (any)."""
     return self.max_positions if self.positions == "learned" else None
+
+  @property
+  def longrope_context(self) -> float | None:
+    """Where a LongRoPE rope switches from its short to its long factors (the smaller original
+    context of the global and local ropes'); None without one."""
+    contexts = [r.scaling.original_max_position_embeddings for r in (self.rope, self.local_rope)
+                if r is not None and isinstance(r.scaling, LongRopeScaling)]
+    return min(contexts) if contexts else None
 
   def attention_positions(self, positions, cache):
     """The positions a layer's attention takes: rotary angles, or a cache's slots (learned

@@ -1,6 +1,6 @@
 """A sparse mixture of experts in place of the decoder's dense MLP (Mixtral, Qwen3-MoE,
-gpt-oss): the router, the experts as one grouped matmul, and the linen layer (`MoEMLP`; NNX's:
-`flax_mha.models.moe_nnx`).
+gpt-oss, DeepSeek V3's router and shared experts): the routers, the experts as one grouped
+matmul, and the linen layer (`MoEMLP`; NNX's: `flax_mha.models.moe_nnx`).
 
 Each token's router logits pick its top-A experts out of X (`route`, as transformers' routers
 compute it: a float32 softmax over the X logits, the top A probabilities, renormalised to sum
@@ -36,6 +36,9 @@ PARAM_AXES = (
     (r"moe/(gate|up)_bias$", (None, "mlp")),
     (r"moe/down$", (None, "mlp", "embed")),
     (r"moe/down_bias$", (None, "embed")),
+    (r"moe/correction_bias$", (None,)),
+    (r"moe/shared_(gate|up)$", ("embed", "mlp")),
+    (r"moe/shared_down$", ("mlp", "embed")),
 )
 
 
@@ -49,6 +52,49 @@ def route(logits_YX, top_k: int, normalize: bool):
   if normalize:
     weights_YA = weights_YA / weights_YA.sum(-1, keepdims=True)
   return weights_YA, experts_YA.astype(jnp.int32)
+
+
+def route_sigmoid_groups(logits_YX, correction_X, top_k: int, groups: tuple[int, int],
+                         normalize: bool, scale: float):
+  """DeepSeek V3's router (GLM-4.5's too): (weights [Y, A] float32, experts [Y, A] int32).
+
+  Scores s = sigmoid(logits) in float32. The choice ranks s + correction_X (the balance term
+  trained without an auxiliary loss: it moves the choice, never a weight): the X experts in
+  groups[0] groups of equal size, each group scored by the sum of its two best, the best
+  groups[1] groups kept, then the top_k experts of those. Their weights are the plain scores,
+  renormalised (over a sum plus 1e-20) when `normalize`, times `scale` (routed_scaling_factor),
+  as transformers' DeepseekV3TopkRouter computes them (the experts' order differs: theirs is
+  unsorted; the output sums over them alike)."""
+  wide = _wide(logits_YX.dtype)
+  scores_YX = jax.nn.sigmoid(logits_YX.astype(wide))
+  choice_YX = scores_YX + correction_X.astype(wide)
+  y, x = choice_YX.shape
+  count, kept = groups
+  group_scores = jax.lax.top_k(choice_YX.reshape(y, count, x // count), 2)[0].sum(-1)
+  _, keep = jax.lax.top_k(group_scores, kept)  # [Y, kept]
+  keep_Y_groups = jnp.zeros((y, count), bool).at[jnp.arange(y)[:, None], keep].set(True)
+  choice_YX = jnp.where(jnp.repeat(keep_Y_groups, x // count, axis=1), choice_YX, -jnp.inf)
+  _, experts_YA = jax.lax.top_k(choice_YX, top_k)
+  weights_YA = jnp.take_along_axis(scores_YX, experts_YA, axis=-1)
+  if normalize:
+    weights_YA = weights_YA / (weights_YA.sum(-1, keepdims=True) + 1e-20)
+  return weights_YA * scale, experts_YA.astype(jnp.int32)
+
+
+def router_weights(moe, logits_YX, correction_X=None):
+  """(weights [Y, A], experts [Y, A]) of `moe`'s router (`MoE.router`): "softmax" (`route`)
+  or "sigmoid_groups" (`route_sigmoid_groups`, with its correction [X])."""
+  if moe.router == "softmax":
+    return route(logits_YX, moe.top_k, moe.normalize)
+  return route_sigmoid_groups(logits_YX, correction_X, moe.top_k, moe.groups, moe.normalize,
+                              moe.routed_scale)
+
+
+def shared_mlp(x_YD, gate_DS, up_DS, down_SD, glu):
+  """The shared experts [Y, D]: every token through one gated MLP of width S (DeepSeek's
+  n_shared_experts of width F each, side by side)."""
+  return precision.einsum("ys,sd->yd", glu(precision.einsum("yd,ds->ys", x_YD, gate_DS),
+                                           precision.einsum("yd,ds->ys", x_YD, up_DS)), down_SD)
 
 
 def tiles(experts_M, num_experts: int):
@@ -140,8 +186,10 @@ def gated_unit(cfg: LMConfig):
 class MoEMLP(nn.Module):
   """x [B, L, D] -> [B, L, D]: `config.moe`'s experts (`flax_mha.models.lm_config.MoE`) with
   their `gated_unit`. Params: router/kernel [D, X], gate and up [X, D, F], down [X, F, D]; with
-  `MoE.bias`, router/bias [X], gate_bias and up_bias [X, F], down_bias [X, D] (zeros at init).
-  Sows the router logits [B·L, X] in 'intermediates'."""
+  `MoE.bias`, router/bias [X], gate_bias and up_bias [X, F], down_bias [X, D] (zeros at init);
+  with the "sigmoid_groups" router, correction_bias [X] float32 (zeros); with shared experts,
+  shared_gate and shared_up [D, S], shared_down [S, D]. Sows the router logits [B·L, X] in
+  'intermediates'."""
   config: LMConfig
 
   @nn.compact
@@ -161,8 +209,20 @@ class MoEMLP(nn.Module):
       biases = (param("gate_bias", num_experts, f, init=zeros),
                 param("up_bias", num_experts, f, init=zeros),
                 param("down_bias", num_experts, d, init=zeros))
-    weights_YA, experts_YA = route(logits_YX, moe.top_k, moe.normalize)
-    out_YD = experts_mlp(x_YD.astype(cfg.dtype), weights_YA, experts_YA,
+    correction = None
+    if moe.router == "sigmoid_groups":  # float32, as transformers keeps it
+      correction = self.param("correction_bias", jax.nn.initializers.zeros, (num_experts,),
+                              jnp.float32)
+    weights_YA, experts_YA = router_weights(moe, logits_YX, correction)
+    x_YD = x_YD.astype(cfg.dtype)
+    out_YD = experts_mlp(x_YD, weights_YA, experts_YA,
                          param("gate", num_experts, d, f), param("up", num_experts, d, f),
                          param("down", num_experts, f, d), gated_unit(cfg), biases)
+    if moe.shared_d_ff is not None:
+      s = moe.shared_d_ff
+      dense_init = jax.nn.initializers.lecun_normal()
+      out_YD = out_YD + shared_mlp(
+          x_YD, param("shared_gate", d, s, init=dense_init),
+          param("shared_up", d, s, init=dense_init), param("shared_down", s, d, init=dense_init),
+          gated_unit(cfg)).astype(out_YD.dtype)
     return out_YD.reshape(x_BLD.shape)

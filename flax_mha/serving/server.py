@@ -131,6 +131,7 @@ class Server:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     self.eager_first_tokens = eager_first_tokens
     self.sampling = sampling_lib.row_params(sampler)
+    self._longrope_context = getattr(getattr(model, "config", None), "longrope_context", None)
     self.model, self.params = decoding.decodable(model, params)
     self.vocab_size = decoding.vocabulary(self.model, self.params, "init_paged_cache",
                                           static=(1, 1, 1, 1))
@@ -179,6 +180,7 @@ class Server:
       raise TypeError("ignore_stop_tokens must be a bool, got "
                       f"{type(ignore_stop_tokens).__name__}")
     decoding.check_positions(self.model, len(prompt), max_new_tokens)
+    self._check_longrope(len(prompt))
     total = len(prompt) + max_new_tokens
     if total > self.max_length:
       raise ValueError(f"a prompt of {len(prompt)} tokens and max_new_tokens={max_new_tokens} "
@@ -198,6 +200,17 @@ class Server:
       self.scheduler.queue(request)
       self._cond.notify_all()
     return request
+
+  def _check_longrope(self, prompt_length: int) -> None:
+    """A LongRoPE model's prompt within its original context: the loop prefills a prompt in
+    pieces (and shares prefix pages), each piece picking the rotary factors by its own
+    positions, where generate's one prefill picks the long ones for a whole longer prompt."""
+    context = self._longrope_context
+    if context is not None and prompt_length > context:
+      raise ValueError(f"a prompt of {prompt_length} tokens passes this model's LongRoPE "
+                       f"original context ({context:g} tokens): the serving loop prefills it in "
+                       "pieces, each picking its rotary factors, which would not give "
+                       "generate's tokens; generate it with flax_mha.models.decoding.generate")
 
   def cancel(self, request: Request) -> None:
     """End `request` now: no more tokens; its pages come back at the host's next look."""

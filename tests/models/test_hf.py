@@ -22,7 +22,7 @@ import hf_checkpoints as hc
 from flax_mha.models import hf, hf_config
 from flax_mha.models.lm_config import MoE
 from flax_mha.nn.options import Norm
-from flax_mha.rotary import Llama3Scaling, LinearScaling
+from flax_mha.rotary import Llama3Scaling, LinearScaling, LongRopeScaling
 
 pytest.importorskip("safetensors")
 
@@ -122,17 +122,14 @@ def test_a_tied_config_refuses_a_saved_lm_head(tmp_path, rng):
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      r"rope scaling type 'dynamic' is not supported"),
     (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
-     r"rope scaling type 'longrope' is not supported"),
+     r"rope scaling 'longrope' needs \['short_factor', 'long_factor', "),
     (dict(hidden_act="relu"), r"hidden_act 'relu' is not supported"),
     (dict(mlp_bias=True), r"mlp_bias=True is not supported"),
     (dict(dtype="float8_e4m3fn"), r"checkpoint dtype 'float8_e4m3fn' is not supported"),
     (dict(layer_types=["sliding_attention", "full_attention"]),
      r"layer_types has sliding layers but sliding_window is None"),
-    (dict(model_type="phi3", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
-                                              "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}),
-     r"rope scaling type 'longrope' is not supported for phi3"),
     (dict(model_type="phi3", rope_parameters=None, rope_scaling={"type": "su"}),
-     r"rope scaling type 'su' \(which transformers reads as 'longrope' for phi3\)"),
+     r"rope scaling 'longrope' needs \['short_factor', 'long_factor', "),
     (dict(model_type="phi3", rope_parameters={"rope_type": "linear", "factor": 2.0}),
      r"rope scaling type 'linear' is not supported for phi3"),
     (dict(model_type="gpt_oss", quantization_config={"quant_method": "mxfp4"}),
@@ -141,6 +138,27 @@ def test_a_tied_config_refuses_a_saved_lm_head(tmp_path, rng):
 def test_an_unsupported_config_is_refused_by_name(change, match):
   with pytest.raises(ValueError, match=match):
     hf_config.config_from_hf({**LLAMA, **change})
+
+
+def test_glm4_moe_reads_deepseek_v3s_router_and_its_dense_first_layers():
+  config = hf_config.config_from_hf({
+      **LLAMA, "model_type": "glm4_moe", "num_hidden_layers": 3, "n_routed_experts": 8,
+      "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 5,
+      "n_shared_experts": 2, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+      "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True})
+  assert config.moe == MoE(8, 3, 5, normalize=True, layers=(1, 2), router="sigmoid_groups",
+                           groups=(4, 2), routed_scale=2.5, shared_d_ff=10)
+  assert config.qkv_bias and not config.out_bias and config.normalize_qk.kind == "rms"
+
+
+@pytest.mark.parametrize("kind", ["longrope", "su", "yarn"])
+def test_phi3_reads_longrope_and_its_old_spellings(kind):
+  """transformers' Phi3Config reads a 4.x config's "su" and "yarn" as "longrope"."""
+  config = hf_config.config_from_hf({
+      **LLAMA, "model_type": "phi3", "rope_parameters": None, "max_position_embeddings": 64,
+      "original_max_position_embeddings": 16,
+      "rope_scaling": {"type": kind, "short_factor": [1.0, 1.5, 2.0], "long_factor": [2, 3, 4]}})
+  assert config.rope.scaling == LongRopeScaling((1.0, 1.5, 2.0), (2.0, 3.0, 4.0), 16, factor=4.0)
 
 
 def test_missing_files_are_named(tmp_path):

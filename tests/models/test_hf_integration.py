@@ -71,6 +71,44 @@ def test_logits_equal_transformers(checkpoints, family):
                                  err_msg=f"{family} {pad.__name__}")
 
 
+def _hf_cached_greedy(directory, prompt: list[int], new: int) -> list[int]:
+  """transformers' model called step by step through its cache (greedy), without generate:
+  Phi-3's generate recomputes its whole cache once where the sequence passes the original
+  context, which flax_mha's caches do not (docs/hf.md)."""
+  import torch
+  model = hc._load(directory)  # pylint: disable=protected-access
+  with torch.no_grad():
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    tokens = []
+    for _ in range(new):
+      tokens.append(int(out.logits[0, -1].argmax()))
+      out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+  return tokens
+
+
+def test_phi3_longrope_turns_long_past_its_original_context_as_transformers_does(checkpoints):
+  """The tiny Phi-3's LongRoPE (an original context of 40 tokens; the family tests stay within
+  it): logits of 45-token sequences take the long factors; a 36-token prompt's greedy
+  continuation passes from short to long factors at its 41st position, the keys cached before
+  it kept, as transformers' model stepped through its cache does; the serving loop, which
+  prefills in pieces, refuses a prompt past the original context by name."""
+  directory = checkpoints["phi3"]
+  model, variables = hf.load(directory)
+  rng = np.random.default_rng(3)
+  tokens, mask, positions = hc.right_padded(rng.integers(3, hc.VOCAB_SIZE, (2, 45)).tolist())
+  want = hc.hf_logits(directory, tokens, mask, positions)
+  np.testing.assert_allclose(_logits(model, variables, tokens, mask, positions), want,
+                             atol=1e-4, rtol=0)
+  prompt = rng.integers(3, hc.VOCAB_SIZE, 36).tolist()
+  rows = np.array([prompt], np.int32)
+  got = decoding.generate(model, variables, (rows,), rows, max_new_tokens=10)
+  assert np.asarray(got)[0].tolist() == _hf_cached_greedy(directory, prompt, 10)
+  with pytest.raises(ValueError, match=r"a prompt of 45 tokens passes this model's LongRoPE "
+                                       r"original context \(40 tokens\)"):
+    serving.serve(model, variables, tokens.tolist(), 2, batch_size=2, page_size=8,
+                  num_pages=32)
+
+
 @pytest.mark.parametrize("family", hc.ci_families())
 def test_greedy_tokens_equal_transformers_generate(checkpoints, family):
   """decoding.generate (linen and NNX) and serving.serve give transformers' greedy tokens,
@@ -136,7 +174,7 @@ def test_a_sharded_checkpoint_loads_as_the_whole(checkpoints, family, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, sharded, whole)
 
 
-@pytest.mark.parametrize("family", hc.ci_families())
+@pytest.mark.parametrize("family", hc.ci_families(("llama", "gemma3", "gpt_oss")))
 def test_a_bfloat16_checkpoint_stays_bfloat16(family, tmp_path):
   """A bf16 checkpoint loads as bf16 (params and logits' inputs); asked for float32 it matches
   transformers' float32 run of the same bf16 weights to 1e-4. Its bf16 logits (products
@@ -161,6 +199,21 @@ def test_a_bfloat16_checkpoint_stays_bfloat16(family, tmp_path):
   np.testing.assert_allclose(got16, theirs16, atol=0.08 * scale, rtol=0)
   agree = (got16.argmax(-1) == theirs16.argmax(-1)).mean()
   assert agree >= 0.9, agree
+
+
+def test_glm4_moe_skips_its_multi_token_prediction_layers(checkpoints, tmp_path):
+  """A GLM-4.5 checkpoint holds its multi-token prediction layer as model.layers.{L}, past the
+  model's L layers: skipped on load, as transformers skips it."""
+  import shutil
+  from safetensors.numpy import load_file, save_file
+  directory = tmp_path / "glm4_moe"
+  shutil.copytree(checkpoints["glm4_moe"], directory)
+  tensors = load_file(directory / "model.safetensors")
+  tensors["model.layers.3.eh_proj.weight"] = np.ones((64, 128), np.float32)
+  tensors["model.layers.3.mlp.gate.weight"] = np.ones((8, 64), np.float32)
+  save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+  jax.tree.map(np.testing.assert_array_equal, hf.load(directory)[1],
+               hf.load(checkpoints["glm4_moe"])[1])
 
 
 def test_the_loader_never_imports_torch(checkpoints):

@@ -81,6 +81,45 @@ def test_the_router_is_a_softmax_top_k_renormalised_or_not(rng):
     assert weights.dtype == jnp.float32 and experts.dtype == jnp.int32
 
 
+def np_route_sigmoid_groups(logits, correction, top_k, groups, normalize, scale):
+  """float64: sigmoid scores; choice = scores + correction, groups ranked by the sum of their
+  two best, the best kept; the top_k of the kept groups' experts, weighted by their scores."""
+  scores = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
+  choice = scores + np.asarray(correction, np.float64)
+  count, kept = groups
+  y, x = choice.shape
+  by_group = np.sort(choice.reshape(y, count, x // count), axis=-1)[..., -2:].sum(-1)
+  best = np.argsort(-by_group, axis=-1, kind="stable")[:, :kept]
+  allowed = np.zeros((y, x), bool)
+  for row in range(y):
+    for g in best[row]:
+      allowed[row, g * (x // count):(g + 1) * (x // count)] = True
+  experts = np.argsort(-np.where(allowed, choice, -np.inf), axis=-1, kind="stable")[:, :top_k]
+  weights = np.take_along_axis(scores, experts, -1)
+  if normalize:
+    weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+  return weights * scale, experts
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_sigmoid_group_router_is_deepseek_v3s(rng, normalize):
+  """6 experts in 3 groups of 2, the best 2 groups kept, top 3 of their experts: the correction
+  moves the choice (a large one on expert 5 wins it a place), the weights are plain scores."""
+  logits = rng.standard_normal((Y, 6)).astype(np.float32) * 2
+  correction = np.array([0.0, 0.1, -0.2, 0.0, 0.05, 3.0], np.float32)
+  weights, experts = moe.route_sigmoid_groups(jnp.asarray(logits), jnp.asarray(correction), 3,
+                                              (3, 2), normalize, 2.5)
+  want_weights, want_experts = np_route_sigmoid_groups(logits, correction, 3, (3, 2), normalize,
+                                                       2.5)
+  np.testing.assert_array_equal(experts, want_experts)
+  np.testing.assert_allclose(weights, want_weights, rtol=1e-6)
+  assert (np.asarray(experts) == 5).any(axis=1).all()  # the correction's doing
+  scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+  np.testing.assert_allclose(weights, 2.5 * np.take_along_axis(scores, np.asarray(experts), -1)
+                             / (np.take_along_axis(scores, np.asarray(experts), -1).sum(
+                                 -1, keepdims=True) if normalize else 1), rtol=1e-6)
+
+
 @pytest.mark.parametrize("routing", ["random", "one_expert", "fewer_rows_than_experts"])
 def test_the_tiles_hold_every_routed_row_once_with_its_expert(rng, routing):
   m, x = {"random": (26, 5), "one_expert": (26, 5), "fewer_rows_than_experts": (3, 7)}[routing]
@@ -208,3 +247,18 @@ def test_moe_checks_its_fields():
     MoE(5, 6, F)
   with pytest.raises(ValueError, match=r"MoE.layers must be None or a tuple"):
     MoE(5, 2, F, layers=[0])
+  with pytest.raises(ValueError, match=r"MoE.router must be 'softmax' or 'sigmoid_groups', "
+                                       r"got 'sigmoid'"):
+    MoE(6, 2, F, router="sigmoid")
+  with pytest.raises(ValueError, match=r"MoE.groups and MoE.routed_scale belong to the "
+                                       r"'sigmoid_groups' router"):
+    MoE(6, 2, F, groups=(3, 2))
+  with pytest.raises(ValueError, match=r"MoE.groups=\(4, 2\) must split num_experts=6"):
+    MoE(6, 2, F, router="sigmoid_groups", groups=(4, 2))
+  with pytest.raises(ValueError, match=r"MoE.groups=\(6, 1\) must split num_experts=6 into "
+                                       r"groups of 2 or more"):
+    MoE(6, 1, F, router="sigmoid_groups", groups=(6, 1))
+  with pytest.raises(ValueError, match=r"MoE.top_k=5 is more than the 2 kept groups hold \(4"):
+    MoE(6, 5, F, router="sigmoid_groups", groups=(3, 2))
+  with pytest.raises(ValueError, match=r"MoE.shared_d_ff must be a positive int"):
+    MoE(6, 2, F, shared_d_ff=0)
