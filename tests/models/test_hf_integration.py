@@ -28,6 +28,9 @@ from flax_mha import serving
 from flax_mha.models import decoding, hf, speculative
 from tests.multidevice.run import ROOT
 
+import test_hf as unit_cases
+from test_hf import llama  # noqa: F401  (the moved case's fixture)
+
 pytestmark = pytest.mark.integration  # torch and transformers: ~10 s to import
 
 # Three prompts: shorter than, about, and past the sliding windows (8) of the tiny models.
@@ -289,3 +292,7 @@ def test_the_command_line_decodes_the_text_of_transformers(checkpoints, serve):
         timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[0] == texts[0] + want[0]
+
+
+# Moved from the unit part for its time (4 s).
+test_float64_loads_only_under_x64 = unit_cases.check_float64_loads_only_under_x64

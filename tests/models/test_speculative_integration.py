@@ -38,8 +38,8 @@ test_greedy_rows_of_a_per_row_sampler_keep_exactly_the_argmax_prefix = (
     unit_cases.check_greedy_rows_of_a_per_row_sampler_keep_exactly_the_argmax_prefix)
 
 
-@pytest.mark.parametrize("case", ["paged", "paged-int8"])
-def test_a_paged_rollback_leaves_what_a_pool_that_never_saw_them_holds(case):
+@pytest.mark.parametrize("case", ["int8", "rolling", "paged", "paged-int8"])
+def test_every_cache_kinds_rollback_leaves_what_one_that_never_saw_them_holds(case):
   unit_cases.check_a_rollback_leaves_what_a_cache_that_never_saw_them_holds(case)
 
 

@@ -69,3 +69,7 @@ def test_overfits_copy_task():
     params, state, loss = step(params, state)
     first = loss if first is None else first
   assert float(loss) < 0.1 * float(first)
+
+
+# Moved from the unit part for its time (9 s on the slower type).
+test_padding_content_is_ignored = unit_cases.check_padding_content_is_ignored
