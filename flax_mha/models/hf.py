@@ -157,6 +157,8 @@ def _experts(prefix: str, names: tuple[str, str, str]) -> tuple[Rule, ...]:
                  stack=True) for theirs, ours in zip(names, ("gate", "up", "down"))))
 
 
+# Qwen3-MoE's and GLM-4.5's experts: mlp.gate and mlp.experts.{e}.(gate|up|down)_proj.
+_MLP_EXPERTS = _experts("mlp.", ("gate_proj", "up_proj", "down_proj"))
 # GLM-4.5 (DeepSeek V3's MoE): the router's correction bias and the shared experts.
 _SIGMOID_GROUP_MOE = (
     Rule(_LAYER + "mlp.gate.e_score_correction_bias", (_MOE + "correction_bias",)),
@@ -199,14 +201,13 @@ TABLES = {
     "olmo2": _llama_table(_OLMO2_NORMS, _QK_NORMS),
     "phi3": _llama_table(_LLAMA_NORMS, fused=True),
     "mixtral": _llama_table(_LLAMA_NORMS, _experts("block_sparse_moe.", ("w1", "w3", "w2"))),
-    "qwen3_moe": _llama_table(_LLAMA_NORMS, _QK_NORMS + _experts(
-        "mlp.", ("gate_proj", "up_proj", "down_proj"))),
+    "qwen3_moe": _llama_table(_LLAMA_NORMS, _QK_NORMS + _MLP_EXPERTS),
     "gpt_oss": _llama_table(_LLAMA_NORMS, _GPT_OSS),
-    "glm4_moe": _llama_table(_LLAMA_NORMS, _QK_NORMS + _experts(
-        "mlp.", ("gate_proj", "up_proj", "down_proj")) + _SIGMOID_GROUP_MOE),
+    "glm4_moe": _llama_table(_LLAMA_NORMS, _QK_NORMS + _MLP_EXPERTS + _SIGMOID_GROUP_MOE),
 }
 # Buffers that older checkpoints saved beside the parameters (GPT-2's causal mask): skipped.
 IGNORED = {"gpt2": re.compile(r"h\.\d+\.attn\.(masked_)?bias")}
+_PREFIX = {"gpt2": "transformer."}
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -218,7 +219,6 @@ def _ignored(fam: str, short: str, cfg) -> bool:
     return True
   layer = _LAYER_INDEX.match(short) if fam == "glm4_moe" else None
   return layer is not None and int(layer.group(1)) >= cfg.num_layers
-_PREFIX = {"gpt2": "transformer."}
 
 
 def load(directory, *, dtype=None, mesh=None, **overrides):

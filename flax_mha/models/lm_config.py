@@ -34,7 +34,7 @@ class MoE:
   layers: tuple[int, ...] | None = None  # the layers with experts, the others dense (None: all)
   bias: bool = False                  # biases in the router and the experts (gpt-oss)
   clamped_glu: tuple[float, float] | None = None  # (alpha, limit): gpt-oss's unit (moe.gated_unit)
-  router: str = "softmax"             # moe.ROUTERS: "softmax", or "sigmoid_groups" (DeepSeek V3)
+  router: str = "softmax"             # or "sigmoid_groups" (DeepSeek V3): moe.router_weights
   groups: tuple[int, int] = (1, 1)    # sigmoid_groups: (expert groups, groups a token keeps)
   routed_scale: float = 1.0           # sigmoid_groups: the routed weights' factor
   shared_d_ff: int | None = None      # the shared experts' width (n_shared · d_ff), None: none

@@ -233,9 +233,9 @@ class DraftModel(Drafter):
 def check_drafter(drafter, vocab_size: int | None = None, method: str = "init_cache",
                   static=(8,)):
   """`drafter` as it is, refused when it is not a `Drafter` (a `PromptLookup()`, a
-  `DraftModel(...)`: TypeError), or, given vocab_size, when a draft model's logits are not over vocab_size tokens
-  (ValueError); method and static: the draft model's cache method and its int arguments, for
-  its shapes."""
+  `DraftModel(...)`: TypeError), or, given vocab_size, when a draft model's logits are not over
+  vocab_size tokens (ValueError); method and static: the draft model's cache method and its int
+  arguments, for its shapes."""
   if not isinstance(drafter, Drafter):
     raise TypeError("drafter must be a PromptLookup() or a DraftModel(...) (a Drafter), got "
                     f"{type(drafter).__name__}")
