@@ -29,13 +29,15 @@ if TYPE_CHECKING:  # imported lazily below
   import tokenizers
 
 FAMILIES = ("gpt2", "llama", "llama3", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
-            "olmo2", "phi3", "mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss", "glm4_moe")
+            "olmo2", "phi3", "mixtral", "qwen3_moe", "qwen3_moe_sparse", "gpt_oss", "glm4_moe",
+            "deepseek_v2", "deepseek_v2_lite", "deepseek_v3")
 
 # The families whose end-to-end generation tests run in CI (the others are marked slow, their
 # logits still compared in CI): one of each code path, a plain decoder (llama), learned
 # positions (gpt2), local and global layers with soft caps (gemma3), fused projections (phi3),
-# sparse MoE layers (qwen3_moe_sparse), sinks with biased experts (gpt_oss).
-CI_FAMILIES = ("gpt2", "llama", "gemma3", "phi3", "qwen3_moe_sparse", "gpt_oss")
+# sparse MoE layers (qwen3_moe_sparse), sinks with biased experts (gpt_oss), latent attention
+# over latent caches with DeepSeek's router (deepseek_v3).
+CI_FAMILIES = ("gpt2", "llama", "gemma3", "phi3", "qwen3_moe_sparse", "gpt_oss", "deepseek_v3")
 
 
 def ci_families(ci=CI_FAMILIES):
@@ -154,6 +156,41 @@ def _family_spec(family):
         routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "partial_rotary_factor": 0.5})
+  if family.startswith("deepseek"):
+    return _deepseek_spec(family)
+  raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+# DeepSeek's latent attention, small: a latent of 16 (R), 8 rotary features (P), 12 without
+# (N), values of 10 (V); 6 experts of 24 in 3 groups, 2 shared, layer 0 dense.
+_DEEPSEEK = dict(
+    _LLAMA, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=12, v_head_dim=10, q_lora_rank=24, n_routed_experts=6,
+    num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=2,
+    first_k_dense_replace=1, n_group=3, topk_group=2)
+# YaRN as DeepSeek's checkpoints set it (mscale, mscale_all_dim), over an original context of
+# 32 so the factor matters; mscale_all_dim != mscale, so both the rotary's factor and the
+# softmax scale's change.
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                  "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def _deepseek_spec(family):
+  """DeepSeek V2 (its softmax router keeping 2 of 3 groups by their best expert, YaRN), V2-Lite
+  (one query projection, q_lora_rank None; the plain top-k; the default rope), V3 (the sigmoid
+  router with its correction bias, renormalised, a routed scale; YaRN; interleaved rotary)."""
+  if family == "deepseek_v2":
+    return "DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        _DEEPSEEK, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+        rope_parameters=_DEEPSEEK_YARN)
+  if family == "deepseek_v2_lite":
+    return "DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        _DEEPSEEK, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1)
+  if family == "deepseek_v3":
+    return "DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        _DEEPSEEK, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters=_DEEPSEEK_YARN)
   raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 

@@ -22,7 +22,10 @@ Commands of SLOW_MODULES are marked slow (`make test-slow`), each for its reason
 - bench.http_serving starts three servers and a worker, each importing jax or torch (70 s on the
   slower machine type): the HTTP server has its own end-to-end tests;
 - bench.bf16_cpu starts a worker per product form (37 s): the forms it times, and what the
-  compiled programs hold, are tested in tests/test_precision.py.
+  compiled programs hold, are tested in tests/test_precision.py;
+- bench.latent_moe makes two checkpoints with transformers and starts nine workers: the models
+  it times are tested against transformers in tests/models/test_hf_integration.py, and its
+  table rows are bench.hf's.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ SLOW_MODULES = ("experiments.train", "experiments.bench.training", "experiments.
                 "experiments.bench.generation", "experiments.bench.ring", "experiments.bench.hf",
                 "experiments.bench.decode", "experiments.bench.blocks", "experiments.bench.fsdp",
                 "experiments.bench.http_serving", "experiments.bench.speculative",
-                "experiments.bench.serving_speed", "experiments.bench.bf16_cpu")
+                "experiments.bench.serving_speed", "experiments.bench.bf16_cpu",
+                "experiments.bench.latent_moe")
 TRAIN_SMOKE = ["--config.train.steps=2", "--config.train.log_every=1",
                "--config.train.checkpoint_every=2", "--config.eval.every=2",
                "--config.eval.num_examples=4", "--config.eval.batch_size=4"]

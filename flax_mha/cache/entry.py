@@ -52,7 +52,35 @@ def attend(query_BTHK, key_BTGK, value_BTGV, cache, positions_BT=None, **options
   kernel = triton_decode.named(options.get("implementation"))
   chunk = _paged if isinstance(cache, kv.PagedKVCache) else _contiguous
   out, cache = chunk(cache, query_BTHK, key_BTGK, value_BTGV, positions_BT, kernel, options)
-  return _overflow_is_nan(out, cache), cache
+  return nan_past_capacity(out, cache), cache
+
+
+def write_then_read(cache, key_BTGK, value_BTGV, positions_BT, dtype):
+  """(updated cache, (keys [B, S, G, K], values [B, S, G, V], positions [B, S])): the chunk
+  written into a full `KVCache` or a `PagedKVCache`, then everything it holds read back in
+  `dtype` (an int8 cache's dequantized), a slot that holds nothing at position -1. For a caller
+  that attends over a cache's contents its own way (latent attention's prefill,
+  `flax_mha.models.mla`); `nan_past_capacity` then marks the rows the write overflowed."""
+  if isinstance(cache, kv.PagedKVCache):
+    cache = kv.update_pages(cache, key_BTGK, value_BTGV, positions_BT)
+    (b, n), page = cache.page_indices.shape, cache.k_pages.shape[1]
+    rows = lambda x: x[cache.page_indices].reshape(b, n * page, *x.shape[2:])  # in slot order
+    keys, values = rows(cache.k_pages), rows(cache.v_pages)
+    scales = None if cache.scales is None else tuple(rows(x) for x in cache.scales)
+    slots = jnp.arange(n * page, dtype=jnp.int32)
+    held = jnp.minimum(cache.length, cache.capacity)[:, None]
+    kv_pos_BS = jnp.where(slots < held, slots, -1)
+  else:
+    if cache.window is not None:
+      raise ValueError(f"write_then_read takes a full KVCache or a PagedKVCache, got a rolling "
+                       f"cache (window {cache.window}), whose slots move")
+    cache = kv.update(cache, key_BTGK, value_BTGV, positions_BT)
+    keys, values = (_api_layout(x) for x in (cache.key, cache.value))
+    scales = None if cache.scales is None else tuple(x.transpose(0, 2, 1) for x in cache.scales)
+    kv_pos_BS = cache.positions
+  if scales is not None:
+    keys, values = (quant.dequantize(x, s, dtype) for x, s in zip((keys, values), scales))
+  return cache, (keys.astype(dtype), values.astype(dtype), kv_pos_BS)
 
 
 def explain(query, cache, positions=None, *, platform: str | None = None,
@@ -147,13 +175,13 @@ def _read(query_BTHK, keys_BGSK, values_BGSV, kv_pos_BS, positions_BT, *, prefix
                                **options)
 
 
-def _overflow_is_nan(out_BTHV, cache):
+def nan_past_capacity(out_BTHV, cache):
   """`out` with NaN in every row whose length has passed the capacity (a traced write beyond
   it was dropped), unless traced inside `room_made_by_caller()`: the check survives export."""
   if getattr(cache, "window", None) is not None or kv.ROOM_MADE_BY_CALLER.value:
     return out_BTHV
   if isinstance(out_BTHV, tuple):  # with return_residual: (out, lse)
-    return (_overflow_is_nan(out_BTHV[0], cache), *out_BTHV[1:])
+    return (nan_past_capacity(out_BTHV[0], cache), *out_BTHV[1:])
   over_B = cache.length > cache.capacity
   return jnp.where(over_B[:, None, None, None], jnp.nan, out_BTHV)
 

@@ -23,6 +23,11 @@ Conventions, where the two libraries say one thing two ways:
   biases and its clamped unit (`swiglu_alpha`, `swiglu_limit`); its attention learned sinks.
   A quantized checkpoint (`quantization_config`: gpt-oss's MXFP4) is refused: load a
   dequantized one.
+- DeepSeek V2 and V3 take latent attention (`LMConfig.mla`, `flax_mha.models.mla`) with its
+  rotary over `qk_rope_head_dim` (interleaved pairs) and YaRN's mscale in the softmax scale, and
+  experts with shared ones from `first_k_dense_replace` on: V2's softmax router (`topk_method`
+  "greedy" or "group_limited_greedy"), V3's GLM-4.5's; both routers' logits in float32, as
+  transformers computes them (`MoE.float32_router`).
 
 Anything a family's config sets that this decoder does not implement is refused by name: never
 approximated. A key the family needs that the config lacks is a `MissingKey` naming it; a dtype
@@ -31,13 +36,14 @@ the decoder does not compute in is an `UnsupportedDtype` naming `dtype`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from flax_mha.models.lm_config import LMConfig, MoE
+from flax_mha.models.lm_config import MLA, LMConfig, MoE
 from flax_mha.nn.options import Norm
 from flax_mha.rotary import Rope
 
@@ -45,7 +51,8 @@ from flax_mha.rotary import Rope
 FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "qwen2",
             "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3",
             "olmo2": "olmo2", "phi3": "phi3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
-            "gpt_oss": "gpt_oss", "glm4_moe": "glm4_moe"}
+            "gpt_oss": "gpt_oss", "glm4_moe": "glm4_moe", "deepseek_v2": "deepseek_v2",
+            "deepseek_v3": "deepseek_v3"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # What `config_from_hf(dtype=...)` (and so `hf.load`) takes: float64 only under jax_enable_x64,
 # without which jax computes it in float32.
@@ -170,6 +177,8 @@ def _rotary_family(c: Mapping, fam: str) -> dict:
     c = _phi3_rope(c)
   heads = c["num_attention_heads"]
   k = c.get("head_dim") or c["hidden_size"] // heads
+  if fam.startswith("deepseek"):  # the rotary's width (its own head_dim: K is MLA's)
+    k = c["qk_rope_head_dim"]
   layer_types = _layer_types(c, fam)
   window = c.get("sliding_window") if "local" in (layer_types or ()) else None
   fields = dict(
@@ -192,6 +201,8 @@ def _rotary_family(c: Mapping, fam: str) -> dict:
     fields["moe"] = _sigmoid_group_moe(c)
   if fam == "gpt_oss":
     fields["learned_sinks"] = True
+  if fam.startswith("deepseek"):
+    fields.update(_deepseek(c, fam))
   if fam in ("qwen3", "gemma3", "olmo2", "qwen3_moe") or c.get("use_qk_norm"):
     fields["normalize_qk"] = Norm("rms_one_plus" if gemma else "rms", c.get("rms_norm_eps", 1e-6),
                                   use_bias=False, across_heads=fam == "olmo2")
@@ -201,21 +212,72 @@ def _rotary_family(c: Mapping, fam: str) -> dict:
 
 
 def _sigmoid_group_moe(c: Mapping) -> MoE | None:
-  """GLM-4.5's experts, DeepSeek V3's router: sigmoid scores with a correction bias,
-  `n_group` groups of which `topk_group` kept, `routed_scaling_factor`, `n_shared_experts`
-  shared experts of `moe_intermediate_size` each; the first `first_k_dense_replace` layers
-  dense."""
+  """GLM-4.5's experts, DeepSeek V3's: sigmoid scores with a correction bias, `n_group`
+  groups of which `topk_group` kept, renormalised with `norm_topk_prob`."""
+  _refuse(c, scoring_func=("sigmoid", None))
+  return _shared_expert_moe(c, "sigmoid_groups", (c.get("n_group", 1), c.get("topk_group", 1)),
+                            normalize=bool(c.get("norm_topk_prob", True)))
+
+
+def _shared_expert_moe(c: Mapping, router: str, groups: tuple[int, int],
+                       normalize: bool) -> MoE | None:
+  """DeepSeek's experts under `router`: `routed_scaling_factor`, `n_shared_experts` shared
+  experts of `moe_intermediate_size` each, the router's logits in float32 (as transformers
+  computes them); the first `first_k_dense_replace` layers dense (None when no layer or no
+  expert is left)."""
   count = c.get("num_local_experts") or c["n_routed_experts"]
   first = c.get("first_k_dense_replace", 0)
   layers = tuple(range(first, c["num_hidden_layers"]))
   if not count or not layers:
     return None
   shared = c.get("n_shared_experts") or 0
-  return MoE(count, c["num_experts_per_tok"], c["moe_intermediate_size"],
-             normalize=bool(c.get("norm_topk_prob", True)), layers=layers,
-             router="sigmoid_groups", groups=(c.get("n_group", 1), c.get("topk_group", 1)),
+  return MoE(count, c["num_experts_per_tok"], c["moe_intermediate_size"], normalize=normalize,
+             layers=layers, router=router, groups=groups,
              routed_scale=float(c.get("routed_scaling_factor", 1.0)),
-             shared_d_ff=shared * c["moe_intermediate_size"] if shared else None)
+             shared_d_ff=shared * c["moe_intermediate_size"] if shared else None,
+             float32_router=True)
+
+
+def _deepseek(c: Mapping, fam: str) -> dict:
+  """DeepSeek V2's and V3's fields: latent attention (`LMConfig.mla`; `q_lora_rank` None: one
+  query projection, V2-Lite), its rotary over the qk_rope_head_dim features (interleaved
+  pairs: V2 always, V3 unless `rope_interleave` is false), the softmax scale times YaRN's
+  mscale(factor, mscale_all_dim)² as transformers scales it, and the experts: V2's softmax
+  router ("greedy", or "group_limited_greedy" keeping `topk_group` of `n_group` groups by
+  their best expert), V3's sigmoid one, each times `routed_scaling_factor`, with shared
+  experts, on the layers from `first_k_dense_replace` on. V2's router never renormalises
+  (transformers' DeepseekV2TopkRouter; DeepSeek's own code would with norm_topk_prob, so a
+  config asking for it is refused rather than read two ways)."""
+  heads, rope_dim = c["num_attention_heads"], c["qk_rope_head_dim"]
+  if c.get("num_key_value_heads", heads) != heads:
+    raise ValueError(f"num_key_value_heads={c['num_key_value_heads']} must equal "
+                     f"num_attention_heads={heads} for latent attention (every head reads the "
+                     "latent)")
+  mla = MLA(c["kv_lora_rank"], rope_dim, c["qk_nope_head_dim"], c["v_head_dim"],
+            q_rank=c.get("q_lora_rank"))
+  interleaved = fam == "deepseek_v2" or bool(c.get("rope_interleave", True))
+  rope = Rope.from_hf(c, rope_dim, interleaved=interleaved)
+  scale = mla.qk_dim ** -0.5
+  params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+  if params.get("rope_type", params.get("type", "default")) != "default" and params.get(
+      "mscale_all_dim"):
+    factor = params["factor"]
+    mscale = 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+    scale *= mscale * mscale
+  return dict(mla=mla, rope=rope, local_rope=None, attention_scale=scale, head_dim=None,
+              num_kv_heads=heads, local_window=None, moe=(
+                  _softmax_group_moe(c) if fam == "deepseek_v2" else _sigmoid_group_moe(c)))
+
+
+def _softmax_group_moe(c: Mapping) -> MoE | None:
+  """DeepSeek V2's experts: a softmax router's top `num_experts_per_tok`, from `topk_group` of
+  `n_group` groups with "group_limited_greedy", times `routed_scaling_factor`, never
+  renormalised; shared experts; the first `first_k_dense_replace` layers dense."""
+  _refuse(c, topk_method=("greedy", "group_limited_greedy"), norm_topk_prob=(False, None),
+          scoring_func=("softmax", None))
+  limited = c["topk_method"] == "group_limited_greedy"
+  groups = (c["n_group"], c["topk_group"]) if limited else (1, 1)
+  return _shared_expert_moe(c, "softmax", groups, normalize=False)
 
 
 def _moe(c: Mapping, fam: str) -> MoE | None:

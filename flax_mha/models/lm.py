@@ -20,7 +20,7 @@ import flax.linen as nn
 from flax_mha import checks
 from flax_mha import precision
 from flax_mha import remat as remat_lib
-from flax_mha.models import moe
+from flax_mha.models import mla, mla_linen, moe
 from flax_mha.models.lm_config import LMConfig
 from flax_mha.models.lm_shared import Decodable, embed_tokens, one_document, output_logits
 from flax_mha.nn.linen import SelfAttention, make_norm
@@ -29,7 +29,7 @@ from flax_mha.nn.shared import PARAM_AXES as ATTENTION_PARAM_AXES
 
 # Logical axes of every parameter (see `flax_mha.parallel.sharding`): the attention projections', the
 # MLP's Megatron split (mlp_in column-, mlp_out row-parallel), the tied embedding and norms.
-PARAM_AXES = ATTENTION_PARAM_AXES + moe.PARAM_AXES + (
+PARAM_AXES = ATTENTION_PARAM_AXES + mla.PARAM_AXES + moe.PARAM_AXES + (
     (r"mlp_(in|gate)/kernel$", ("embed", "mlp")),
     (r"mlp_gate/bias$", ("mlp",)),
     (r"mlp_in/bias$", ("mlp",)),
@@ -53,6 +53,8 @@ class Block(nn.Module):
     cfg = self.config
     implementation = remat_lib.attention_implementation(cfg.remat,
                                                         cfg.attention_implementation)
+    if cfg.mla is not None:
+      return mla_linen.LatentAttention(cfg, implementation, name="attention")
     return SelfAttention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         qkv_features=cfg.num_heads * cfg.k_dim, out_features=cfg.d_model, dtype=cfg.dtype,

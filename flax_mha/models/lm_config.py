@@ -35,9 +35,10 @@ class MoE:
   bias: bool = False                  # biases in the router and the experts (gpt-oss)
   clamped_glu: tuple[float, float] | None = None  # (alpha, limit): gpt-oss's unit (moe.gated_unit)
   router: str = "softmax"             # or "sigmoid_groups" (DeepSeek V3): moe.router_weights
-  groups: tuple[int, int] = (1, 1)    # sigmoid_groups: (expert groups, groups a token keeps)
-  routed_scale: float = 1.0           # sigmoid_groups: the routed weights' factor
+  groups: tuple[int, int] = (1, 1)    # (expert groups, groups a token keeps): DeepSeek's
+  routed_scale: float = 1.0           # the routed weights' factor (routed_scaling_factor)
   shared_d_ff: int | None = None      # the shared experts' width (n_shared · d_ff), None: none
+  float32_router: bool = False        # router logits in float32 (DeepSeek's, GLM-4.5's)
 
   def __post_init__(self):
     for name in ("num_experts", "top_k", "d_ff"):
@@ -52,16 +53,17 @@ class MoE:
         checks.check_positive_real(f"MoE.clamped_glu's {name}", value)
     if self.top_k > self.num_experts:
       raise ValueError(f"MoE.top_k={self.top_k} must be at most num_experts={self.num_experts}")
-    if not isinstance(self.normalize, bool):
-      raise TypeError(f"MoE.normalize must be a bool, got {type(self.normalize).__name__}")
+    for name in ("normalize", "float32_router"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"MoE.{name} must be a bool, got {type(getattr(self, name)).__name__}")
     if self.layers is not None and (not isinstance(self.layers, tuple) or not all(
         isinstance(i, int) and i >= 0 for i in self.layers)):
       raise ValueError(f"MoE.layers must be None or a tuple of layer indices, got {self.layers!r}")
     self._check_router()
 
   def _check_router(self):
-    """The router's fields: groups that divide the experts and hold top_k, of at least 2
-    experts each (a group scores by its best two); none of them with the softmax router."""
+    """The router's fields: groups that divide the experts and hold top_k (of at least 2
+    experts each for "sigmoid_groups", which scores a group by its best two)."""
     if self.router not in ("softmax", "sigmoid_groups"):
       raise ValueError(f"MoE.router must be 'softmax' or 'sigmoid_groups', got {self.router!r}")
     if self.shared_d_ff is not None:
@@ -72,18 +74,41 @@ class MoE:
       raise ValueError(f"MoE.groups must be (groups, kept groups) of positive ints, got "
                        f"{self.groups!r}")
     groups, kept = self.groups
-    if self.router == "softmax":
-      if self.groups != (1, 1) or self.routed_scale != 1.0:
-        raise ValueError(f"MoE.groups and MoE.routed_scale belong to the 'sigmoid_groups' "
-                         f"router; got groups={self.groups}, routed_scale={self.routed_scale} "
-                         "with 'softmax'")
-      return
-    if self.num_experts % groups or self.num_experts // groups < 2 or kept > groups:
+    smallest = 2 if self.router == "sigmoid_groups" else 1
+    if self.num_experts % groups or self.num_experts // groups < smallest or kept > groups:
       raise ValueError(f"MoE.groups=({groups}, {kept}) must split num_experts="
-                       f"{self.num_experts} into groups of 2 or more and keep at most all")
+                       f"{self.num_experts} into groups of {smallest} or more and keep at most "
+                       "all")
     if self.top_k > kept * (self.num_experts // groups):
       raise ValueError(f"MoE.top_k={self.top_k} is more than the {kept} kept groups hold "
                        f"({kept * (self.num_experts // groups)} experts)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLA:
+  """Multi-head latent attention (DeepSeek V2, V3; `flax_mha.models.mla`) in place of the
+  attention's key and value projections: each token's keys and values come from one latent of
+  width R (normalised), shared by every head, plus one rotary key of width P shared likewise;
+  the caches hold those (`LMConfig.cache_dims`), not every head's keys and values. Each head's
+  query has N features without rotary and P with it (`LMConfig.rope`, over P)."""
+  kv_rank: int                        # R, the latent's width (HF's kv_lora_rank)
+  rope_dim: int                       # P, the rotary query and key features (qk_rope_head_dim)
+  nope_dim: int                       # N, each head's query and key features without rotary
+  v_dim: int                          # V, each head's value width (v_head_dim)
+  q_rank: int | None = None           # the query's low rank (q_lora_rank; None: one projection)
+
+  def __post_init__(self):
+    for name in ("kv_rank", "rope_dim", "nope_dim", "v_dim"):
+      checks.check_int(f"MLA.{name}", getattr(self, name))
+    if self.q_rank is not None:
+      checks.check_int("MLA.q_rank", self.q_rank)
+    if self.rope_dim % 2:
+      raise ValueError(f"MLA.rope_dim must be even (rotary pairs), got {self.rope_dim}")
+
+  @property
+  def qk_dim(self) -> int:
+    """N + P, each head's query and key width (the default scale is its inverse square root)."""
+    return self.nope_dim + self.rope_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +153,7 @@ class LMConfig:
   layer_types: tuple[str, ...] | None = None  # LAYER_TYPES per layer (None: global_every's)
   attention_scale: float | None = None  # the logits' scale (None: 1/sqrt(K))
   moe: MoE | None = None              # experts in place of the MLP (None: every layer dense)
+  mla: MLA | None = None              # latent attention in every layer (None: plain attention)
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "d_ff", "global_every"):
@@ -179,11 +205,38 @@ class LMConfig:
       past = [i for i in self.moe.layers or () if i >= self.num_layers]
       if past:
         raise ValueError(f"LMConfig.moe.layers {past} past num_layers={self.num_layers}")
+    self._check_mla()
+
+  def _check_mla(self):
+    """Latent attention: global layers of rotary positions, without the plain attention's own
+    options (qk-norm, learned sinks, a soft cap)."""
+    if self.mla is None:
+      return
+    if not isinstance(self.mla, MLA):
+      raise TypeError(f"LMConfig.mla must be a MLA or None, got {type(self.mla).__name__}")
+    local = [i for i in range(self.num_layers) if self.is_local(i)]
+    unsupported = {"local layers (set local_window=None)": local,
+                   "positions='learned'": self.positions == "learned",
+                   "normalize_qk": self.normalize_qk, "learned_sinks": self.learned_sinks,
+                   "logit_soft_cap": self.logit_soft_cap is not None}
+    taken = [name for name, value in unsupported.items() if value]
+    if taken:
+      raise ValueError(f"LMConfig.mla (latent attention) takes global rotary layers only, "
+                       f"without {taken}")
 
   @property
   def k_dim(self) -> int:
-    """The head dim K of queries, keys and values."""
+    """The head dim K of queries, keys and values (plain attention's)."""
     return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def cache_dims(self) -> tuple[int, int, int]:
+    """(G, K, V) of each layer's cache: the key/value heads and head dims, or with `mla` one
+    latent "head" whose keys are the latent and the rotary key (R + P) and whose values the
+    latent (R)."""
+    if self.mla is not None:
+      return 1, self.mla.kv_rank + self.mla.rope_dim, self.mla.kv_rank
+    return self.num_kv_heads, self.k_dim, self.k_dim
 
   def attention_options(self, local: bool) -> AttentionOptions:
     """The options of a local (window and sink tokens) or global layer's attention."""

@@ -17,6 +17,7 @@ from flax import nnx
 from flax_mha import checks
 from flax_mha import precision
 from flax_mha.models import lm_shared
+from flax_mha.models.mla_nnx import LatentAttention
 from flax_mha.models.moe_nnx import MoEMLP
 from flax_mha.models.lm_config import LMConfig
 from flax_mha.nn.nnx import SelfAttention, make_norm
@@ -36,7 +37,8 @@ class Block(nnx.Module):
     self.config = cfg
     if cfg.pre_norms:
       self.attention_norm, self.mlp_norm = norm(), norm()
-    self.attention = SelfAttention(
+    self.attention = LatentAttention(
+        cfg, rngs=rngs, implementation=cfg.attention_implementation) if cfg.mla else SelfAttention(
         cfg.num_heads, d, qkv_features=cfg.num_heads * cfg.k_dim, out_features=d,
         num_kv_heads=cfg.num_kv_heads, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
         use_bias=cfg.qkv_bias, out_use_bias=cfg.out_bias, normalize_qk=cfg.normalize_qk,

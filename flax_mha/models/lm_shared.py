@@ -101,10 +101,10 @@ def kv_caches(cfg: LMConfig, batch_size: int, max_length: int, dtype=None,
               rollback: int = 0) -> tuple:
   """`DecoderLM.init_cache`'s caches (shared by the NNX twin, `flax_mha.models.lm_nnx`)."""
   checks.check_int("max_length", max_length)
-  k = cfg.k_dim
+  g, k, v = cfg.cache_dims
   return tuple(
       cache_lib.KVCache.create(
-          batch_size, max_length, cfg.num_kv_heads, k, k, dtype or cfg.dtype,
+          batch_size, max_length, g, k, v, dtype or cfg.dtype,
           window=cfg.local_window if cfg.is_local(i) else None,
           sink_tokens=cfg.sink_tokens if cfg.is_local(i) else 0, rollback=rollback)
       for i in range(cfg.num_layers))
@@ -113,13 +113,12 @@ def kv_caches(cfg: LMConfig, batch_size: int, max_length: int, dtype=None,
 def paged_caches(cfg: LMConfig, batch_size: int, num_pages: int, page_size: int,
                  pages_per_row: int, dtype=None, rollback: int = 0) -> tuple:
   """`DecoderLM.init_paged_cache`'s caches (shared by the NNX twin)."""
-  k = cfg.k_dim
+  g, k, v = cfg.cache_dims
   table = jnp.zeros((batch_size, pages_per_row), jnp.int32)
   return tuple(
-      cache_lib.KVCache.create(batch_size, pages_per_row * page_size, cfg.num_kv_heads, k, k,
+      cache_lib.KVCache.create(batch_size, pages_per_row * page_size, g, k, v,
                                dtype or cfg.dtype, window=cfg.local_window,
                                sink_tokens=cfg.sink_tokens, rollback=rollback)
       if cfg.is_local(i) else
-      cache_lib.PagedKVCache.create(num_pages, page_size, table, cfg.num_kv_heads, k, k,
-                                    dtype or cfg.dtype)
+      cache_lib.PagedKVCache.create(num_pages, page_size, table, g, k, v, dtype or cfg.dtype)
       for i in range(cfg.num_layers))

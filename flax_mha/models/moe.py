@@ -7,10 +7,10 @@ compute it: a float32 softmax over the X logits, the top A probabilities, renorm
 to 1 when `MoE.normalize`; gpt-oss's softmax over the top A logits gives those weights up to
 rounding); the token's output is the sum of those experts' gated MLPs weighted by
 the probabilities. No expert runs on a token that did not pick it: the M = Y·A (token, expert)
-rows are grouped by expert into tiles of one expert each (`tiles`), and each tile's rows go
-through its expert's weights (`experts_mlp`): M to 2·M rows' worth of matmuls, never Y·X
-(`jax.lax.ragged_dot`, the grouped matmul's API, computes every group densely on CPU in jax
-0.10; tests/models/test_moe.py reads the compiled FLOPs). The forward adds no auxiliary loss:
+rows are grouped by expert into tiles of one expert each (`tiles`), and a loop takes each
+tile's rows through its expert's weights (`experts_mlp`): M to 2·M rows' worth of matmuls,
+never Y·X (`jax.lax.ragged_dot`, the grouped matmul's API, computes every group densely on CPU
+in jax 0.10; tests/models/test_moe.py reads the compiled FLOPs). The forward adds no auxiliary loss:
 the linen layer sows its router logits ('intermediates', 'router_logits', with
 `mutable=['intermediates']`) for `load_balancing_loss` when a training wants one.
 
@@ -27,31 +27,47 @@ import jax.numpy as jnp
 from flax_mha import precision
 from flax_mha.models.lm_config import LMConfig
 
-# Logical axes of the layer's parameters (`flax_mha.parallel.sharding`): each expert split as
-# the dense MLP is (gate and up column-, down row-parallel), the router replicated.
+# Logical axes of the layer's parameters (`flax_mha.parallel.sharding`): the experts split over
+# the model axis, X/n a device (expert parallelism), or where it does not divide X, each expert
+# split as the dense MLP is (gate and up column-, down row-parallel); the router replicated.
 PARAM_AXES = (
     (r"moe/router/kernel$", ("embed", None)),
     (r"moe/router/bias$", (None,)),
-    (r"moe/(gate|up)$", (None, "embed", "mlp")),
-    (r"moe/(gate|up)_bias$", (None, "mlp")),
-    (r"moe/down$", (None, "mlp", "embed")),
-    (r"moe/down_bias$", (None, "embed")),
+    (r"moe/(gate|up)$", ("expert", "embed", "mlp")),
+    (r"moe/(gate|up)_bias$", ("expert", "mlp")),
+    (r"moe/down$", ("expert", "mlp", "embed")),
+    (r"moe/down_bias$", ("expert", "embed")),
     (r"moe/correction_bias$", (None,)),
     (r"moe/shared_(gate|up)$", ("embed", "mlp")),
     (r"moe/shared_down$", ("mlp", "embed")),
 )
 
 
-def route(logits_YX, top_k: int, normalize: bool):
+def route(logits_YX, top_k: int, normalize: bool, groups: tuple[int, int] = (1, 1),
+          scale: float = 1.0):
   """(weights [Y, A] float32, experts [Y, A] int32) of router logits [Y, X]: softmax over X in
   float32 (float64 logits: float64), the top_k largest probabilities (ties: the lower expert
   first) and their experts, the weights renormalised to sum to 1 when `normalize`
-  (transformers' routers)."""
+  (transformers' routers), times `scale`. With groups (g, kept) other than (1, 1), DeepSeek
+  V2's "group_limited_greedy": the X experts in g groups of equal size, each scored by its best
+  probability, the experts outside the best `kept` groups at probability 0 before the top_k."""
   probs_YX = jax.nn.softmax(logits_YX.astype(_wide(logits_YX.dtype)), axis=-1)
+  if groups != (1, 1):
+    probs_YX = jnp.where(_kept_groups(probs_YX, groups, lambda g: g.max(-1)), probs_YX, 0.0)
   weights_YA, experts_YA = jax.lax.top_k(probs_YX, top_k)
   if normalize:
     weights_YA = weights_YA / weights_YA.sum(-1, keepdims=True)
-  return weights_YA, experts_YA.astype(jnp.int32)
+  return weights_YA * scale, experts_YA.astype(jnp.int32)
+
+
+def _kept_groups(choice_YX, groups: tuple[int, int], score):
+  """[Y, X] bool: the experts of each row's best groups[1] of groups[0] equal groups, each
+  group scored by `score` of its choices [Y, groups, X / groups]."""
+  y, x = choice_YX.shape
+  count, kept = groups
+  _, keep = jax.lax.top_k(score(choice_YX.reshape(y, count, x // count)), kept)  # [Y, kept]
+  keep_Y_groups = jnp.zeros((y, count), bool).at[jnp.arange(y)[:, None], keep].set(True)
+  return jnp.repeat(keep_Y_groups, x // count, axis=1)
 
 
 def route_sigmoid_groups(logits_YX, correction_X, top_k: int, groups: tuple[int, int],
@@ -68,12 +84,8 @@ def route_sigmoid_groups(logits_YX, correction_X, top_k: int, groups: tuple[int,
   wide = _wide(logits_YX.dtype)
   scores_YX = jax.nn.sigmoid(logits_YX.astype(wide))
   choice_YX = scores_YX + correction_X.astype(wide)
-  y, x = choice_YX.shape
-  count, kept = groups
-  group_scores = jax.lax.top_k(choice_YX.reshape(y, count, x // count), 2)[0].sum(-1)
-  _, keep = jax.lax.top_k(group_scores, kept)  # [Y, kept]
-  keep_Y_groups = jnp.zeros((y, count), bool).at[jnp.arange(y)[:, None], keep].set(True)
-  choice_YX = jnp.where(jnp.repeat(keep_Y_groups, x // count, axis=1), choice_YX, -jnp.inf)
+  kept_YX = _kept_groups(choice_YX, groups, lambda g: jax.lax.top_k(g, 2)[0].sum(-1))
+  choice_YX = jnp.where(kept_YX, choice_YX, -jnp.inf)
   _, experts_YA = jax.lax.top_k(choice_YX, top_k)
   weights_YA = jnp.take_along_axis(scores_YX, experts_YA, axis=-1)
   if normalize:
@@ -81,11 +93,17 @@ def route_sigmoid_groups(logits_YX, correction_X, top_k: int, groups: tuple[int,
   return weights_YA * scale, experts_YA.astype(jnp.int32)
 
 
+def router_dtype(cfg: LMConfig):
+  """The router's computation dtype: float32 with `MoE.float32_router` (transformers computes
+  DeepSeek's and GLM-4.5's logits so, whatever the model's dtype), else the model's."""
+  return jnp.promote_types(cfg.dtype, jnp.float32) if cfg.moe.float32_router else cfg.dtype
+
+
 def router_weights(moe, logits_YX, correction_X=None):
   """(weights [Y, A], experts [Y, A]) of `moe`'s router (`MoE.router`): "softmax" (`route`)
   or "sigmoid_groups" (`route_sigmoid_groups`, with its correction [X])."""
   if moe.router == "softmax":
-    return route(logits_YX, moe.top_k, moe.normalize)
+    return route(logits_YX, moe.top_k, moe.normalize, moe.groups, moe.routed_scale)
   return route_sigmoid_groups(logits_YX, correction_X, moe.top_k, moe.groups, moe.normalize,
                               moe.routed_scale)
 
@@ -107,8 +125,7 @@ def tiles(experts_M, num_experts: int):
   most M + min(X, M)·block <= 2·M slots in all, whatever the routing. All sizes are static.
   """
   m = experts_M.shape[0]
-  block = max(1, m // num_experts)
-  count = (m + min(num_experts, m) * (block - 1)) // block
+  block, count = max(1, m // num_experts), tile_count(m, num_experts)
   order_M = jnp.argsort(experts_M, stable=True)  # the rows, grouped by expert
   sizes_X = jnp.bincount(experts_M, length=num_experts)
   starts_X = jnp.cumsum(sizes_X) - sizes_X  # each expert's first place in `order_M`
@@ -128,19 +145,36 @@ def experts_mlp(x_YD, weights_YA, experts_YA, gate_XDF, up_XDF, down_XFD, glu, b
   glu(x·gate[e], x·up[e])·down[e] (each product plus expert e's bias of `biases`, (gate [X, F],
   up [X, F], down [X, D]), when given), every tile of rows through its own expert's weights
   (`tiles`), the weights' sum in float32 (float64 for float64 x). `glu` (`gated_unit`) takes
-  the gate's and the up projection's [..., F]."""
+  the gate's and the up projection's [..., F].
+
+  The tiles run in a loop, each reading its expert's weights in place (a dynamic slice): a
+  gather of every tile's weights at once would copy them first, [tiles, D, F] three times
+  (3-6x slower on the CPU at D = 2048, F = 768, 32 experts, top 8, for 1 to 128 tokens)."""
   y, a = experts_YA.shape
   rows, expert = tiles(experts_YA.reshape(-1), gate_XDF.shape[0])
   token = rows // a  # [tiles, block]: y in empty slots, which read token y - 1 and add nowhere
-  x = x_YD[jnp.minimum(token, y - 1)]  # [tiles, block, D]
-  bias = (lambda i, out: out) if biases is None else (
-      lambda i, out: out + biases[i][expert][:, None].astype(out.dtype))
-  h = glu(bias(0, precision.einsum("tbd,tdf->tbf", x, gate_XDF[expert])),
-          bias(1, precision.einsum("tbd,tdf->tbf", x, up_XDF[expert])))
+  weight = weights_YA.reshape(-1)[jnp.minimum(rows, y * a - 1)][..., None]  # [tiles, block, 1]
   wide = _wide(x_YD.dtype)
-  out = bias(2, precision.einsum("tbf,tfd->tbd", h, down_XFD[expert])).astype(wide)
-  out = out * weights_YA.reshape(-1)[jnp.minimum(rows, y * a - 1)][..., None]
-  return jnp.zeros((y, x_YD.shape[-1]), wide).at[token].add(out, mode="drop").astype(x_YD.dtype)
+
+  def tile(t, out_YD):
+    e = expert[t]
+    pick = lambda w_X: jax.lax.dynamic_index_in_dim(w_X, e, keepdims=False)
+    bias = (lambda i, h: h) if biases is None else (
+        lambda i, h: h + pick(biases[i]).astype(h.dtype))
+    x = x_YD[jnp.minimum(token[t], y - 1)]  # [block, D]
+    h = glu(bias(0, precision.einsum("bd,df->bf", x, pick(gate_XDF))),
+            bias(1, precision.einsum("bd,df->bf", x, pick(up_XDF))))
+    out = bias(2, precision.einsum("bf,fd->bd", h, pick(down_XFD))).astype(wide) * weight[t]
+    return out_YD.at[token[t]].add(out, mode="drop")
+
+  out = jax.lax.fori_loop(0, expert.shape[0], tile, jnp.zeros((y, x_YD.shape[-1]), wide))
+  return out.astype(x_YD.dtype)
+
+
+def tile_count(rows: int, num_experts: int) -> int:
+  """How many tiles `tiles` makes of `rows` routed rows (static): the loop's trip count."""
+  block = max(1, rows // num_experts)
+  return (rows + min(num_experts, rows) * (block - 1)) // block
 
 
 def _wide(dtype):
@@ -197,7 +231,7 @@ class MoEMLP(nn.Module):
     cfg, moe = self.config, self.config.moe
     d, num_experts, f = cfg.d_model, moe.num_experts, moe.d_ff
     x_YD = x_BLD.reshape(-1, d)
-    logits_YX = nn.Dense(num_experts, use_bias=moe.bias, dtype=cfg.dtype,
+    logits_YX = nn.Dense(num_experts, use_bias=moe.bias, dtype=router_dtype(cfg),
                          param_dtype=cfg.param_dtype, name="router",
                          **precision.layer_keywords(nn.Dense))(x_YD)
     self.sow("intermediates", "router_logits", logits_YX)

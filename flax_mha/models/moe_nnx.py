@@ -21,7 +21,7 @@ class MoEMLP(nnx.Module):
   def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
     d, num_experts, f = cfg.d_model, cfg.moe.num_experts, cfg.moe.d_ff
     self.config = cfg
-    self.router = nnx.Linear(d, num_experts, use_bias=cfg.moe.bias, dtype=cfg.dtype,
+    self.router = nnx.Linear(d, num_experts, use_bias=cfg.moe.bias, dtype=moe.router_dtype(cfg),
                              param_dtype=cfg.param_dtype, rngs=rngs,
                              **precision.layer_keywords(nnx.Linear))
     param = lambda *shape, init=moe.EXPERT_INIT: nnx.Param(

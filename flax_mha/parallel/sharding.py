@@ -56,6 +56,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "batch": DATA_AXIS,
     "heads": MODEL_AXIS,
     "mlp": MODEL_AXIS,
+    "expert": MODEL_AXIS,  # a mixture's experts, X/n a device (expert parallelism)
 }
 
 
@@ -92,15 +93,16 @@ def logical_axes(path: str, ndim: int, param_axes: ParamAxes) -> tuple[str | Non
 
 
 def spec_for(axes, shape, mesh: Mesh, rules=None) -> P:
-  """PartitionSpec of logical `axes` under `rules`, replicating dims the mesh axis can't divide;
+  """PartitionSpec of logical `axes` under `rules`, replicating dims the mesh axis can't divide
+  or already splits (a mixture's experts [X, D, F]: X over 'model' when it divides X, else F);
   then, on a mesh with fsdp > 1, the dim with the largest per-device size that fsdp still
   divides split over it as well (after the rules' axis, if any)."""
   rules = LOGICAL_RULES if rules is None else rules
   spec = []
   for name, size in zip(axes, shape):
     mesh_axis = rules.get(name) if name is not None else None
-    if mesh_axis is not None and size % mesh.shape[mesh_axis]:
-      mesh_axis = None
+    if mesh_axis is not None and (size % mesh.shape[mesh_axis] or mesh_axis in spec):
+      mesh_axis = None  # a mesh axis splits one dim: the first that it divides
     spec.append(mesh_axis)
   return P(*_with_fsdp(spec, shape, mesh))
 

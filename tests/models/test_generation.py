@@ -74,8 +74,8 @@ def test_decoding_loops_trace_no_overflow_check(monkeypatch):
   the same cache write of a user's own under jit keeps its check."""
   model, params = lm()
   checked = []
-  judge = entry._overflow_is_nan
-  monkeypatch.setattr(entry, "_overflow_is_nan", lambda out, cache: (
+  judge = entry.nan_past_capacity
+  monkeypatch.setattr(entry, "nan_past_capacity", lambda out, cache: (
       checked.append(not cache_lib.ROOM_MADE_BY_CALLER.value), judge(out, cache))[1])
   for fn in (decoding.generate, decoding.generate_beam):
     jaxpr = jax.make_jaxpr(lambda p, fn=fn: fn(model, p, (PROMPTS,), PROMPTS, LENGTHS,

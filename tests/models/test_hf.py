@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,8 @@ import numpy as np
 import pytest
 
 import hf_checkpoints as hc
-from flax_mha.models import hf, hf_config
-from flax_mha.models.lm_config import MoE
+from flax_mha.models import hf, hf_config, hf_tables
+from flax_mha.models.lm_config import MLA, MoE
 from flax_mha.nn.options import Norm
 from flax_mha.rotary import Llama3Scaling, LinearScaling, LongRopeScaling
 
@@ -147,8 +148,64 @@ def test_glm4_moe_reads_deepseek_v3s_router_and_its_dense_first_layers():
       "n_shared_experts": 2, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
       "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True})
   assert config.moe == MoE(8, 3, 5, normalize=True, layers=(1, 2), router="sigmoid_groups",
-                           groups=(4, 2), routed_scale=2.5, shared_d_ff=10)
+                           groups=(4, 2), routed_scale=2.5, shared_d_ff=10, float32_router=True)
   assert config.qkv_bias and not config.out_bias and config.normalize_qk.kind == "rms"
+
+
+DEEPSEEK = {**LLAMA, "model_type": "deepseek_v3", "num_hidden_layers": 3,
+            "num_key_value_heads": LLAMA["num_attention_heads"], "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10, "q_lora_rank": 24,
+            "n_routed_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 5,
+            "n_shared_experts": 2, "first_k_dense_replace": 1, "n_group": 3, "topk_group": 2,
+            "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                "original_max_position_embeddings": 4096, "mscale": 1.0,
+                                "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}
+
+
+def test_deepseek_reads_latent_attention_yarns_scale_and_each_router():
+  """V3: MLA, interleaved YaRN over the 8 rotary features, the softmax scale times
+  (0.1·ln 40 + 1)², the sigmoid router; V2 (group_limited_greedy) the softmax one, never
+  renormalised; V2-Lite's plain top-k and one query projection; rope_interleave false."""
+  v3 = hf_config.config_from_hf(DEEPSEEK)
+  assert v3.mla == MLA(16, 8, 12, 10, q_rank=24) and v3.cache_dims == (1, 24, 16)
+  assert v3.rope.interleaved and v3.rope.scaling.mscale_all_dim == 1.0
+  assert v3.attention_scale == pytest.approx(20 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+  assert v3.moe == MoE(6, 2, 5, normalize=True, layers=(1, 2), router="sigmoid_groups",
+                       groups=(3, 2), routed_scale=2.5, shared_d_ff=10, float32_router=True)
+  v2 = hf_config.config_from_hf({**DEEPSEEK, "model_type": "deepseek_v2", "norm_topk_prob": False,
+                                 "topk_method": "group_limited_greedy"})
+  assert v2.moe == MoE(6, 2, 5, normalize=False, layers=(1, 2), groups=(3, 2),
+                       routed_scale=2.5, shared_d_ff=10, float32_router=True)
+  lite = hf_config.config_from_hf({**DEEPSEEK, "model_type": "deepseek_v2", "q_lora_rank": None,
+                                   "topk_method": "greedy", "norm_topk_prob": False,
+                                   "rope_parameters": None})
+  assert lite.mla.q_rank is None and lite.moe.groups == (1, 1)
+  assert lite.attention_scale == 20 ** -0.5
+  assert not hf_config.config_from_hf({**DEEPSEEK, "rope_interleave": False}).rope.interleaved
+
+
+def test_deepseek_v3s_multi_token_prediction_layers_are_skipped_and_v2s_refused():
+  """A tensor of layer num_hidden_layers (V3's and GLM-4.5's multi-token prediction layer) is
+  skipped on load; a V2 checkpoint has none, so one there is refused by the table."""
+  name = "model.layers.3.self_attn.q_a_proj.weight"
+  assert hf_tables.ignored("deepseek_v3", name, 3) and hf_tables.ignored("glm4_moe", name, 3)
+  assert not hf_tables.ignored("deepseek_v3", name.replace("3", "2", 1), 3)
+  assert not hf_tables.ignored("deepseek_v2", name, 3)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(model_type="deepseek_v2", topk_method="noaux_tc"),
+     r"topk_method='noaux_tc' is not supported \(supported: \['greedy', 'group_limited_greedy'"),
+    (dict(model_type="deepseek_v2", topk_method="greedy", norm_topk_prob=True),
+     r"norm_topk_prob=True is not supported"),
+    (dict(scoring_func="softmax"), r"scoring_func='softmax' is not supported"),
+    (dict(num_key_value_heads=2), r"num_key_value_heads=2 must equal num_attention_heads=4"),
+    (dict(qk_rope_head_dim=7), r"apply_rotary needs an even head dim K, got K=7"),
+])
+def test_a_deepseek_config_the_decoder_cannot_take_is_refused_by_name(change, match):
+  with pytest.raises(ValueError, match=match):
+    hf_config.config_from_hf({**DEEPSEEK, **change})
 
 
 @pytest.mark.parametrize("kind", ["longrope", "su", "yarn"])

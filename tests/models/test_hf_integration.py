@@ -182,12 +182,17 @@ def test_a_bfloat16_checkpoint_stays_bfloat16(family, tmp_path):
   """A bf16 checkpoint loads as bf16 (params and logits' inputs); asked for float32 it matches
   transformers' float32 run of the same bf16 weights to 1e-4. Its bf16 logits (products
   accumulating in float32, flax_mha.precision) lie within 4% of the largest float32 logit of
-  our float32 ones and 8% of transformers' bf16 ones, whose argmax they share at >= 90% of the
-  positions (bf16 has 8 bits of mantissa; the same comparison on a 124M model:
+  our float32 ones and 8% of transformers' bf16 ones (a mixture of experts: at 90% of the
+  tokens), whose argmax they share at >= 90% of the positions (bf16 has 8 bits of mantissa; the same comparison on a 124M model:
   `python -m experiments.bench.hf --part numerics`)."""
   directory = hc.save_tiny(family, tmp_path / family, dtype="bfloat16")
   model, variables = hf.load(directory)
-  assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {jnp.dtype(jnp.bfloat16)}
+  dtypes = {jax.tree_util.keystr(path): leaf.dtype
+            for path, leaf in jax.tree_util.tree_leaves_with_path(variables)}
+  # DeepSeek's router correction stays float32, as transformers keeps it.
+  bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+  assert {d for p, d in dtypes.items() if "correction_bias" not in p} == {bf16}
+  assert {d for p, d in dtypes.items() if "correction_bias" in p} <= {f32}
   assert model.config.dtype == jnp.bfloat16
   tokens, mask, positions = hc.left_padded(_prompts())
   want = hc.hf_logits(directory, tokens, mask, positions)  # float32 compute of bf16 weights
@@ -198,8 +203,12 @@ def test_a_bfloat16_checkpoint_stays_bfloat16(family, tmp_path):
   got16 = _logits(model, variables, tokens, mask, positions)[real]
   theirs16 = hc.hf_logits(directory, tokens, mask, positions, dtype="bfloat16")[real]
   scale = np.abs(got32).max()
-  np.testing.assert_allclose(got16, got32, atol=0.04 * scale, rtol=0)
-  np.testing.assert_allclose(got16, theirs16, atol=0.08 * scale, rtol=0)
+  # A mixture of experts whose router is near a tie at a token may pick another expert there
+  # in bf16 (ours or transformers', each rounding its own way): 1 in 10 such tokens allowed.
+  allowed = 0.1 if model.config.moe is not None else 0.0
+  for other, tolerance in ((got32, 0.04), (theirs16, 0.08)):
+    off = (np.abs(got16 - other).max(-1) > tolerance * scale).mean()
+    assert off <= allowed, (off, np.abs(got16 - other).max(-1) / scale)
   agree = (got16.argmax(-1) == theirs16.argmax(-1)).mean()
   assert agree >= 0.9, agree
 

@@ -2,10 +2,13 @@
 (tests/parallel/test_sharding_integration.py does).
 
 Every layout (data, model, data x model) must give the unsharded loss and gradients for
-MultiHeadAttention (MHA and GQA), the FFN and a small Transformer, with parameters, optimizer
-moments and the batch really split as flax_mha.parallel.sharding declares; the Transformer's parameter
-specs are also compared with a hand-written table. Prints one 'OK ...' per check.
+MultiHeadAttention (MHA and GQA), the FFN, a small Transformer and a decoder with experts
+(split over 'model': expert parallelism), with parameters, optimizer moments and the batch
+really split as flax_mha.parallel.sharding declares; the Transformer's parameter specs are
+also compared with a hand-written table. Prints one 'OK ...' per check.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +17,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from flax_mha import MultiHeadAttention, Transformer, TransformerConfig, sharding
-from flax_mha.models import transformer
+from flax_mha.models import lm, transformer
+from flax_mha.models.lm import DecoderLM
+from flax_mha.models.lm_config import LMConfig, MoE
 from flax_mha.models.transformer import FeedForward
 from flax_mha.nn import PARAM_AXES as ATTENTION_AXES
 
@@ -158,6 +163,25 @@ def check_train_state():
   print("OK train state")
 
 
+def check_experts():
+  """A decoder with experts (expert parallelism): X=4 experts split 2 ways over 'model' (each
+  device holds 2 whole experts), the unsharded loss and gradients; X=3, which 'model' cannot
+  split, falls back to splitting each expert's width F."""
+  moe_config = LMConfig(vocab_size=11, d_model=8, num_heads=2, num_kv_heads=2, num_layers=1,
+                        d_ff=12, local_window=None, mlp="swiglu", moe=MoE(4, 2, 6))
+  tokens = jax.random.randint(jax.random.key(4), (B, T), 0, 11)
+  check_model("experts", DecoderLM(moe_config), lm.PARAM_AXES, tokens,
+              layouts=("data_x_model",))
+  mesh = sharding.make_mesh(data=2, model=2)
+  for experts, want in ((4, P("model", None, None)), (3, P(None, None, "model"))):
+    config = dataclasses.replace(moe_config, moe=MoE(experts, 2, 6))
+    params = jax.eval_shape(DecoderLM(config).init, jax.random.key(0), tokens)["params"]
+    specs = sharding.shardings_for(params, mesh, lm.PARAM_AXES)["block_0"]["moe"]
+    assert specs["gate"].spec == want and specs["up"].spec == want, (experts, specs["gate"])
+    assert specs["down"].spec == P(want[0], want[2], None), (experts, specs["down"])
+  print("OK experts specs")
+
+
 def main():
   assert jax.device_count() == 8, jax.device_count()
   x = jax.random.normal(jax.random.key(1), (B, T, D))
@@ -172,6 +196,7 @@ def main():
   # One layout for the whole model (each compile is seconds): data x model covers both splits.
   check_model("transformer_gqa", Transformer(TRANSFORMER_GQA), transformer.PARAM_AXES, src, tgt,
               layouts=("data_x_model",), pinned=TRANSFORMER_SPECS)
+  check_experts()
 
 
 if __name__ == "__main__":
