@@ -95,7 +95,7 @@ def _timed(run, rounds: int) -> dict:
   return dict(seconds=seconds, tokens=[int(t) for t in tokens[0]], peak_mib=_peak_mib())
 
 
-def _time_flax(directory, dtype: str, batch: int, rounds: int, new: int) -> dict:
+def time_flax(directory, dtype: str, batch: int, rounds: int, new: int) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   from flax_mha.models import decoding, hf  # pylint: disable=import-outside-toplevel
   model, variables = hf.load(directory, dtype=dtype)
@@ -105,7 +105,7 @@ def _time_flax(directory, dtype: str, batch: int, rounds: int, new: int) -> dict
   return _timed(run, rounds)  # the first run compiles
 
 
-def _time_transformers(directory, dtype: str, batch: int, rounds: int, new: int) -> dict:
+def time_transformers(directory, dtype: str, batch: int, rounds: int, new: int) -> dict:
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -205,14 +205,20 @@ def generation(directory, rounds: int, turns: int, new: int, extra: list[str]) -
           "MiB | transformers peak MiB | same tokens |", "|---|---|---|---|---|---|---|---|"]
   for dtype in DTYPES:
     for batch in BATCHES:
-      ours, theirs = (reports[f"{s}:{dtype}:{batch}"] for s in SYSTEMS)
-      speed = [batch * new / statistics.median([t for r in rs for t in r["seconds"]])
-               for rs in (ours, theirs)]
-      peak = [max(r["peak_mib"] for r in rs) for rs in (ours, theirs)]
-      same = "yes" if ours[0]["tokens"] == theirs[0]["tokens"] else "no"
-      rows.append(f"| {dtype} | {batch} | {speed[0]:.1f} | {speed[1]:.1f} | "
-                  f"**{speed[0] / speed[1]:.2f}x** | {peak[0]:.0f} | {peak[1]:.0f} | {same} |")
+      rows.append(comparison_row(dtype, batch, new, *(reports[f"{s}:{dtype}:{batch}"]
+                                                      for s in SYSTEMS)))
   return rows
+
+
+def comparison_row(label: str, batch: int, new: int, ours: list, theirs: list) -> str:
+  """A table row of two systems' worker reports at one batch size: tokens/s of each (the new
+  tokens over the median seconds of all their rounds), the ratio, peak MiB, same tokens."""
+  speed = [batch * new / statistics.median([t for r in rs for t in r["seconds"]])
+           for rs in (ours, theirs)]
+  peak = [max(r["peak_mib"] for r in rs) for rs in (ours, theirs)]
+  same = "yes" if ours[0]["tokens"] == theirs[0]["tokens"] else "no"
+  return (f"| {label} | {batch} | {speed[0]:.1f} | {speed[1]:.1f} | "
+          f"**{speed[0] / speed[1]:.2f}x** | {peak[0]:.0f} | {peak[1]:.0f} | {same} |")
 
 
 def _worker(case: str, directory, extra: list[str]):
@@ -261,7 +267,7 @@ def worker(case: str, checkpoint, rounds: int, new: int):
   if case in special:
     return special[case](checkpoint)
   system, dtype, batch = case.split(":")
-  timer = _time_flax if system == "flax_mha" else _time_transformers
+  timer = time_flax if system == "flax_mha" else time_transformers
   return timer(checkpoint, dtype, int(batch), rounds, new)
 
 
