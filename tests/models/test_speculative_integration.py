@@ -143,3 +143,7 @@ def test_a_drafter_of_ones_own_takes_the_same_interface():
                                                num_speculative_tokens=2)
   np.testing.assert_array_equal(got, want)
   assert stats.drafted > 0, stats
+
+
+# Moved from the unit part for its time (6.3 s on the slower type).
+test_a_second_call_traces_nothing = unit_cases.check_a_second_call_traces_nothing
