@@ -77,14 +77,12 @@ def attend(cfg: LMConfig, query_BTHQ, latent_BTR, rope_key_BTP, key_up_RHN, valu
   q_nope_BTHN = query_BTHQ[..., :n]
   q_rope_BTHP = apply_rotary(query_BTHQ[..., n:], positions, rope=rope)
   k_rope_BT1P = apply_rotary(rope_key_BTP[:, :, None], positions, rope=rope)
-  scale = cfg.attention_scale or mla.qk_dim ** -0.5
   expand = functools.partial(_expanded, key_up_RHN=key_up_RHN, value_up_RHV=value_up_RHV,
-                             scale=scale, implementation=implementation)
+                             scale=scale_of(cfg), implementation=implementation)
   if cache is None:
     return expand(q_nope_BTHN, q_rope_BTHP, latent_BTR, k_rope_BT1P,
                   q_segment_ids=segment_ids, kv_segment_ids=segment_ids), None
-  query_BTHE, key_BT1E, value_BT1R = absorbed_step(q_nope_BTHN, q_rope_BTHP, latent_BTR,
-                                                   k_rope_BT1P, key_up_RHN)
+  key_BT1E, value_BT1R = latent_entries(latent_BTR, k_rope_BT1P)
   if not dispatch.is_step(query_BTHQ.shape[1]):
     cache, (keys_BS1E, _, kv_pos_BS) = cache_lib.write_then_read(
         cache, key_BT1E, value_BT1R, positions, query_BTHQ.dtype)
@@ -92,19 +90,30 @@ def attend(cfg: LMConfig, query_BTHQ, latent_BTR, rope_key_BTP, key_up_RHN, valu
     out = expand(q_nope_BTHN, q_rope_BTHP, keys_BS1E[:, :, 0, :r], keys_BS1E[:, :, :, r:],
                  q_positions=positions, kv_positions=kv_pos_BS)
     return cache_lib.nan_past_capacity(out, cache), cache
+  query_BTHE = absorbed_query(q_nope_BTHN, q_rope_BTHP, key_up_RHN)
   out_BTHR, cache = cache_lib.attend(query_BTHE, key_BT1E, value_BT1R, cache, positions,
-                                     scale=scale, implementation=implementation)
+                                     scale=scale_of(cfg), implementation=implementation)
   return precision.einsum("bthr,rhv->bthv", out_BTHR, value_up_RHV), cache
 
 
-def absorbed_step(q_nope_BTHN, q_rope_BTHP, latent_BTR, k_rope_BT1P, key_up_RHN):
-  """The multi-query step over latents: (query [B, T, H, R + P], key [B, T, 1, R + P], value
-  [B, T, 1, R]), the query's first N features absorbed through key_up (E = R + P)."""
-  q_latent_BTHR = precision.einsum("bthn,rhn->bthr", q_nope_BTHN, key_up_RHN)
-  query = jnp.concatenate([q_latent_BTHR, q_rope_BTHP.astype(q_latent_BTHR.dtype)], axis=-1)
+def scale_of(cfg: LMConfig) -> float:
+  """The logits' scale: `LMConfig.attention_scale`, else 1/sqrt(N + P)."""
+  return cfg.attention_scale or cfg.mla.qk_dim ** -0.5
+
+
+def latent_entries(latent_BTR, k_rope_BT1P):
+  """What the cache holds of each token: (key [B, T, 1, R + P], the latent and the rotated
+  rotary key; value [B, T, 1, R], the latent)."""
   latent_BT1R = latent_BTR[:, :, None]
   key = jnp.concatenate([latent_BT1R, k_rope_BT1P.astype(latent_BT1R.dtype)], axis=-1)
-  return query, key, latent_BT1R
+  return key, latent_BT1R
+
+
+def absorbed_query(q_nope_BTHN, q_rope_BTHP, key_up_RHN):
+  """The step's query [B, T, H, R + P]: its first N features absorbed through key_up into the
+  latent space, then its rotated P."""
+  q_latent_BTHR = precision.einsum("bthn,rhn->bthr", q_nope_BTHN, key_up_RHN)
+  return jnp.concatenate([q_latent_BTHR, q_rope_BTHP.astype(q_latent_BTHR.dtype)], axis=-1)
 
 
 def _expanded(q_nope_BTHN, q_rope_BTHP, latent_BSR, k_rope_BS1P, *, key_up_RHN, value_up_RHV,
@@ -136,7 +145,7 @@ def explain(cfg: LMConfig, cache, num_tokens: int = 1, *, platform: str | None =
   query = jax.ShapeDtypeStruct((rows, num_tokens, cfg.num_heads, key_dim), cfg.dtype)
   positions = jax.ShapeDtypeStruct((rows, num_tokens), jnp.int32)
   told = cache_lib.explain(query, cache, positions, platform=platform,
-                           scale=cfg.attention_scale or cfg.mla.qk_dim ** -0.5,
+                           scale=scale_of(cfg),
                            implementation=implementation)
   return (f"latent attention, absorbed: {cfg.num_heads} query heads over one latent head (keys "
           f"{key_dim} = R + P, values {value_dim} = R); {told.implementation}: {told.reason}")
